@@ -1,0 +1,3 @@
+from sitsmesh.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,72 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVING_STATE_UNSPECIFIED: _ClassVar[ServingState]
+    SERVING: _ClassVar[ServingState]
+    NOT_SERVING: _ClassVar[ServingState]
+    DRAINING: _ClassVar[ServingState]
+SERVING_STATE_UNSPECIFIED: ServingState
+SERVING: ServingState
+NOT_SERVING: ServingState
+DRAINING: ServingState
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServiceStatus(_message.Message):
+    __slots__ = ("name", "server", "state")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    server: str
+    state: ServingState
+    def __init__(self, name: _Optional[str] = ..., server: _Optional[str] = ..., state: _Optional[_Union[ServingState, str]] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("index", "pid", "alive", "restarts")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    pid: int
+    alive: bool
+    restarts: int
+    def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ..., alive: _Optional[bool] = ..., restarts: _Optional[int] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("version", "uptime_seconds", "started_at", "services", "config_version", "state_revision", "data_addr", "admin_addr", "metrics_addr", "workers")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    SERVICES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_REVISION_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_ADDR_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDR_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    uptime_seconds: float
+    started_at: _timestamp_pb2.Timestamp
+    services: _containers.RepeatedCompositeFieldContainer[ServiceStatus]
+    config_version: str
+    state_revision: int
+    data_addr: str
+    admin_addr: str
+    metrics_addr: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ..., config_version: _Optional[str] = ..., state_revision: _Optional[int] = ..., data_addr: _Optional[str] = ..., admin_addr: _Optional[str] = ..., metrics_addr: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,197 @@
+"""The `sitsmesh` command: `serve` runs the control plane; the rest speak to a running one."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sitsmesh import __version__
+from sitsmesh.config import PARSERS, Settings, flag_name, load_settings
+from sitsmesh.errors import SitsmeshError
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+_FLAG_HELP = {
+    "data_addr": "data-plane gRPC address (Envoy-facing services, health, reflection)",
+    "admin_addr": "admin gRPC address",
+    "metrics_addr": "Prometheus /metrics HTTP address",
+    "state_dir": "directory for the state database and the admin token",
+    "log_level": "debug, info, warning or error",
+    "log_format": "auto (JSON unless stderr is a terminal), json or console",
+    "workers": "data-plane processes sharing data_addr through SO_REUSEPORT",
+    "drain_seconds": "seconds to keep answering after health goes NOT_SERVING",
+    "grace_seconds": "seconds in-flight RPCs get once the listeners close",
+    "admin_token_file": "admin token file (default: STATE_DIR/admin-token)",
+}
+
+
+def _die(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"sitsmesh: error: {message}", file=sys.stderr)
+    return code
+
+
+def _settings_from(args: argparse.Namespace, keys: Sequence[str]) -> Settings:
+    flags: dict[str, str | None] = {"config": args.config}
+    for key in keys:
+        flags[key] = getattr(args, key, None)
+    return load_settings(flags)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from sitsmesh import logs, preflight
+
+    settings = _settings_from(args, list(PARSERS))
+    preflight.check_all(settings)
+    logs.configure(settings.log_level, settings.log_format)
+    if settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Must be set before prometheus_client is imported (server imports it).
+        mp_dir = settings.state_dir / "prometheus-multiproc"
+        shutil.rmtree(mp_dir, ignore_errors=True)
+        mp_dir.mkdir(mode=0o700)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(mp_dir)
+    from sitsmesh import server
+
+    return asyncio.run(server.run(settings))
+
+
+def _admin_token(args: argparse.Namespace, settings: Settings) -> str:
+    from sitsmesh.admintoken import TOKEN_ENV, read_token
+
+    if args.token:
+        return str(args.token)
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    return read_token(settings.token_path)
+
+
+def _call_admin(args: argparse.Namespace, method: str, request: Any) -> Any:
+    import grpc
+
+    from sitsmesh.admin.v1 import admin_pb2_grpc
+
+    settings = _settings_from(args, ["admin_addr", "state_dir", "admin_token_file"])
+    token = _admin_token(args, settings)
+    with grpc.insecure_channel(str(settings.admin_addr)) as channel:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        try:
+            return getattr(stub, method)(request, timeout=args.timeout,
+                                         metadata=[("authorization", f"Bearer {token}")])
+        except grpc.RpcError as exc:
+            code = exc.code().name if exc.code() else "UNKNOWN"
+            raise _RpcFailed(f"{method} on {settings.admin_addr}: {code}: {exc.details()}"
+                             ) from None
+
+
+class _RpcFailed(Exception):
+    pass
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from sitsmesh.admin.v1 import admin_pb2
+
+    reply = _call_admin(args, "GetStatus", admin_pb2.GetStatusRequest())
+    if args.output == "json":
+        doc = MessageToDict(reply, preserving_proto_field_name=True,
+                            always_print_fields_with_no_presence=True)
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    names = {v: k for k, v in admin_pb2.ServingState.items()}
+    print(f"sitsmesh {reply.version}   uptime {reply.uptime_seconds:.1f}s   "
+          f"config {reply.config_version}   state revision {reply.state_revision}")
+    print(f"data {reply.data_addr}   admin {reply.admin_addr}   metrics {reply.metrics_addr}")
+    print()
+    rows = [("SERVICE", "SERVER", "STATE")]
+    rows += [(s.name or "(server)", s.server, names[s.state]) for s in reply.services]
+    width = max(len(r[0]) for r in rows)
+    for name, server_name, state in rows:
+        print(f"{name:<{width}}  {server_name:<6}  {state}")
+    if reply.workers:
+        print()
+        print("WORKER  PID      ALIVE  RESTARTS")
+        for w in reply.workers:
+            print(f"{w.index:<6}  {w.pid:<7}  {'yes' if w.alive else 'no':<5}  {w.restarts}")
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.addr) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            return _die(f"health check on {args.addr}: {exc.code().name}: {exc.details()}",
+                        EXIT_FAILED)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILED
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    from sitsmesh import devstack
+
+    return devstack.main(Path(args.run_dir), Path(args.filters_dir))
+
+
+def _add_common_admin(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (or SITSMESH_CONFIG)")
+    p.add_argument("--admin", dest="admin_addr", metavar="HOST:PORT",
+                   help="admin address (or SITSMESH_ADMIN_ADDR; default 127.0.0.1:50052)")
+    p.add_argument("--token", help="admin token (or SITSMESH_ADMIN_TOKEN, or the token file)")
+    p.add_argument("--state-dir", dest="state_dir", help="where to find admin-token")
+    p.add_argument("--admin-token-file", dest="admin_token_file", help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    p.add_argument("--output", "-o", choices=("table", "json"), default="table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sitsmesh", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"sitsmesh {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the control plane")
+    serve.add_argument("--config", help="YAML config file (or SITSMESH_CONFIG)")
+    for key in PARSERS:
+        serve.add_argument(flag_name(key), dest=key, help=_FLAG_HELP[key])
+    serve.set_defaults(func=cmd_serve)
+
+    status = sub.add_parser("status", help="show a running sitsmesh's status (admin API)")
+    _add_common_admin(status)
+    status.set_defaults(func=cmd_status)
+
+    health = sub.add_parser("health", help="gRPC health check; exit 0 only when SERVING")
+    health.add_argument("--addr", default="127.0.0.1:50051", help="data-plane HOST:PORT")
+    health.add_argument("--service", default="", help="service name ('' = whole server)")
+    health.add_argument("--timeout", type=float, default=3.0)
+    health.set_defaults(func=cmd_health)
+
+    dev = sub.add_parser("dev", help="run sitsmesh with a local Envoy and demo upstream")
+    dev.add_argument("--run-dir", default=".run", help="state and logs (default .run)")
+    dev.add_argument("--filters-dir", default="filters", help="Envoy configs (default filters)")
+    dev.set_defaults(func=cmd_dev)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except SitsmeshError as exc:
+        return _die(exc.message)
+    except _RpcFailed as exc:
+        return _die(str(exc), EXIT_FAILED)
+    except KeyboardInterrupt:
+        return 130
+    return code

@@ -1,0 +1,222 @@
+"""Settings: defaults < YAML file < SITSMESH_* environment < flags, into one frozen snapshot.
+
+Every value passes through the same parser whatever its source, so an error
+names where the bad value came from (file and key, variable, or flag).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import ipaddress
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sitsmesh.errors import ConfigError
+
+ENV_PREFIX = "SITSMESH_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "console")
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def parse_address(text: str) -> Address:
+    """Parse HOST:PORT or [V6]:PORT. Raises ValueError with a readable reason."""
+    text = text.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f"expected [IPV6]:PORT, got {text!r}")
+        port_text = rest[1:]
+        ipaddress.IPv6Address(host)
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"expected HOST:PORT, got {text!r}")
+        if ":" in host:
+            raise ValueError(f"IPv6 hosts need brackets, as in [::1]:PORT; got {text!r}")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"port must be a number from 0 to 65535, got {port_text!r}")
+    return Address(host, int(port_text))
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "sitsmesh"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    data_addr: Address = Address("127.0.0.1", 50051)
+    admin_addr: Address = Address("127.0.0.1", 50052)
+    metrics_addr: Address = Address("127.0.0.1", 9464)
+    state_dir: Path = field(default_factory=default_state_dir)
+    log_level: str = "info"
+    log_format: str = "auto"
+    workers: int = 1
+    drain_seconds: float = 5.0
+    grace_seconds: float = 10.0
+    admin_token_file: Path | None = None
+    config_file: Path | None = None
+
+    @property
+    def token_path(self) -> Path:
+        return self.admin_token_file or self.state_dir / "admin-token"
+
+    @property
+    def config_version(self) -> str:
+        """Digest of the effective settings, so operators can tell two configs apart."""
+        data = {k: str(v) for k, v in asdict(self).items() if k != "config_file"}
+        blob = json.dumps(data, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _int_range(low: int, high: int) -> Callable[[Any], int]:
+    def parse(raw: Any) -> int:
+        if isinstance(raw, bool) or not isinstance(raw, int | str):
+            raise ValueError(f"expected an integer, got {raw!r}")
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {raw!r}") from None
+        if not low <= value <= high:
+            raise ValueError(f"must be between {low} and {high}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+        raise ValueError(f"expected a number of seconds, got {raw!r}")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, got {raw!r}") from None
+    if not 0 <= value <= 3600:
+        raise ValueError(f"must be between 0 and 3600 seconds, got {value:g}")
+    return value
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(raw: Any) -> str:
+        value = str(raw).lower()
+        if value not in options:
+            raise ValueError(f"must be one of {', '.join(options)}; got {raw!r}")
+        return value
+
+    return parse
+
+
+def _address(raw: Any) -> Address:
+    if not isinstance(raw, str):
+        raise ValueError(f"expected HOST:PORT as a string, got {raw!r}")
+    return parse_address(raw)
+
+
+def _path(raw: Any) -> Path:
+    if not isinstance(raw, str) or not raw:
+        raise ValueError(f"expected a path, got {raw!r}")
+    return Path(raw).expanduser()
+
+
+PARSERS: dict[str, Callable[[Any], Any]] = {
+    "data_addr": _address,
+    "admin_addr": _address,
+    "metrics_addr": _address,
+    "state_dir": _path,
+    "log_level": _choice(LOG_LEVELS),
+    "log_format": _choice(LOG_FORMATS),
+    "workers": _int_range(1, 64),
+    "drain_seconds": _seconds,
+    "grace_seconds": _seconds,
+    "admin_token_file": _path,
+}
+FILE_KEYS = tuple(PARSERS)
+
+
+def env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "malformed YAML"
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of keys, got {type(data).__name__}")
+    for key in data:
+        if key not in PARSERS:
+            hint = difflib.get_close_matches(str(key), FILE_KEYS, n=1)
+            suffix = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise ConfigError(f"{path}: unknown key '{key}'{suffix}")
+    return data
+
+
+def load_settings(
+    flags: Mapping[str, str | None] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build the effective settings. Raises ConfigError naming the offending source."""
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    env = os.environ if env is None else env
+    unknown = set(flags) - set(PARSERS) - {"config"}
+    if unknown:
+        raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+
+    config_raw = flags.get("config") or env.get(env_name("config"))
+    config_file = Path(config_raw).expanduser() if config_raw else None
+    file_values = _read_file(config_file) if config_file else {}
+
+    values: dict[str, Any] = {}
+    for key, parse in PARSERS.items():
+        if key in flags:
+            raw, source = flags[key], flag_name(key)
+        elif env_name(key) in env:
+            raw, source = env[env_name(key)], f"environment {env_name(key)}"
+        elif key in file_values:
+            raw, source = file_values[key], f"{config_file}: key '{key}'"
+        else:
+            continue
+        try:
+            values[key] = parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    settings = Settings(config_file=config_file, **values)
+    if settings.workers > 1 and settings.data_addr.port == 0:
+        raise ConfigError("data_addr: port 0 cannot be shared by several workers; pick a port")
+    return settings
+
+
+def describe(settings: Settings) -> dict[str, str]:
+    """Settings as plain strings, for logs and status output (holds no secrets)."""
+    return {f.name: str(getattr(settings, f.name)) for f in fields(settings)}

@@ -1,0 +1,212 @@
+"""Process lifecycle of `sitsmesh serve`: start the listeners, serve, drain, stop.
+
+Roles: a single process hosts data plane, admin and metrics; with --workers N
+a supervisor hosts admin and metrics and N workers host the data plane.
+Shutdown order on SIGTERM/SIGINT: health NOT_SERVING, drain window, stop(grace).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Sequence
+from typing import Any
+
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+from sitsmesh import __version__, admintoken, logs, wiring
+from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+from sitsmesh.config import Settings, describe
+from sitsmesh.errors import StartupError
+from sitsmesh.metrics import MULTIPROC_ENV, RpcMetrics, new_registry
+from sitsmesh.state import SqliteStore
+from sitsmesh.status import Serving, ServiceState, StatusBoard
+from sitsmesh.transport.admin import AdminServicer
+from sitsmesh.transport.auth import BearerTokenInterceptor
+
+_log = logs.get("sitsmesh.server")
+HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+ADMIN_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+_HEALTH = {Serving.SERVING: health_pb2.HealthCheckResponse.SERVING}
+
+
+def _health_listener(servicer: health_aio.HealthServicer, server: str) -> Any:
+    def on_change(service: ServiceState) -> None:
+        if service.server != server:
+            return
+        status = _HEALTH.get(service.state, health_pb2.HealthCheckResponse.NOT_SERVING)
+        # set() is a coroutine in the aio servicer; it only notifies watchers.
+        asyncio.get_running_loop().create_task(servicer.set(service.name, status))
+
+    return on_change
+
+
+def _bind(server: aio.Server, name: str, addr: str) -> int:
+    try:
+        port = server.add_insecure_port(addr)
+    except RuntimeError as exc:
+        raise StartupError(f"{name} {addr}: cannot bind: {exc}") from None
+    if port == 0:
+        raise StartupError(f"{name} {addr}: cannot bind")
+    return port
+
+
+def _host(addr: str) -> str:
+    return addr.rpartition(":")[0]
+
+
+async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetrics,
+                      reuseport: bool) -> tuple[aio.Server, str]:
+    server = aio.server(
+        interceptors=[metrics.interceptor("data")],
+        options=[("grpc.so_reuseport", int(reuseport))],
+    )
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    board.add_listener(_health_listener(health, "data"))
+    services = wiring.data_services(settings)
+    for service in services:
+        service.add_to_server(server)
+    names: Sequence[str] = [s.name for s in services]
+    reflection.enable_server_reflection([*names, HEALTH_NAME, reflection.SERVICE_NAME], server)
+    board.register("", "data")
+    for name in names:
+        board.register(name, "data")
+    port = _bind(server, "data_addr", str(settings.data_addr))
+    await server.start()
+    return server, f"{_host(str(settings.data_addr))}:{port}"
+
+
+async def _start_admin(settings: Settings, board: StatusBoard, metrics: RpcMetrics,
+                       store: SqliteStore, auth: BearerTokenInterceptor, bound: dict[str, str]
+                       ) -> tuple[aio.Server, str]:
+    # Auth runs first: the metrics interceptor caches handlers per method.
+    server = aio.server(
+        interceptors=[auth, metrics.interceptor("admin")],
+        options=[("grpc.so_reuseport", 0)],
+    )
+    admin_pb2_grpc.add_AdminServicer_to_server(
+        AdminServicer(settings, board, store, bound), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    board.add_listener(_health_listener(health, "admin"))
+    reflection.enable_server_reflection([ADMIN_NAME, HEALTH_NAME, reflection.SERVICE_NAME],
+                                        server)
+    board.register(ADMIN_NAME, "admin")
+    port = _bind(server, "admin_addr", str(settings.admin_addr))
+    await server.start()
+    return server, f"{_host(str(settings.admin_addr))}:{port}"
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signame: str) -> None:
+        if stop.is_set():
+            _log.warning("already shutting down", signal=signame)
+            return
+        _log.info("shutdown requested", signal=signame)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    return stop
+
+
+async def _drain_and_stop(settings: Settings, board: StatusBoard,
+                          servers: list[aio.Server]) -> None:
+    board.set_all(Serving.DRAINING)
+    _log.info("draining", drain_seconds=settings.drain_seconds)
+    await asyncio.sleep(settings.drain_seconds)
+    board.set_all(Serving.NOT_SERVING)
+    await asyncio.gather(*(s.stop(settings.grace_seconds) for s in servers))
+
+
+async def run_worker(settings: Settings, index: int) -> int:
+    """A data-plane worker: the data server only, sharing the port with its siblings."""
+    structlog_ctx = {"worker": index, "pid": os.getpid()}
+    board = StatusBoard()
+    stop = _stop_event()
+    # Values go to the multiprocess files the supervisor's /metrics aggregates.
+    metrics = RpcMetrics(None)
+    server, data = await _start_data(settings, board, metrics, reuseport=True)
+    board.set_all(Serving.SERVING)
+    _log.info("worker serving", data_addr=data, **structlog_ctx)
+    await stop.wait()
+    await _drain_and_stop(settings, board, [server])
+    _log.info("worker stopped", **structlog_ctx)
+    return 0
+
+
+async def run(settings: Settings) -> int:
+    """Run until SIGTERM/SIGINT; return the exit code. Preflight has already passed."""
+    from sitsmesh.workers import WorkerPool
+
+    board = StatusBoard()
+    stop = _stop_event()
+    registry: CollectorRegistry = new_registry()
+    # In multiprocess mode the collector reads every process's files, this one's too,
+    # so registering live metrics as well would export each series twice.
+    metric_registry = None if os.environ.get(MULTIPROC_ENV) else registry
+    rpc_metrics = RpcMetrics(metric_registry)
+    auth_failures = Counter("sitsmesh_admin_auth_failures_total",
+                            "Admin calls rejected for a missing or wrong bearer token.",
+                            registry=metric_registry)
+
+    store = SqliteStore(settings.state_dir / "state.db")
+    token, created = admintoken.load_or_create(settings.token_path, os.environ)
+    if created:
+        _log.info("admin token created", path=str(settings.token_path))
+
+    servers: list[aio.Server] = []
+    bound: dict[str, str] = {}
+    pool: WorkerPool | None = None
+    httpd = None
+    try:
+        if settings.workers == 1:
+            data_server, bound["data"] = await _start_data(
+                settings, board, rpc_metrics, reuseport=False)
+            servers.append(data_server)
+        else:
+            bound["data"] = str(settings.data_addr)
+        admin_server, bound["admin"] = await _start_admin(
+            settings, board, rpc_metrics, store,
+            BearerTokenInterceptor(token, on_reject=auth_failures.inc), bound)
+        servers.append(admin_server)
+        try:
+            httpd, _ = start_http_server(settings.metrics_addr.port,
+                                         settings.metrics_addr.host, registry)
+        except OSError as exc:
+            raise StartupError(f"metrics_addr {settings.metrics_addr}: cannot bind: "
+                               f"{exc.strerror or exc}") from None
+        bound["metrics"] = f"{_host(str(settings.metrics_addr))}:{httpd.server_port}"
+        if settings.workers > 1:
+            pool = WorkerPool(settings)
+            board.workers = pool.snapshot
+            pool.start()
+        board.set_all(Serving.SERVING)
+        _log.info("serving", version=__version__, pid=os.getpid(), bound=bound,
+                  workers=settings.workers, config_version=settings.config_version,
+                  settings=describe(settings))
+        await stop.wait()
+        if pool is not None:
+            pool.terminate()
+        await _drain_and_stop(settings, board, servers)
+        clean = True
+        if pool is not None:
+            clean = await pool.wait(settings.drain_seconds + settings.grace_seconds + 5)
+    finally:
+        for server in servers:
+            await server.stop(0)
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+        await store.close()
+    _log.info("stopped", clean=clean)
+    return 0 if clean else 1

@@ -1,0 +1,40 @@
+"""The state-store contract, apart from any implementation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    kind: str
+    name: str
+    body: dict[str, Any]
+    # Store-wide revision of the write that produced this version of the record.
+    revision: int
+    updated_at: float
+
+
+class StateStore(Protocol):
+    """Documents grouped by kind. Every acknowledged write is durable and bumps the revision."""
+
+    async def get(self, kind: str, name: str) -> Record | None: ...
+
+    async def list(self, kind: str) -> list[Record]: ...
+
+    async def create(self, kind: str, name: str, body: dict[str, Any]) -> Record:
+        """Insert; raises ConflictError if the record exists."""
+        ...
+
+    async def put(
+        self, kind: str, name: str, body: dict[str, Any], *, expect_revision: int | None = None
+    ) -> Record:
+        """Upsert. With expect_revision, raises ConflictError unless the stored record has it."""
+        ...
+
+    async def delete(self, kind: str, name: str) -> bool: ...
+
+    async def revision(self) -> int: ...
+
+    async def close(self) -> None: ...

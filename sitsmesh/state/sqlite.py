@@ -1,0 +1,162 @@
+"""SQLite-backed StateStore: WAL journal, synchronous=FULL, one writer thread.
+
+sqlite3 blocks, so every statement runs on a dedicated single thread; that
+also serialises writers without a lock on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sitsmesh.errors import ConflictError, StartupError
+from sitsmesh.state.contract import Record
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS objects (
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    body TEXT NOT NULL,
+    revision INTEGER NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (kind, name)
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta (key, value) VALUES ('revision', 0);
+"""
+
+T = TypeVar("T")
+
+
+class SqliteStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-state")
+        self._conn = self._executor.submit(self._open).result()
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            # FULL: a commit is on disk before it is acknowledged, even across power loss.
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA busy_timeout=5000")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StartupError(
+                    f"{self.path}: state schema version {version} is newer than this "
+                    f"sitsmesh supports ({SCHEMA_VERSION}); upgrade sitsmesh"
+                )
+            conn.executescript(f"BEGIN;{_SCHEMA}PRAGMA user_version={SCHEMA_VERSION};COMMIT;")
+        except sqlite3.Error as exc:
+            raise StartupError(f"{self.path}: cannot open state database: {exc}") from None
+        return conn
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    @staticmethod
+    def _record(row: tuple[str, str, str, int, float]) -> Record:
+        return Record(row[0], row[1], json.loads(row[2]), row[3], row[4])
+
+    def _get(self, kind: str, name: str) -> Record | None:
+        row = self._conn.execute(
+            "SELECT kind, name, body, revision, updated_at FROM objects WHERE kind=? AND name=?",
+            (kind, name),
+        ).fetchone()
+        return self._record(row) if row else None
+
+    def _list(self, kind: str) -> list[Record]:
+        rows = self._conn.execute(
+            "SELECT kind, name, body, revision, updated_at FROM objects WHERE kind=? "
+            "ORDER BY name", (kind,),
+        ).fetchall()
+        return [self._record(r) for r in rows]
+
+    def _write(self, kind: str, name: str, body: dict[str, Any], mode: str,
+               expect_revision: int | None) -> Record:
+        blob = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            row = conn.execute(
+                "SELECT revision FROM objects WHERE kind=? AND name=?", (kind, name)
+            ).fetchone()
+            if mode == "create" and row is not None:
+                raise ConflictError(f"{kind} '{name}' already exists")
+            if expect_revision is not None and (row is None or row[0] != expect_revision):
+                current = "absent" if row is None else f"at revision {row[0]}"
+                raise ConflictError(
+                    f"{kind} '{name}' is {current}, not at revision {expect_revision}"
+                )
+            revision = self._bump()
+            now = time.time()
+            conn.execute(
+                "INSERT INTO objects (kind, name, body, revision, updated_at) VALUES (?,?,?,?,?) "
+                "ON CONFLICT(kind, name) DO UPDATE SET body=excluded.body, "
+                "revision=excluded.revision, updated_at=excluded.updated_at",
+                (kind, name, blob, revision, now),
+            )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return Record(kind, name, json.loads(blob), revision, now)
+
+    def _bump(self) -> int:
+        self._conn.execute("UPDATE meta SET value = value + 1 WHERE key='revision'")
+        row = self._conn.execute("SELECT value FROM meta WHERE key='revision'").fetchone()
+        return int(row[0])
+
+    def _delete(self, kind: str, name: str) -> bool:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            cur = conn.execute("DELETE FROM objects WHERE kind=? AND name=?", (kind, name))
+            if cur.rowcount:
+                self._bump()
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return cur.rowcount > 0
+
+    def _revision(self) -> int:
+        row = self._conn.execute("SELECT value FROM meta WHERE key='revision'").fetchone()
+        return int(row[0])
+
+    async def get(self, kind: str, name: str) -> Record | None:
+        result: Record | None = await self._run(self._get, kind, name)
+        return result
+
+    async def list(self, kind: str) -> list[Record]:
+        result: list[Record] = await self._run(self._list, kind)
+        return result
+
+    async def create(self, kind: str, name: str, body: dict[str, Any]) -> Record:
+        result: Record = await self._run(self._write, kind, name, body, "create", None)
+        return result
+
+    async def put(
+        self, kind: str, name: str, body: dict[str, Any], *, expect_revision: int | None = None
+    ) -> Record:
+        result: Record = await self._run(self._write, kind, name, body, "put", expect_revision)
+        return result
+
+    async def delete(self, kind: str, name: str) -> bool:
+        result: bool = await self._run(self._delete, kind, name)
+        return result
+
+    async def revision(self) -> int:
+        result: int = await self._run(self._revision)
+        return result
+
+    async def close(self) -> None:
+        await self._run(self._conn.close)
+        self._executor.shutdown(wait=True)

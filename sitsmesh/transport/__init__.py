@@ -1,0 +1,1 @@
+"""gRPC edge: thin servicers that translate protobuf to domain calls and back."""

@@ -1,0 +1,100 @@
+"""Data-plane worker processes sharing one port through SO_REUSEPORT.
+
+One Python process saturates one core at a few thousand RPCs/s, so the data
+plane scales out by process. The supervisor restarts a worker that dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from multiprocessing.process import BaseProcess
+
+from prometheus_client import multiprocess
+
+from sitsmesh import logs
+from sitsmesh.config import Settings
+from sitsmesh.status import WorkerState
+
+_log = logs.get("sitsmesh.workers")
+RESTART_BACKOFF_S = 1.0
+
+
+def _worker_main(settings: Settings, index: int) -> None:
+    from sitsmesh import server
+
+    logs.configure(settings.log_level, settings.log_format)
+    raise SystemExit(asyncio.run(server.run_worker(settings, index)))
+
+
+class WorkerPool:
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._ctx = multiprocessing.get_context("spawn")
+        self._procs: list[BaseProcess | None] = [None] * settings.workers
+        self._restarts = [0] * settings.workers
+        self._stopping = False
+        self._monitor: asyncio.Task[None] | None = None
+
+    def _spawn(self, index: int) -> None:
+        proc = self._ctx.Process(target=_worker_main, args=(self._settings, index),
+                                 name=f"sitsmesh-worker-{index}", daemon=False)
+        proc.start()
+        self._procs[index] = proc
+        _log.info("worker started", worker=index, pid=proc.pid)
+
+    def start(self) -> None:
+        for index in range(self._settings.workers):
+            self._spawn(index)
+        self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    def snapshot(self) -> list[WorkerState]:
+        return [
+            WorkerState(i, p.pid or 0, p.is_alive(), self._restarts[i])
+            for i, p in enumerate(self._procs) if p is not None
+        ]
+
+    def all_alive(self) -> bool:
+        return all(p is not None and p.is_alive() for p in self._procs)
+
+    async def _watch(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(0.25)
+            for index, proc in enumerate(self._procs):
+                if self._stopping or proc is None or proc.is_alive():
+                    continue
+                _log.error("worker exited; restarting", worker=index, pid=proc.pid,
+                           exitcode=proc.exitcode, backoff_s=RESTART_BACKOFF_S)
+                if proc.pid:
+                    multiprocess.mark_process_dead(proc.pid)
+                self._procs[index] = None
+                await asyncio.sleep(RESTART_BACKOFF_S)
+                if not self._stopping:
+                    self._restarts[index] += 1
+                    self._spawn(index)
+
+    def terminate(self) -> None:
+        """Ask every worker to drain and stop; each runs its own graceful shutdown."""
+        self._stopping = True
+        for proc in self._procs:
+            if proc is not None and proc.is_alive() and proc.pid:
+                proc.terminate()
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait for workers to exit; kill stragglers after timeout. True if all exited 0."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+        loop = asyncio.get_running_loop()
+        clean = True
+        for proc in self._procs:
+            if proc is None:
+                continue
+            await loop.run_in_executor(None, proc.join, timeout)
+            if proc.is_alive():
+                _log.error("worker did not stop in time; killing", pid=proc.pid)
+                proc.kill()
+                await loop.run_in_executor(None, proc.join, 5)
+                clean = False
+            elif proc.exitcode != 0:
+                clean = False
+        return clean
