@@ -34,6 +34,6 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
     )
 
 
-def get(name: str) -> structlog.typing.FilteringBoundLogger:
-    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name)
-    return logger.bind(logger=name)
+def get(name: str) -> Any:
+    """A lazy logger: safe at import time, it takes the configuration in force at first use."""
+    return structlog.get_logger(component=name)

@@ -175,6 +175,8 @@ async def run(settings: Settings) -> int:
             servers.append(data_server)
         else:
             bound["data"] = str(settings.data_addr)
+            for name in ["", *(s.name for s in wiring.data_services(settings))]:
+                board.register(name, "data")
         admin_server, bound["admin"] = await _start_admin(
             settings, board, rpc_metrics, store,
             BearerTokenInterceptor(token, on_reject=auth_failures.inc), bound)
@@ -187,7 +189,10 @@ async def run(settings: Settings) -> int:
                                f"{exc.strerror or exc}") from None
         bound["metrics"] = f"{_host(str(settings.metrics_addr))}:{httpd.server_port}"
         if settings.workers > 1:
-            pool = WorkerPool(settings)
+            def on_workers(all_alive: bool) -> None:
+                board.set_all(Serving.SERVING if all_alive else Serving.NOT_SERVING, "data")
+
+            pool = WorkerPool(settings, on_workers)
             board.workers = pool.snapshot
             pool.start()
         board.set_all(Serving.SERVING)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from prometheus_client import multiprocess
@@ -28,8 +29,10 @@ def _worker_main(settings: Settings, index: int) -> None:
 
 
 class WorkerPool:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, on_change: Callable[[bool], None]) -> None:
+        """on_change(all_alive) is called whenever a worker dies or is replaced."""
         self._settings = settings
+        self._on_change = on_change
         self._ctx = multiprocessing.get_context("spawn")
         self._procs: list[BaseProcess | None] = [None] * settings.workers
         self._restarts = [0] * settings.workers
@@ -68,10 +71,12 @@ class WorkerPool:
                 if proc.pid:
                     multiprocess.mark_process_dead(proc.pid)
                 self._procs[index] = None
+                self._on_change(False)
                 await asyncio.sleep(RESTART_BACKOFF_S)
                 if not self._stopping:
                     self._restarts[index] += 1
                     self._spawn(index)
+                    self._on_change(self.all_alive())
 
     def terminate(self) -> None:
         """Ask every worker to drain and stop; each runs its own graceful shutdown."""

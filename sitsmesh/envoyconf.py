@@ -1,0 +1,88 @@
+"""Render Envoy bootstraps from filters/: a template plus HTTP filter fragments."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sitsmesh.errors import ConfigError
+
+FRAGMENTS_KEY = "x_sitsmesh_http_filters"
+_PLACEHOLDER = re.compile(r"\$\{([a-z_][a-z0-9_]*)\}")
+_WHOLE = re.compile(r"^\$\{([a-z_][a-z0-9_]*)\}$")
+
+
+def _substitute(node: Any, values: Mapping[str, object], source: Path) -> Any:
+    if isinstance(node, dict):
+        return {k: _substitute(v, values, source) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_substitute(v, values, source) for v in node]
+    if not isinstance(node, str):
+        return node
+
+    def lookup(name: str) -> object:
+        if name not in values:
+            raise ConfigError(f"{source}: no value given for placeholder ${{{name}}}")
+        return values[name]
+
+    whole = _WHOLE.match(node)
+    if whole:  # keep the value's type, so ports stay integers
+        return lookup(whole.group(1))
+    return _PLACEHOLDER.sub(lambda m: str(lookup(m.group(1))), node)
+
+
+def _load(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+
+
+def _hcm(bootstrap: dict[str, Any], source: Path) -> dict[str, Any]:
+    for listener in bootstrap.get("static_resources", {}).get("listeners", []):
+        for chain in listener.get("filter_chains", []):
+            for flt in chain.get("filters", []):
+                if flt.get("name") == "envoy.filters.network.http_connection_manager":
+                    config: dict[str, Any] = flt["typed_config"]
+                    return config
+    raise ConfigError(f"{source}: no http_connection_manager listener to put filters in")
+
+
+def render(bootstrap_path: Path, values: Mapping[str, object],
+           fragments: list[str] | None = None) -> dict[str, Any]:
+    """Return the bootstrap as a dict, ready to dump as YAML for `envoy -c`.
+
+    `fragments` overrides the template's own list (x_sitsmesh_http_filters).
+    """
+    bootstrap = _load(bootstrap_path)
+    if not isinstance(bootstrap, dict):
+        raise ConfigError(f"{bootstrap_path}: top level must be a mapping")
+    names: list[str] = bootstrap.pop(FRAGMENTS_KEY, None) or []
+    if fragments is not None:
+        names = fragments
+    names = [n for n in names if n != "router"] + ["router"]
+    bootstrap = _substitute(bootstrap, values, bootstrap_path)
+    fragment_dir = bootstrap_path.parent.parent / "fragments"
+    http_filters: list[Any] = []
+    clusters = bootstrap.setdefault("static_resources", {}).setdefault("clusters", [])
+    for name in names:
+        path = fragment_dir / f"{name}.yaml"
+        fragment = _load(path)
+        if not isinstance(fragment, dict) or "http_filter" not in fragment:
+            raise ConfigError(f"{path}: a fragment needs an 'http_filter' key")
+        fragment = _substitute(fragment, values, path)
+        http_filters.append(fragment["http_filter"])
+        clusters.extend(fragment.get("clusters", []))
+    _hcm(bootstrap, bootstrap_path)["http_filters"] = http_filters
+    return bootstrap
+
+
+def write(bootstrap: dict[str, Any], out: Path) -> Path:
+    out.write_text(yaml.safe_dump(bootstrap, sort_keys=False), encoding="utf-8")
+    return out

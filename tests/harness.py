@@ -1,0 +1,257 @@
+"""Start real processes for tests: `sitsmesh serve`, Envoy, and a small HTTP upstream.
+
+Each runs in its own session so teardown can kill the whole group, even when
+the test failed half-way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sitsmesh import envoyconf
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+SITSMESH = str(BIN / "sitsmesh")
+ENVOY = str(BIN / "envoy")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def health_status(addr: str, service: str = "", timeout: float = 1.0) -> int | None:
+    """The gRPC health status, or None when the server does not answer."""
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError:
+            return None
+    status: int = reply.status
+    return status
+
+
+@dataclass
+class Proc:
+    """A child process with its combined output in a file."""
+
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Proc:
+    log = log_path.open("wb")
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                            start_new_session=True, cwd=REPO)
+    log.close()
+    return Proc(proc, log_path)
+
+
+@dataclass
+class Sitsmesh(Proc):
+    data_addr: str = ""
+    admin_addr: str = ""
+    metrics_addr: str = ""
+    state_dir: Path = field(default_factory=Path)
+
+    @property
+    def token(self) -> str:
+        return (self.state_dir / "admin-token").read_text().strip()
+
+    def admin_metadata(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")]
+
+    def cli(self, *args: str, env: dict[str, str] | None = None,
+            timeout: float = 20) -> subprocess.CompletedProcess[str]:
+        return run_cli(*args, "--admin", self.admin_addr, "--state-dir", str(self.state_dir),
+                       env=env, timeout=timeout)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://{self.metrics_addr}/metrics", timeout=5) as resp:
+            body: bytes = resp.read()
+        return body.decode()
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SITSMESH_")}
+    full_env.update(env or {})
+    return subprocess.run([SITSMESH, *args], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, check=False, cwd=REPO)
+
+
+def start_sitsmesh(tmp: Path, *extra: str, env: dict[str, str] | None = None,
+                   drain: float = 0.5, wait: bool = True, name: str = "sitsmesh") -> Sitsmesh:
+    data, admin, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    state = tmp / f"{name}-state"
+    argv = [SITSMESH, "serve", "--data-addr", data, "--admin-addr", admin,
+            "--metrics-addr", metrics, "--state-dir", str(state),
+            "--drain-seconds", str(drain), "--grace-seconds", "5", "--log-format", "json",
+            *extra]
+    clean_env = {k: "" for k in os.environ if k.startswith("SITSMESH_")}
+    base = spawn(argv, tmp / f"{name}.log", env={**clean_env, **(env or {})})
+    node = Sitsmesh(base.proc, base.log_path, data, admin, metrics, state)
+    if wait:
+        try:
+            wait_until(lambda: _serving_or_dead(node), 30, f"sitsmesh on {data}")
+        except TimeoutError:
+            node.kill()
+            raise
+        if node.proc.poll() is not None:
+            raise RuntimeError(f"sitsmesh exited {node.proc.returncode}:\n{node.output()}")
+    return node
+
+
+def _serving_or_dead(node: Sitsmesh) -> bool:
+    if node.proc.poll() is not None:
+        return True
+    return (health_status(node.data_addr) == health_pb2.HealthCheckResponse.SERVING
+            and health_status(node.admin_addr) == health_pb2.HealthCheckResponse.SERVING)
+
+
+@dataclass
+class Envoy(Proc):
+    listen_port: int = 0
+    admin_port: int = 0
+    config_path: Path = field(default_factory=Path)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.listen_port}{path}"
+
+    def admin_get(self, path: str) -> str:
+        url = f"http://127.0.0.1:{self.admin_port}{path}"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            body: bytes = resp.read()
+        return body.decode()
+
+    def cluster_health(self, cluster: str) -> list[str]:
+        """health_flags of each host in a cluster, from Envoy's /clusters."""
+        prefix = f"{cluster}::"
+        return [line.rsplit("::", 1)[1] for line in self.admin_get("/clusters").splitlines()
+                if line.startswith(prefix) and "::health_flags::" in line]
+
+
+def envoy_values(sitsmesh_addr: str, upstream_port: int, listen_port: int,
+                 admin_port: int) -> dict[str, object]:
+    host, _, port = sitsmesh_addr.rpartition(":")
+    return {"envoy_admin_port": admin_port, "listen_port": listen_port,
+            "upstream_host": "127.0.0.1", "upstream_port": upstream_port,
+            "sitsmesh_host": host, "sitsmesh_port": int(port), "health_interval": "0.25s"}
+
+
+def start_envoy(tmp: Path, sitsmesh_addr: str, upstream_port: int,
+                bootstrap: Path = REPO / "filters" / "local" / "bootstrap.yaml") -> Envoy:
+    listen, admin = free_port(), free_port()
+    config = envoyconf.write(
+        envoyconf.render(bootstrap, envoy_values(sitsmesh_addr, upstream_port, listen, admin)),
+        tmp / "envoy.yaml")
+    base = spawn([ENVOY, "-c", str(config), "--disable-hot-restart", "--log-level", "warn"],
+                 tmp / "envoy.log")
+    node = Envoy(base.proc, base.log_path, listen, admin, config)
+
+    def ready() -> bool:
+        if node.proc.poll() is not None:
+            raise RuntimeError(f"envoy exited {node.proc.returncode}:\n{node.output()}")
+        try:
+            return node.admin_get("/ready").strip() == "LIVE"
+        except OSError:
+            return False
+
+    try:
+        wait_until(ready, 30, "envoy /ready")
+    except BaseException:
+        node.kill()
+        raise
+    return node
+
+
+class _EchoHandler(BaseHTTPRequestHandler):
+    def _reply(self) -> None:
+        length = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(length) if length else b""
+        payload = json.dumps({"method": self.command, "path": self.path,
+                              "headers": {k.lower(): v for k, v in self.headers.items()},
+                              "body": body.decode(errors="replace")}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_POST = _reply
+
+    def log_message(self, format: str, *args: Any) -> None:
+        del format, args
+
+
+@contextlib.contextmanager
+def echo_upstream() -> Iterator[int]:
+    """A real HTTP/1.1 server on loopback that echoes each request as JSON."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _EchoHandler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus exposition; 0.0 when it is absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
