@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from grpc import aio
@@ -128,7 +128,8 @@ async def _drain_and_stop(settings: Settings, board: StatusBoard,
     await asyncio.gather(*(s.stop(settings.grace_seconds) for s in servers))
 
 
-async def run_worker(settings: Settings, index: int) -> int:
+async def run_worker(settings: Settings, index: int,
+                     on_ready: Callable[[], None] = lambda: None) -> int:
     """A data-plane worker: the data server only, sharing the port with its siblings."""
     structlog_ctx = {"worker": index, "pid": os.getpid()}
     board = StatusBoard()
@@ -137,6 +138,7 @@ async def run_worker(settings: Settings, index: int) -> int:
     metrics = RpcMetrics(None)
     server, data = await _start_data(settings, board, metrics, reuseport=True)
     board.set_all(Serving.SERVING)
+    on_ready()
     _log.info("worker serving", data_addr=data, **structlog_ctx)
     await stop.wait()
     await _drain_and_stop(settings, board, [server])

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import signal
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from prometheus_client import multiprocess
 
@@ -21,11 +23,11 @@ _log = logs.get("sitsmesh.workers")
 RESTART_BACKOFF_S = 1.0
 
 
-def _worker_main(settings: Settings, index: int) -> None:
+def _worker_main(settings: Settings, index: int, ready: Any) -> None:
     from sitsmesh import server
 
     logs.configure(settings.log_level, settings.log_format)
-    raise SystemExit(asyncio.run(server.run_worker(settings, index)))
+    raise SystemExit(asyncio.run(server.run_worker(settings, index, ready.set)))
 
 
 class WorkerPool:
@@ -35,12 +37,15 @@ class WorkerPool:
         self._on_change = on_change
         self._ctx = multiprocessing.get_context("spawn")
         self._procs: list[BaseProcess | None] = [None] * settings.workers
+        self._ready: list[Any] = [None] * settings.workers
         self._restarts = [0] * settings.workers
         self._stopping = False
         self._monitor: asyncio.Task[None] | None = None
 
     def _spawn(self, index: int) -> None:
-        proc = self._ctx.Process(target=_worker_main, args=(self._settings, index),
+        ready = self._ctx.Event()
+        self._ready[index] = ready
+        proc = self._ctx.Process(target=_worker_main, args=(self._settings, index, ready),
                                  name=f"sitsmesh-worker-{index}", daemon=False)
         proc.start()
         self._procs[index] = proc
@@ -70,7 +75,6 @@ class WorkerPool:
                            exitcode=proc.exitcode, backoff_s=RESTART_BACKOFF_S)
                 if proc.pid:
                     multiprocess.mark_process_dead(proc.pid)
-                self._procs[index] = None
                 self._on_change(False)
                 await asyncio.sleep(RESTART_BACKOFF_S)
                 if not self._stopping:
@@ -85,13 +89,17 @@ class WorkerPool:
             if proc is not None and proc.is_alive() and proc.pid:
                 proc.terminate()
 
+    def _ended_before_serving(self, index: int, proc: BaseProcess) -> bool:
+        """A worker stopped by our SIGTERM while still starting had no RPCs to lose."""
+        return proc.exitcode == -signal.SIGTERM and not self._ready[index].is_set()
+
     async def wait(self, timeout: float) -> bool:
         """Wait for workers to exit; kill stragglers after timeout. True if all exited 0."""
         if self._monitor is not None:
             self._monitor.cancel()
         loop = asyncio.get_running_loop()
         clean = True
-        for proc in self._procs:
+        for index, proc in enumerate(self._procs):
             if proc is None:
                 continue
             await loop.run_in_executor(None, proc.join, timeout)
@@ -100,6 +108,6 @@ class WorkerPool:
                 proc.kill()
                 await loop.run_in_executor(None, proc.join, 5)
                 clean = False
-            elif proc.exitcode != 0:
+            elif proc.exitcode != 0 and not self._ended_before_serving(index, proc):
                 clean = False
         return clean

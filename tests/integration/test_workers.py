@@ -1,0 +1,55 @@
+"""--workers N: N processes share the data-plane port; a dead worker is replaced."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+
+import grpc
+
+from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+from tests import harness
+
+Start = Callable[..., harness.Sitsmesh]
+
+
+def _status(node: harness.Sitsmesh) -> admin_pb2.GetStatusResponse:
+    with grpc.insecure_channel(node.admin_addr) as channel:
+        reply: admin_pb2.GetStatusResponse = admin_pb2_grpc.AdminStub(channel).GetStatus(
+            admin_pb2.GetStatusRequest(), metadata=node.admin_metadata(), timeout=5)
+        return reply
+
+
+def test_two_workers_share_the_port_and_a_killed_one_is_replaced(start_sitsmesh: Start) -> None:
+    node = start_sitsmesh("--workers", "2")
+    harness.wait_until(lambda: all(w.alive for w in _status(node).workers)
+                       and len(_status(node).workers) == 2, 20, "two live workers")
+    workers = _status(node).workers
+    pids = {w.pid for w in workers}
+    assert len(pids) == 2
+    assert node.proc.pid not in pids
+
+    # Many fresh connections land on both workers (the kernel spreads them by hash).
+    for _ in range(20):
+        assert harness.health_status(node.data_addr) == 1
+
+    victim = workers[0]
+    os.kill(victim.pid, signal.SIGKILL)
+
+    def replaced() -> bool:
+        w = {x.index: x for x in _status(node).workers}[victim.index]
+        return w.alive and w.pid != victim.pid and w.restarts == 1
+
+    harness.wait_until(replaced, 20, "the killed worker to be restarted")
+    assert harness.health_status(node.data_addr) == 1
+    data = {(s.server, s.name): s.state for s in _status(node).services}
+    assert data[("data", "")] == admin_pb2.SERVING
+    assert '"worker exited; restarting"' in node.output()
+
+    # Per-RPC metrics from every worker are aggregated by the supervisor's /metrics.
+    harness.wait_until(
+        lambda: harness.metric_value(node.metrics(), "sitsmesh_grpc_server_handled_total",
+                                     grpc_method="Check", server="data") >= 20,
+        5, "worker metrics aggregated")
+    assert node.stop() == 0
