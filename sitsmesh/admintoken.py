@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sitsmesh.errors import ConfigError, StartupError
 
-TOKEN_ENV = "SITSMESH_ADMIN_TOKEN"
+TOKEN_ENV = "SITSMESH_ADMIN_TOKEN"  # noqa: S105 - the variable's name, not a secret
 
 
 def read_token(path: Path) -> str:
@@ -30,8 +30,11 @@ def load_or_create(path: Path, env: Mapping[str, str]) -> tuple[str, bool]:
     from_env = env.get(TOKEN_ENV, "").strip()
     if from_env:
         return from_env, False
-    if path.exists():
-        return read_token(path), False
+    try:
+        if path.exists():
+            return read_token(path), False
+    except OSError as exc:
+        raise StartupError(f"{path}: cannot write admin token: {exc.strerror or exc}") from None
     token = secrets.token_urlsafe(32)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -49,7 +52,7 @@ def load_or_create(path: Path, env: Mapping[str, str]) -> tuple[str, bool]:
     except OSError as exc:
         raise StartupError(f"{path}: cannot write admin token: {exc.strerror or exc}") from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             tmp.unlink()
     return token, True
 

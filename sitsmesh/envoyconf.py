@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -49,8 +49,7 @@ def _hcm(bootstrap: dict[str, Any], source: Path) -> dict[str, Any]:
         for chain in listener.get("filter_chains", []):
             for flt in chain.get("filters", []):
                 if flt.get("name") == "envoy.filters.network.http_connection_manager":
-                    config: dict[str, Any] = flt["typed_config"]
-                    return config
+                    return cast(dict[str, Any], flt["typed_config"])
     raise ConfigError(f"{source}: no http_connection_manager listener to put filters in")
 
 
@@ -67,7 +66,7 @@ def render(bootstrap_path: Path, values: Mapping[str, object],
     if fragments is not None:
         names = fragments
     names = [n for n in names if n != "router"] + ["router"]
-    bootstrap = _substitute(bootstrap, values, bootstrap_path)
+    bootstrap = cast(dict[str, Any], _substitute(bootstrap, values, bootstrap_path))
     fragment_dir = bootstrap_path.parent.parent / "fragments"
     http_filters: list[Any] = []
     clusters = bootstrap.setdefault("static_resources", {}).setdefault("clusters", [])

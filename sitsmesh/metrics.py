@@ -6,7 +6,7 @@ import inspect
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc import aio
@@ -25,6 +25,8 @@ RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                0.25, 0.5, 1.0, 2.5, 5.0)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
 _CODES_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -32,7 +34,7 @@ def new_registry() -> CollectorRegistry:
     """Registry for this process. With worker processes it aggregates their files."""
     registry = CollectorRegistry(auto_describe=True)
     if os.environ.get(MULTIPROC_ENV):
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
@@ -67,13 +69,14 @@ class _MetricsInterceptor(aio.ServerInterceptor):
         self._server = server
         self._handled = handled
         self._latency = latency
-        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+        self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails],
+                               Awaitable[grpc.RpcMethodHandler[_Req, _Resp] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
         method: str = handler_call_details.method
         cached = self._wrapped.get(method)
         if cached is not None:
@@ -85,7 +88,8 @@ class _MetricsInterceptor(aio.ServerInterceptor):
         self._wrapped[method] = wrapped
         return wrapped
 
-    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler[Any, Any]
+              ) -> grpc.RpcMethodHandler[Any, Any]:
         service, _, name = method.lstrip("/").rpartition("/")
         observe = self._latency.labels(self._server, service, name).observe
         counters: dict[Any, Any] = {}
@@ -113,6 +117,7 @@ class _MetricsInterceptor(aio.ServerInterceptor):
             factory = (grpc.stream_stream_rpc_method_handler if request_streaming
                        else grpc.unary_stream_rpc_method_handler)
 
+        assert inner is not None  # one of the four behaviours is always set
         if inspect.isasyncgenfunction(inner):
             async def gen_behavior(request: Any, context: Any) -> Any:
                 start = time.perf_counter()

@@ -25,9 +25,10 @@ from sitsmesh.config import Settings, describe
 from sitsmesh.errors import StartupError
 from sitsmesh.metrics import MULTIPROC_ENV, RpcMetrics, new_registry
 from sitsmesh.state import SqliteStore
-from sitsmesh.status import Serving, ServiceState, StatusBoard
+from sitsmesh.status import ServiceState, Serving, StatusBoard
 from sitsmesh.transport.admin import AdminServicer
 from sitsmesh.transport.auth import BearerTokenInterceptor
+from sitsmesh.workers import WorkerPool
 
 _log = logs.get("sitsmesh.server")
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -82,7 +83,7 @@ async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetric
     return server, f"{_host(str(settings.data_addr))}:{port}"
 
 
-async def _start_admin(settings: Settings, board: StatusBoard, metrics: RpcMetrics,
+async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMetrics,
                        store: SqliteStore, auth: BearerTokenInterceptor, bound: dict[str, str]
                        ) -> tuple[aio.Server, str]:
     # Auth runs first: the metrics interceptor caches handlers per method.
@@ -146,10 +147,28 @@ async def run_worker(settings: Settings, index: int,
     return 0
 
 
+def _start_metrics(settings: Settings, registry: CollectorRegistry) -> tuple[Any, str]:
+    try:
+        httpd, _ = start_http_server(settings.metrics_addr.port, settings.metrics_addr.host,
+                                     registry)
+    except OSError as exc:
+        raise StartupError(f"metrics_addr {settings.metrics_addr}: cannot bind: "
+                           f"{exc.strerror or exc}") from None
+    return httpd, f"{_host(str(settings.metrics_addr))}:{httpd.server_port}"
+
+
+def _start_pool(settings: Settings, board: StatusBoard) -> WorkerPool:
+    def on_workers(all_alive: bool) -> None:
+        board.set_all(Serving.SERVING if all_alive else Serving.NOT_SERVING, "data")
+
+    pool = WorkerPool(settings, on_workers)
+    board.workers = pool.snapshot
+    pool.start()
+    return pool
+
+
 async def run(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; return the exit code. Preflight has already passed."""
-    from sitsmesh.workers import WorkerPool
-
     board = StatusBoard()
     stop = _stop_event()
     registry: CollectorRegistry = new_registry()
@@ -180,23 +199,12 @@ async def run(settings: Settings) -> int:
             for name in ["", *(s.name for s in wiring.data_services(settings))]:
                 board.register(name, "data")
         admin_server, bound["admin"] = await _start_admin(
-            settings, board, rpc_metrics, store,
-            BearerTokenInterceptor(token, on_reject=auth_failures.inc), bound)
+            settings, board, metrics=rpc_metrics, store=store,
+            auth=BearerTokenInterceptor(token, on_reject=auth_failures.inc), bound=bound)
         servers.append(admin_server)
-        try:
-            httpd, _ = start_http_server(settings.metrics_addr.port,
-                                         settings.metrics_addr.host, registry)
-        except OSError as exc:
-            raise StartupError(f"metrics_addr {settings.metrics_addr}: cannot bind: "
-                               f"{exc.strerror or exc}") from None
-        bound["metrics"] = f"{_host(str(settings.metrics_addr))}:{httpd.server_port}"
+        httpd, bound["metrics"] = _start_metrics(settings, registry)
         if settings.workers > 1:
-            def on_workers(all_alive: bool) -> None:
-                board.set_all(Serving.SERVING if all_alive else Serving.NOT_SERVING, "data")
-
-            pool = WorkerPool(settings, on_workers)
-            board.workers = pool.snapshot
-            pool.start()
+            pool = _start_pool(settings, board)
         board.set_all(Serving.SERVING)
         _log.info("serving", version=__version__, pid=os.getpid(), bound=bound,
                   workers=settings.workers, config_version=settings.config_version,

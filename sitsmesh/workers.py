@@ -74,7 +74,7 @@ class WorkerPool:
                 _log.error("worker exited; restarting", worker=index, pid=proc.pid,
                            exitcode=proc.exitcode, backoff_s=RESTART_BACKOFF_S)
                 if proc.pid:
-                    multiprocess.mark_process_dead(proc.pid)
+                    multiprocess.mark_process_dead(proc.pid)  # type: ignore[no-untyped-call]
                 self._on_change(False)
                 await asyncio.sleep(RESTART_BACKOFF_S)
                 if not self._stopping:
@@ -93,8 +93,8 @@ class WorkerPool:
         """A worker stopped by our SIGTERM while still starting had no RPCs to lose."""
         return proc.exitcode == -signal.SIGTERM and not self._ready[index].is_set()
 
-    async def wait(self, timeout: float) -> bool:
-        """Wait for workers to exit; kill stragglers after timeout. True if all exited 0."""
+    async def wait(self, deadline_s: float) -> bool:
+        """Wait for workers to exit; kill stragglers after deadline_s. True if all exited 0."""
         if self._monitor is not None:
             self._monitor.cancel()
         loop = asyncio.get_running_loop()
@@ -102,7 +102,7 @@ class WorkerPool:
         for index, proc in enumerate(self._procs):
             if proc is None:
                 continue
-            await loop.run_in_executor(None, proc.join, timeout)
+            await loop.run_in_executor(None, proc.join, deadline_s)
             if proc.is_alive():
                 _log.error("worker did not stop in time; killing", pid=proc.pid)
                 proc.kill()

@@ -106,8 +106,8 @@ class Sitsmesh(Proc):
     def token(self) -> str:
         return (self.state_dir / "admin-token").read_text().strip()
 
-    def admin_metadata(self) -> list[tuple[str, str]]:
-        return [("authorization", f"Bearer {self.token}")]
+    def admin_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),)
 
     def cli(self, *args: str, env: dict[str, str] | None = None,
             timeout: float = 20) -> subprocess.CompletedProcess[str]:
@@ -153,7 +153,7 @@ def start_sitsmesh(tmp: Path, *extra: str, env: dict[str, str] | None = None,
 def _serving_or_dead(node: Sitsmesh) -> bool:
     if node.proc.poll() is not None:
         return True
-    return (health_status(node.data_addr) == health_pb2.HealthCheckResponse.SERVING
+    return bool(health_status(node.data_addr) == health_pb2.HealthCheckResponse.SERVING
             and health_status(node.admin_addr) == health_pb2.HealthCheckResponse.SERVING)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc import aio
@@ -15,20 +15,25 @@ from sitsmesh import logs
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 _log = logs.get("sitsmesh.admin.auth")
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
 
 
 class BearerTokenInterceptor(aio.ServerInterceptor):
     def __init__(self, token: str, on_reject: Callable[[], None] = lambda: None) -> None:
         self._expected = token.encode()
         self._on_reject = on_reject
-        self._deny = grpc.unary_unary_rpc_method_handler(self._unauthenticated)
-        self._deny_stream_in = grpc.stream_unary_rpc_method_handler(self._unauthenticated)
+        self._deny: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(
+            self._unauthenticated)
+        self._deny_stream_in: grpc.RpcMethodHandler[Any, Any] = (
+            grpc.stream_unary_rpc_method_handler(self._unauthenticated))
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails],
+                               Awaitable[grpc.RpcMethodHandler[_Req, _Resp] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
         method: str = handler_call_details.method
         if method.startswith(EXEMPT_PREFIXES):
             return await continuation(handler_call_details)

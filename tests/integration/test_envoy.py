@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,7 +37,7 @@ def test_http_through_envoy_reaches_upstream_and_sitsmesh_is_serving(
 
 
 def test_envoy_sees_sitsmesh_drain_and_keeps_serving_traffic(
-    tmp_path: Path, start_sitsmesh: harness.Any, upstream: int
+    tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh], upstream: int
 ) -> None:
     node: harness.Sitsmesh = start_sitsmesh(drain=3.0)
     envoy = harness.start_envoy(tmp_path, node.data_addr, upstream)
@@ -75,7 +77,7 @@ def test_every_envoy_config_validates_with_the_real_binary(
     for variant, names in (("template", None), ("all-fragments", fragments)):
         out = envoyconf.write(envoyconf.render(bootstrap, values, names),
                               tmp_path / f"{variant}.yaml")
-        result = harness.subprocess.run(
+        result = subprocess.run(
             [harness.ENVOY, "--mode", "validate", "-c", str(out), "--disable-hot-restart"],
             capture_output=True, text=True, timeout=60, check=False)
         assert result.returncode == 0, f"{bootstrap} ({variant}):\n{result.stderr[-3000:]}"
@@ -88,7 +90,7 @@ def test_validate_rejects_a_broken_config(tmp_path: Path) -> None:
     config = envoyconf.render(FILTERS / "local" / "bootstrap.yaml", values)
     config["static_resources"]["clusters"][0]["connect_timeout"] = "not-a-duration"
     out = envoyconf.write(config, tmp_path / "broken.yaml")
-    result = harness.subprocess.run(
+    result = subprocess.run(
         [harness.ENVOY, "--mode", "validate", "-c", str(out), "--disable-hot-restart"],
         capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode != 0

@@ -19,7 +19,7 @@ Start = Callable[..., harness.Sitsmesh]
 
 
 def _get_status(node: harness.Sitsmesh,
-                metadata: list[tuple[str, str]] | None) -> admin_pb2.GetStatusResponse:
+                metadata: tuple[tuple[str, str], ...] | None) -> admin_pb2.GetStatusResponse:
     with grpc.insecure_channel(node.admin_addr) as channel:
         reply: admin_pb2.GetStatusResponse = admin_pb2_grpc.AdminStub(channel).GetStatus(
             admin_pb2.GetStatusRequest(), metadata=metadata, timeout=5)
@@ -45,11 +45,11 @@ def test_get_status_reports_version_uptime_services_and_config(
 
 @pytest.mark.parametrize("metadata", [
     None,
-    [("authorization", "Bearer not-the-token")],
-    [("authorization", "Basic dXNlcjpwYXNz")],
+    (("authorization", "Bearer not-the-token"),),
+    (("authorization", "Basic dXNlcjpwYXNz"),),
 ])
 def test_admin_rejects_missing_or_wrong_token_and_never_logs_it(
-    sitsmesh: harness.Sitsmesh, metadata: list[tuple[str, str]] | None
+    sitsmesh: harness.Sitsmesh, metadata: tuple[tuple[str, str], ...] | None
 ) -> None:
     with pytest.raises(grpc.RpcError) as err:
         _get_status(sitsmesh, metadata)
@@ -69,7 +69,7 @@ def test_token_file_is_created_once_with_mode_0600(sitsmesh: harness.Sitsmesh) -
 def test_token_from_environment_replaces_the_file(start_sitsmesh: Start) -> None:
     node = start_sitsmesh(env={"SITSMESH_ADMIN_TOKEN": "s3cret-token-from-env"})
     assert not (node.state_dir / "admin-token").exists()
-    reply = _get_status(node, [("authorization", "Bearer s3cret-token-from-env")])
+    reply = _get_status(node, (("authorization", "Bearer s3cret-token-from-env"),))
     assert reply.version
 
 

@@ -1,0 +1,54 @@
+# Two commands on a fresh Debian/Ubuntu machine with Python 3.11+:
+#   make run    create the venv, install, start sitsmesh + local Envoy on embedded defaults
+#   make test   install what the tests need, then run the whole suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test test-unit test-integration lint protos check-protos bench sysdeps clean
+
+$(PY): | sysdeps
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --quiet -e '.[test,dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/sitsmesh dev
+
+# System packages, as CHECK=PACKAGE pairs; installed when root, otherwise named.
+TEST_SYSDEPS  := "$(PYTHON) -c 'import ensurepip, venv'=python3-venv"
+BENCH_SYSDEPS := "command -v h2load=nghttp2-client"
+
+sysdeps:
+	@scripts/sysdeps.sh $(TEST_SYSDEPS)
+
+test: sysdeps $(STAMP) check-protos
+	$(VENV)/bin/pytest -q
+
+test-unit: $(STAMP)
+	$(VENV)/bin/pytest -q tests/unit
+
+test-integration: $(STAMP)
+	$(VENV)/bin/pytest -q tests/integration
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+protos: $(STAMP)
+	PYTHON=$(PY) scripts/gen_protos.sh
+
+check-protos: $(STAMP)
+	PYTHON=$(PY) scripts/gen_protos.sh --check
+
+bench: sysdeps $(STAMP)
+	@scripts/sysdeps.sh $(BENCH_SYSDEPS)
+	$(PY) bench/health_throughput.py
+
+clean:
+	rm -rf $(VENV) .run .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sitsmesh import envoyconf
+from sitsmesh.errors import ConfigError
+
+
+def _tree(tmp_path: Path, bootstrap: str, **fragments: str) -> Path:
+    (tmp_path / "local").mkdir()
+    (tmp_path / "fragments").mkdir()
+    (tmp_path / "fragments" / "router.yaml").write_text(
+        "http_filter: {name: envoy.filters.http.router}\n")
+    for name, text in fragments.items():
+        (tmp_path / "fragments" / f"{name}.yaml").write_text(text)
+    path = tmp_path / "local" / "bootstrap.yaml"
+    path.write_text(bootstrap)
+    return path
+
+
+BOOT = """
+x_sitsmesh_http_filters: [authz]
+admin: {address: {socket_address: {address: 127.0.0.1, port_value: "${admin_port}"}}}
+static_resources:
+  listeners:
+  - name: l
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config: {stat_prefix: "in-${zone}", http_filters: []}
+"""
+
+
+def test_substitutes_typed_values_and_splices_fragments_router_last(tmp_path: Path) -> None:
+    path = _tree(tmp_path, BOOT, authz=(
+        "http_filter: {name: authz, cluster: 'c-${zone}'}\n"
+        "clusters: [{name: 'c-${zone}'}]\n"))
+    out = envoyconf.render(path, {"admin_port": 9901, "zone": "a"})
+    assert out["admin"]["address"]["socket_address"]["port_value"] == 9901
+    hcm = out["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    assert hcm["typed_config"]["stat_prefix"] == "in-a"
+    names = [f["name"] for f in hcm["typed_config"]["http_filters"]]
+    assert names == ["authz", "envoy.filters.http.router"]
+    assert out["static_resources"]["clusters"] == [{"name": "c-a"}]
+    assert envoyconf.FRAGMENTS_KEY not in out
+
+
+def test_fragment_list_can_be_overridden(tmp_path: Path) -> None:
+    path = _tree(tmp_path, BOOT, authz="http_filter: {name: authz}\n")
+    out = envoyconf.render(path, {"admin_port": 1, "zone": "z"}, fragments=[])
+    hcm = out["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    assert [f["name"] for f in hcm["typed_config"]["http_filters"]] == [
+        "envoy.filters.http.router"]
+
+
+def test_missing_placeholder_value_is_an_error(tmp_path: Path) -> None:
+    path = _tree(tmp_path, BOOT, authz="http_filter: {name: authz}\n")
+    with pytest.raises(ConfigError, match=r"no value given for placeholder \$\{zone\}"):
+        envoyconf.render(path, {"admin_port": 1})
+
+
+def test_missing_fragment_is_an_error(tmp_path: Path) -> None:
+    path = _tree(tmp_path, BOOT)
+    with pytest.raises(ConfigError, match=r"authz\.yaml: cannot read"):
+        envoyconf.render(path, {"admin_port": 1, "zone": "z"})
+
+
+def test_fragment_without_http_filter_is_an_error(tmp_path: Path) -> None:
+    path = _tree(tmp_path, BOOT, authz="clusters: []\n")
+    with pytest.raises(ConfigError, match="a fragment needs an 'http_filter' key"):
+        envoyconf.render(path, {"admin_port": 1, "zone": "z"})

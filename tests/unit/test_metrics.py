@@ -1,0 +1,96 @@
+"""The per-RPC interceptor on an in-process grpc.aio server, for every handler shape."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc import aio
+from prometheus_client import CollectorRegistry
+
+from sitsmesh.metrics import RpcMetrics
+
+
+async def _unary(request: bytes, context: aio.ServicerContext[Any, Any]) -> bytes:
+    if request == b"deny":
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, "no")
+    if request == b"boom":
+        raise RuntimeError("boom")
+    return request
+
+
+async def _gen(request: bytes, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[bytes]:
+    for _ in range(3):
+        yield request
+
+
+async def _writer(request: bytes, context: aio.ServicerContext[Any, Any]) -> None:
+    await context.write(request)
+    await context.write(request)
+
+
+async def _client_stream(requests: AsyncIterator[bytes],
+                         context: aio.ServicerContext[Any, Any]) -> bytes:
+    return b"".join([r async for r in requests])
+
+
+HANDLERS = grpc.method_handlers_generic_handler("test.Svc", {
+    "Unary": grpc.unary_unary_rpc_method_handler(_unary),
+    "Gen": grpc.unary_stream_rpc_method_handler(_gen),
+    "Writer": grpc.unary_stream_rpc_method_handler(_writer),
+    "Collect": grpc.stream_unary_rpc_method_handler(_client_stream),
+})
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[aio.Channel, CollectorRegistry]]:
+    registry = CollectorRegistry()
+    server = aio.server(interceptors=[RpcMetrics(registry).interceptor("data")])
+    server.add_generic_rpc_handlers((HANDLERS,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield channel, registry
+    await server.stop(0)
+
+
+def _count(registry: CollectorRegistry, method: str, code: str) -> float:
+    value = registry.get_sample_value("sitsmesh_grpc_server_handled_total", {
+        "server": "data", "grpc_service": "test.Svc", "grpc_method": method, "grpc_code": code})
+    return value or 0.0
+
+
+async def test_counts_codes_and_latency_for_every_handler_shape(
+    served: tuple[aio.Channel, CollectorRegistry],
+) -> None:
+    channel, registry = served
+    unary: aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary("/test.Svc/Unary")
+    assert await unary(b"hi") == b"hi"
+    assert await unary(b"hi") == b"hi"
+    for payload, code in ((b"deny", grpc.StatusCode.PERMISSION_DENIED),
+                          (b"boom", grpc.StatusCode.UNKNOWN)):
+        with pytest.raises(aio.AioRpcError) as err:
+            await unary(payload)
+        assert err.value.code() == code
+    gen: aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream("/test.Svc/Gen")
+    writer: aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream("/test.Svc/Writer")
+    assert [m async for m in gen(b"x")] == [b"x"] * 3
+    assert [m async for m in writer(b"y")] == [b"y"] * 2
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for part in (b"a", b"b"):
+            yield part
+
+    collect: aio.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary("/test.Svc/Collect")
+    assert await collect(chunks()) == b"ab"
+
+    assert _count(registry, "Unary", "OK") == 2
+    assert _count(registry, "Unary", "PERMISSION_DENIED") == 1
+    assert _count(registry, "Unary", "UNKNOWN") == 1
+    assert _count(registry, "Gen", "OK") == 1
+    assert _count(registry, "Writer", "OK") == 1
+    assert _count(registry, "Collect", "OK") == 1
+    assert registry.get_sample_value("sitsmesh_grpc_server_handling_seconds_count", {
+        "server": "data", "grpc_service": "test.Svc", "grpc_method": "Unary"}) == 4

@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from sitsmesh.errors import ConflictError, StartupError
+from sitsmesh.state import SqliteStore
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    s = SqliteStore(tmp_path / "state.db")
+    yield s
+    await s.close()
+
+
+async def test_create_get_list_put_delete_bump_the_revision(store: SqliteStore) -> None:
+    assert await store.revision() == 0
+    a = await store.create("tenant", "acme", {"priority": 1})
+    assert (a.revision, a.body) == (1, {"priority": 1})
+    await store.create("tenant", "beta", {})
+    await store.create("pipeline", "demo", {"stages": []})
+    assert [r.name for r in await store.list("tenant")] == ["acme", "beta"]
+    updated = await store.put("tenant", "acme", {"priority": 2})
+    assert updated.revision == 4
+    got = await store.get("tenant", "acme")
+    assert got is not None and got.body == {"priority": 2} and got.revision == 4
+    assert await store.delete("tenant", "acme") is True
+    assert await store.delete("tenant", "acme") is False
+    assert await store.get("tenant", "acme") is None
+    assert await store.revision() == 5
+
+
+async def test_create_refuses_an_existing_record_and_changes_nothing(store: SqliteStore) -> None:
+    await store.create("tenant", "acme", {"v": 1})
+    with pytest.raises(ConflictError, match="tenant 'acme' already exists"):
+        await store.create("tenant", "acme", {"v": 2})
+    got = await store.get("tenant", "acme")
+    assert got is not None and got.body == {"v": 1}
+    assert await store.revision() == 1
+
+
+async def test_put_with_expected_revision_is_compare_and_swap(store: SqliteStore) -> None:
+    first = await store.create("tenant", "acme", {"v": 1})
+    await store.put("tenant", "acme", {"v": 2}, expect_revision=first.revision)
+    with pytest.raises(ConflictError, match="is at revision 2, not at revision 1"):
+        await store.put("tenant", "acme", {"v": 3}, expect_revision=first.revision)
+    with pytest.raises(ConflictError, match="is absent"):
+        await store.put("tenant", "ghost", {}, expect_revision=1)
+    got = await store.get("tenant", "acme")
+    assert got is not None and got.body == {"v": 2}
+
+
+async def test_survives_reopen_in_wal_mode(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    s = SqliteStore(path)
+    await s.create("tenant", "acme", {"v": 1})
+    await s.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    s2 = SqliteStore(path)
+    got = await s2.get("tenant", "acme")
+    await s2.close()
+    assert got is not None and got.body == {"v": 1}
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA user_version=99")
+    with pytest.raises(StartupError, match="schema version 99 is newer"):
+        SqliteStore(path)
+
+
+WRITER = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from sitsmesh.state import SqliteStore
+
+    async def main() -> None:
+        store = SqliteStore(Path(sys.argv[1]))
+        i = 0
+        while True:
+            await store.put("item", f"k{i}", {"i": i})
+            print(i, flush=True)   # acknowledged only after the commit returned
+            i += 1
+
+    asyncio.run(main())
+""")
+
+
+def test_kill_9_loses_no_acknowledged_write(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    acked = -1
+    with subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE,
+                          text=True) as proc:
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                acked = int(line)
+                if acked >= 200:
+                    break
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)  # no chance to flush or close anything
+            proc.wait(10)
+    assert acked >= 200
+    with sqlite3.connect(path) as conn:
+        names = {row[0] for row in conn.execute("SELECT name FROM objects WHERE kind='item'")}
+    missing = [i for i in range(acked + 1) if f"k{i}" not in names]
+    assert missing == []
