@@ -72,13 +72,18 @@ def health_status(addr: str, timeout: float = 1.0) -> int | None:
 
 
 def listening_sockets(port: int) -> int:
-    """How many LISTEN sockets are bound to 127.0.0.1:port (SO_REUSEPORT workers each have one)."""
-    needle = f"0100007F:{port:04X}"
+    """LISTEN sockets on 127.0.0.1:port (SO_REUSEPORT workers each have one).
+
+    gRPC binds 127.0.0.1 as a dual-stack socket, so look in tcp6 (v4-mapped) too.
+    """
+    wanted = {f"0100007F:{port:04X}", f"0000000000000000FFFF00000100007F:{port:04X}"}
     count = 0
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        cols = line.split()
-        if cols[1] == needle and cols[3] == "0A":  # 0A = TCP_LISTEN
-            count += 1
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                cols = line.split()
+                if cols[1] in wanted and cols[3] == "0A":  # 0A = TCP_LISTEN
+                    count += 1
     return count
 
 

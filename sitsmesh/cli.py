@@ -142,7 +142,10 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_dev(args: argparse.Namespace) -> int:
     from sitsmesh import devstack
 
-    return devstack.main(Path(args.run_dir), Path(args.filters_dir))
+    serve_args = [a for a in args.serve_args if a != "--"]
+    ports = devstack.DevPorts(args.listen_port, args.envoy_admin_port, args.upstream_port,
+                              args.data_addr)
+    return devstack.main(Path(args.run_dir), Path(args.filters_dir), ports, serve_args)
 
 
 def _add_common_admin(p: argparse.ArgumentParser) -> None:
@@ -180,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     dev = sub.add_parser("dev", help="run sitsmesh with a local Envoy and demo upstream")
     dev.add_argument("--run-dir", default=".run", help="state and logs (default .run)")
     dev.add_argument("--filters-dir", default="filters", help="Envoy configs (default filters)")
+    dev.add_argument("--listen-port", type=int, default=10000, help="Envoy listener port")
+    dev.add_argument("--envoy-admin-port", type=int, default=9901, help="Envoy admin port")
+    dev.add_argument("--upstream-port", type=int, default=18080, help="demo upstream port")
+    dev.add_argument("--data-addr", default="127.0.0.1:50051", help="sitsmesh data plane")
+    dev.add_argument("serve_args", nargs=argparse.REMAINDER,
+                     help="after --: more `sitsmesh serve` flags")
     dev.set_defaults(func=cmd_dev)
     return parser
 

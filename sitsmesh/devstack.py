@@ -12,16 +12,20 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from sitsmesh import envoyconf
 
-LISTEN_PORT = 10000
-ENVOY_ADMIN_PORT = 9901
-UPSTREAM_PORT = 18080
-DATA_ADDR = "127.0.0.1:50051"
+
+@dataclass(frozen=True, slots=True)
+class DevPorts:
+    listen: int = 10000
+    envoy_admin: int = 9901
+    upstream: int = 18080
+    data_addr: str = "127.0.0.1:50051"
 
 
 class _DemoUpstream(BaseHTTPRequestHandler):
@@ -59,26 +63,31 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout: flo
     raise SystemExit(f"sitsmesh dev: {what} not ready after {timeout}s")
 
 
-def main(run_dir: Path, filters_dir: Path) -> int:
+def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     bin_dir = Path(sys.executable).parent
-    upstream = ThreadingHTTPServer(("127.0.0.1", UPSTREAM_PORT), _DemoUpstream)
+    upstream = ThreadingHTTPServer(("127.0.0.1", ports.upstream), _DemoUpstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
 
     config = envoyconf.write(envoyconf.render(filters_dir / "local" / "bootstrap.yaml", {
-        "envoy_admin_port": ENVOY_ADMIN_PORT, "listen_port": LISTEN_PORT,
-        "upstream_host": "127.0.0.1", "upstream_port": UPSTREAM_PORT,
-        "sitsmesh_host": "127.0.0.1", "sitsmesh_port": int(DATA_ADDR.rpartition(":")[2]),
+        "envoy_admin_port": ports.envoy_admin, "listen_port": ports.listen,
+        "upstream_host": "127.0.0.1", "upstream_port": ports.upstream,
+        "sitsmesh_host": ports.data_addr.rpartition(":")[0],
+        "sitsmesh_port": int(ports.data_addr.rpartition(":")[2]),
         "health_interval": "1s",
     }), run_dir / "envoy.yaml")
 
     # Embedded defaults: SQLite state in the default state dir, memory stores.
-    sitsmesh = subprocess.Popen([str(bin_dir / "sitsmesh"), "serve", "--data-addr", DATA_ADDR,
-                                 "--log-format", "console", "--drain-seconds", "1"])
+    sitsmesh = subprocess.Popen([str(bin_dir / "sitsmesh"), "serve",
+                                 "--data-addr", ports.data_addr, "--log-format", "console",
+                                 "--drain-seconds", "1", *serve_args],
+                                # Own session: Ctrl-C reaches only us, and we stop
+                                # the children in order.
+                                start_new_session=True)
     envoy_log = (run_dir / "envoy.log").open("wb")
     envoy = subprocess.Popen([str(bin_dir / "envoy"), "-c", str(config),
                               "--disable-hot-restart", "--log-level", "warn"],
-                             stdout=envoy_log, stderr=subprocess.STDOUT)
+                             stdout=envoy_log, stderr=subprocess.STDOUT, start_new_session=True)
     stopping = False
 
     def stop(signum: int, frame: Any) -> None:
@@ -89,17 +98,23 @@ def main(run_dir: Path, filters_dir: Path) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
-        _wait_ready(f"http://127.0.0.1:{ENVOY_ADMIN_PORT}/ready", envoy, "envoy")
+        _wait_ready(f"http://127.0.0.1:{ports.envoy_admin}/ready", envoy, "envoy")
         time.sleep(1.5)  # let sitsmesh print its start-up lines first
-        print(f"""
-sitsmesh is running with Envoy in front (logs: {run_dir}/envoy.log). Try:
-  curl -s http://127.0.0.1:{LISTEN_PORT}/v2/models/demo/infer   # via Envoy to the demo upstream
-  .venv/bin/sitsmesh status                                      # admin API, token from state dir
-  .venv/bin/sitsmesh health --addr {DATA_ADDR}                   # gRPC health of the data plane
-  curl -s http://127.0.0.1:9464/metrics | grep sitsmesh_         # Prometheus metrics
-  curl -s http://127.0.0.1:{ENVOY_ADMIN_PORT}/clusters | grep sitsmesh_data  # Envoy's view
-Ctrl-C stops everything.
-""", flush=True)
+        hints = [
+            (f"curl -s http://127.0.0.1:{ports.listen}/v2/models/demo/infer",
+             "via Envoy to the demo upstream"),
+            (".venv/bin/sitsmesh status", "admin API, token from the state dir"),
+            (f".venv/bin/sitsmesh health --addr {ports.data_addr}",
+             "gRPC health of the data plane"),
+            ("curl -s http://127.0.0.1:9464/metrics | grep sitsmesh_", "Prometheus metrics"),
+            (f"curl -s http://127.0.0.1:{ports.envoy_admin}/clusters | grep sitsmesh_data",
+             "Envoy's view of sitsmesh"),
+        ]
+        width = max(len(cmd) for cmd, _ in hints)
+        print(f"\nsitsmesh is running with Envoy in front (Envoy log: {run_dir}/envoy.log). Try:")
+        for cmd, what in hints:
+            print(f"  {cmd:<{width}}  # {what}")
+        print("Ctrl-C stops everything.\n", flush=True)
         while not stopping and sitsmesh.poll() is None and envoy.poll() is None:
             time.sleep(0.2)
     finally:

@@ -1,0 +1,35 @@
+"""`sitsmesh dev` (what `make run` starts) serves, and `sitsmesh status` says SERVING."""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+from pathlib import Path
+
+from tests import harness
+
+
+def test_dev_stack_serves_through_envoy_and_status_is_serving(tmp_path: Path) -> None:
+    listen, envoy_admin, upstream = harness.free_port(), harness.free_port(), harness.free_port()
+    data, admin, metrics = (f"127.0.0.1:{harness.free_port()}" for _ in range(3))
+    state = tmp_path / "state"
+    node = harness.spawn(
+        [harness.SITSMESH, "dev", "--run-dir", str(tmp_path / "run"),
+         "--listen-port", str(listen), "--envoy-admin-port", str(envoy_admin),
+         "--upstream-port", str(upstream), "--data-addr", data,
+         "--", "--admin-addr", admin, "--metrics-addr", metrics, "--state-dir", str(state)],
+        tmp_path / "dev.log")
+    try:
+        harness.wait_until(lambda: "Ctrl-C stops everything" in node.output(), 40,
+                           "sitsmesh dev to print its hints")
+        with urllib.request.urlopen(f"http://127.0.0.1:{listen}/v2/models/demo/infer",
+                                    timeout=5) as resp:
+            assert json.loads(resp.read())["upstream"] == "demo"
+        status = harness.run_cli("status", "--admin", admin, "--state-dir", str(state))
+        assert status.returncode == 0, status.stderr
+        assert "SERVING" in status.stdout
+        assert node.stop(signal.SIGINT) == 0
+        assert "stopped" in node.output()
+    finally:
+        node.kill()
