@@ -17,9 +17,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 
 WORKDIR /src
-# README.m[d]: pyproject's `readme`; setuptools only warns if it is absent, so the
-# glob keeps a checkout without it buildable (BuildKit allows an empty match).
-COPY pyproject.toml README.m[d] ./
+COPY pyproject.toml README.md ./
 COPY sitsmesh/ sitsmesh/
 # Every runtime dep has a CPython 3.11 wheel (manylinux or pure), so no compiler is needed.
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .

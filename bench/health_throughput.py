@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -107,6 +108,10 @@ class Target:
     proc: subprocess.Popen[bytes] | None = None
     rates: list[float] = field(default_factory=list)
     p50_ms: list[float] = field(default_factory=list)
+    server_us_per_req: list[float] = field(default_factory=list)
+    server_cores: list[float] = field(default_factory=list)
+    client_cores: list[float] = field(default_factory=list)
+    cpu_by_process: dict[str, float] = field(default_factory=dict)  # summed over rounds
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -163,6 +168,31 @@ class Target:
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5)
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu(pgid: int) -> dict[str, float]:
+    """CPU seconds (user+system) of each live process in a process group, keyed by role+pid."""
+    cpu: dict[str, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:
+                continue
+            pid = int(stat.parent.name)
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+            if pid == pgid:
+                role = "main"
+            elif b"spawn_main" in cmdline:
+                role = "worker"
+            elif b"resource_tracker" in cmdline:
+                role = "resource_tracker"
+            else:
+                role = "child"
+            cpu[f"{role} {pid}"] = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return cpu
 
 
 def _group_alive(pgid: int) -> bool:
@@ -224,6 +254,9 @@ async def serve_baseline(addr: str) -> None:
 class LoadResult:
     req_per_s: float
     p50_ms: float
+    wall_s: float
+    client_cpu_s: float  # h2load's user+system CPU
+    server_cpu_s: dict[str, float]  # per process of the target
 
 
 _FINISHED = re.compile(r"finished in [\d.]+\w+, ([\d.]+) req/s")
@@ -239,11 +272,21 @@ def run_h2load(h2load: str, target: Target, args: argparse.Namespace, body: Path
             "-t", str(args.threads), "-d", str(body),
             "-H", "content-type: application/grpc", "-H", "te: trailers",
             "--log-file", str(log_file), f"http://{target.addr}{METHOD}"]
+    pgid = target.proc.pid if target.proc else 0
+    cpu_before = group_cpu(pgid)
+    child_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout,
                               check=False)
     except subprocess.TimeoutExpired as exc:
         raise BenchError(f"h2load timed out after {args.timeout}s") from exc
+    wall = time.monotonic() - started
+    child_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_after = group_cpu(pgid)
+    client_cpu = (child_after.ru_utime - child_before.ru_utime
+                  + child_after.ru_stime - child_before.ru_stime)
+    server_cpu = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()}
     out = done.stdout
     if done.returncode != 0:
         raise BenchError(f"h2load exited {done.returncode}: {done.stderr.strip()}\n{out}")
@@ -263,29 +306,50 @@ def run_h2load(h2load: str, target: Target, args: argparse.Namespace, body: Path
     log_file.unlink()
     if len(durations) != requests:
         raise BenchError(f"h2load log has {len(durations)} lines, expected {requests}")
-    return LoadResult(float(finished.group(1)), statistics.median(durations) / 1000)
+    return LoadResult(float(finished.group(1)), statistics.median(durations) / 1000, wall,
+                      client_cpu, server_cpu)
 
 
 def render_table(targets: Sequence[Target], rounds: int) -> str:
     base = targets[0]
     base_median = statistics.median(base.rates) if base.rates else None
-    lines = ["| target | median req/s | ratio vs baseline | median p50 latency (ms) "
+    lines = ["| target | median req/s | ratio vs baseline | p50 latency (ms) "
+             "| server CPU (µs/req) | server cores busy | h2load cores busy "
              "| rounds ok | req/s per round |",
-             "|---|---:|---:|---:|---:|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for t in targets:
         if t.rates:
             median = statistics.median(t.rates)
             ratio = f"{median / base_median:.2f}" if base_median else "n/a"
-            cells = [f"{median:,.0f}", ratio, f"{statistics.median(t.p50_ms):.2f}"]
+            cells = [f"{median:,.0f}", ratio, f"{statistics.median(t.p50_ms):.2f}",
+                     f"{statistics.median(t.server_us_per_req):.0f}",
+                     f"{statistics.median(t.server_cores):.2f}",
+                     f"{statistics.median(t.client_cores):.2f}"]
         else:
-            cells = ["failed", "n/a", "n/a"]
+            cells = ["failed", "n/a", "n/a", "n/a", "n/a", "n/a"]
         per_round = ", ".join(f"{r:,.0f}" for r in t.rates) or "-"
         lines.append(f"| {t.name} | {' | '.join(cells)} | {len(t.rates)}/{rounds} "
                      f"| {per_round} |")
     return "\n".join(lines)
 
 
+def render_cpu_split(targets: Sequence[Target]) -> str:
+    """Share of each target's CPU per process, over all measured rounds."""
+    lines = []
+    for t in targets:
+        total = sum(t.cpu_by_process.values())
+        if total <= 0:
+            continue
+        parts = ", ".join(f"{name} {secs / total:.0%}"
+                          for name, secs in sorted(t.cpu_by_process.items()))
+        lines.append(f"- {t.name}: {parts}")
+    return "\n".join(lines)
+
+
 def bench(args: argparse.Namespace) -> int:
+    if args.threads > args.clients:
+        print("--threads must not exceed --clients", file=sys.stderr)
+        return 2
     h2load = shutil.which("h2load")
     if h2load is None:
         print("h2load not found: apt-get install -y nghttp2-client", file=sys.stderr)
@@ -326,10 +390,18 @@ def bench(args: argparse.Namespace) -> int:
                     except BenchError as exc:
                         t.errors.append(f"round {rnd + 1}: {exc}")
                         continue
+                    server_cpu = sum(res.server_cpu_s.values())
                     t.rates.append(res.req_per_s)
                     t.p50_ms.append(res.p50_ms)
+                    t.server_us_per_req.append(server_cpu * 1e6 / args.requests)
+                    t.server_cores.append(server_cpu / res.wall_s)
+                    t.client_cores.append(res.client_cpu_s / res.wall_s)
+                    for proc_name, secs in res.server_cpu_s.items():
+                        t.cpu_by_process[proc_name] = t.cpu_by_process.get(proc_name, 0) + secs
                     print(f"round {rnd + 1}/{args.rounds}  {t.name:<34} "
-                          f"{res.req_per_s:>10,.0f} req/s  p50 {res.p50_ms:.2f} ms",
+                          f"{res.req_per_s:>10,.0f} req/s  p50 {res.p50_ms:6.2f} ms  "
+                          f"server {t.server_cores[-1]:.2f} cores  "
+                          f"h2load {t.client_cores[-1]:.2f} cores",
                           file=sys.stderr, flush=True)
         finally:
             for t in targets:
@@ -339,6 +411,8 @@ def bench(args: argparse.Namespace) -> int:
               f"{args.requests} requests/round, {args.rounds} rounds, "
               f"{os.cpu_count()} CPUs\n")
         print(render_table(targets, args.rounds))
+        print("\nServer CPU by process (all measured rounds):\n")
+        print(render_cpu_split(targets))
         for t in failed:
             print(f"\nFAILED {t.name}:", file=sys.stderr)
             for err in t.errors or ["fewer successful rounds than requested"]:
