@@ -34,8 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The venv has no grpc stubs yet (types-grpcio); with them installed this checks clean too.
-import grpc  # type: ignore[import-untyped, unused-ignore]
+import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -343,7 +342,7 @@ def render_cpu_split(targets: Sequence[Target]) -> str:
         parts = ", ".join(f"{name} {secs / total:.0%}"
                           for name, secs in sorted(t.cpu_by_process.items()))
         lines.append(f"- {t.name}: {parts}")
-    return "\n".join(lines)
+    return "\n".join(lines) or "- (no measured rounds)"
 
 
 def bench(args: argparse.Namespace) -> int:
