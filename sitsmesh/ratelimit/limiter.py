@@ -1,0 +1,210 @@
+"""ShouldRateLimit as plain Python: match descriptors to rules, count, decide.
+
+No grpc here: the transport turns protobuf into `Descriptor`s and the
+`Decision` back into a response. The config is read through a holder whose
+reference is swapped on reload, so a request sees one whole snapshot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sitsmesh.errors import Code, SitsmeshError
+from sitsmesh.ratelimit.config import UNIT_SECONDS, Algorithm, Node, RateLimitConfig, Rule, Unit
+from sitsmesh.ratelimit.metrics import RuleMetrics
+from sitsmesh.ratelimit.store import Count, CounterStore, Hit
+
+MAX_ADDEND = 2**32 - 1
+UNLIMITED_REMAINING = 2**32 - 1
+NEAR_LIMIT_RATIO = 0.8
+
+
+class RequestError(SitsmeshError):
+    code = Code.INVALID_ARGUMENT
+
+
+@dataclass(slots=True)
+class Descriptor:
+    entries: Sequence[tuple[str, str]]
+    # Per-descriptor hits_addend when the request set one (0 = check without counting).
+    addend: int | None = None
+    # Envoy's per-route limit override: (requests_per_unit, unit).
+    override: tuple[int, int] | None = None
+
+
+@dataclass(slots=True)
+class Status:
+    over: bool
+    rule: Rule | None
+    remaining: int
+    reset_s: float
+
+
+@dataclass(slots=True)
+class Decision:
+    over: bool
+    statuses: list[Status]
+    # Dynamic metadata for Envoy: quota-mode violations and matched rules' metadata.
+    metadata: dict[str, Any] | None
+
+
+class ConfigHolder:
+    """The live snapshot. Reload swaps `current` in one assignment."""
+
+    __slots__ = ("current",)
+
+    def __init__(self, config: RateLimitConfig) -> None:
+        self.current = config
+
+
+def _match(root: Node, entries: Sequence[tuple[str, str]]) -> tuple[Node | None, str]:
+    """The node whose rules apply, and the counter key suffix; reference matching order."""
+    level = root
+    parts: list[str] = []
+    found: Node | None = None
+    last = len(entries) - 1
+    for i, (key, value) in enumerate(entries):
+        exact = f"{key}_{value}"
+        node = level.children.get(exact)
+        if node is None:
+            for prefix, candidate in level.wildcards:
+                if exact.startswith(prefix):
+                    node = candidate
+                    break
+        if node is None:
+            node = level.children.get(key)
+        if node is None:
+            return None, ""
+        parts.append(node.pattern if node.share_threshold else exact)
+        if i == last:
+            found = node
+        elif not node.children:
+            return None, ""  # the request is deeper than the config
+        level = node
+    return found, "_".join(parts)
+
+
+class RateLimiter:
+    __slots__ = ("_clock", "_global_shadow", "_holder", "_max_descriptors", "_metrics", "_store")
+
+    def __init__(self, holder: ConfigHolder, store: CounterStore, metrics: RuleMetrics,
+                 *, clock: Callable[[], float] = time.time, global_shadow: bool = False,
+                 max_descriptors: int = 64) -> None:
+        self._holder = holder
+        self._store = store
+        self._metrics = metrics
+        self._clock = clock
+        self._global_shadow = global_shadow
+        self._max_descriptors = max_descriptors
+
+    def _validate(self, domain: str, descriptors: Sequence[Descriptor]) -> None:
+        if not domain:
+            raise RequestError("rate limit domain must not be empty")
+        if not descriptors:
+            raise RequestError("rate limit descriptor list must not be empty")
+        if len(descriptors) > self._max_descriptors:
+            raise RequestError(f"too many descriptors: {len(descriptors)} > "
+                               f"{self._max_descriptors}")
+        for i, d in enumerate(descriptors):
+            if not d.entries:
+                raise RequestError(f"descriptor {i} has no entries")
+            if d.addend is not None and d.addend > MAX_ADDEND:
+                raise RequestError(f"descriptor {i}: hits_addend {d.addend} exceeds {MAX_ADDEND}")
+
+    async def check(self, domain: str, descriptors: Sequence[Descriptor],
+                    hits_addend: int = 0) -> Decision:
+        self._validate(domain, descriptors)
+        matched, metadata = self._collect(domain, descriptors, max(1, hits_addend))
+        statuses = [Status(False, None, 0, 0.0) for _ in descriptors]
+        hits: list[Hit] = []
+        counted: list[tuple[int, Rule, int]] = []
+        for i, rule, key, addend in matched:
+            if rule.unlimited:
+                if statuses[i].rule is None:
+                    statuses[i] = Status(False, rule, UNLIMITED_REMAINING, 0.0)
+                continue
+            counter = f"{key}#{rule.index}" if rule.index else key
+            hits.append(Hit(counter, rule.algorithm, rule.requests_per_unit, rule.window_s,
+                            addend))
+            counted.append((i, rule, addend))
+        counts = await self._store.hit(hits, self._clock()) if hits else []
+        over_any, violations = self._decide(descriptors, counted, counts, statuses)
+        if violations is not None:
+            metadata = metadata or {}
+            metadata["quotaModeEnabled"] = True
+            metadata["quotaModeViolations"] = violations
+        if over_any and self._global_shadow:
+            self._metrics.global_shadow()
+            over_any = False
+        return Decision(over_any, statuses, metadata)
+
+    def _collect(self, domain: str, descriptors: Sequence[Descriptor], default_addend: int
+                 ) -> tuple[list[tuple[int, Rule, str, int]], dict[str, Any] | None]:
+        """(descriptor index, rule, counter key, addend) for every rule that applies."""
+        root = self._holder.current.domains.get(domain)
+        matched: list[tuple[int, Rule, str, int]] = []
+        metadata: dict[str, Any] | None = None
+        for i, d in enumerate(descriptors):
+            addend = default_addend if d.addend is None else d.addend
+            if d.override is not None:
+                matched.append((i, _override_rule(domain, d),
+                                f"{domain}_{_plain_key(d.entries)}", addend))
+                continue
+            if root is None:
+                continue
+            node, suffix = _match(root, d.entries)
+            if node is None:
+                continue
+            if node.metadata:
+                metadata = metadata or {}
+                metadata.setdefault("descriptors", {})[str(i)] = dict(node.metadata)
+            matched.extend((i, rule, f"{domain}_{suffix}", addend) for rule in node.rules)
+        if root is None and not matched:
+            self._metrics.unknown_domain()
+        replaced = {name for _, rule, _, _ in matched for name in rule.replaces}
+        if replaced:
+            matched = [m for m in matched if m[1].name not in replaced]
+        return matched, metadata
+
+    def _decide(self, descriptors: Sequence[Descriptor], counted: list[tuple[int, Rule, int]],
+                counts: list[Count], statuses: list[Status]) -> tuple[bool, list[int] | None]:
+        """Fold each rule's count into its descriptor's status; the tightest rule wins."""
+        over_any = False
+        violations: set[int] = set()
+        quota = False
+        for (i, rule, addend), count in zip(counted, counts, strict=True):
+            over = count.over
+            near = not over and count.used > NEAR_LIMIT_RATIO * rule.requests_per_unit
+            self._metrics.record(rule, descriptors[i].entries[-1][1], addend, count, near=near)
+            quota = quota or rule.quota_mode
+            if over and rule.shadow_mode:
+                over = False
+            elif over and rule.quota_mode:
+                violations.add(i)
+                over = False
+            over_any = over_any or over
+            current = statuses[i]
+            if (current.rule is None or current.rule.unlimited
+                    or (over and not current.over)
+                    or (over == current.over and count.remaining < current.remaining)):
+                statuses[i] = Status(over, rule, 0 if over else count.remaining, count.reset_s)
+        return over_any, (sorted(violations) if quota else None)
+
+
+def _plain_key(entries: Sequence[tuple[str, str]]) -> str:
+    return "_".join(f"{k}_{v}" if v else k for k, v in entries)
+
+
+def _override_rule(domain: str, d: Descriptor) -> Rule:
+    assert d.override is not None
+    rpu, unit_value = d.override
+    try:
+        unit = Unit(unit_value)
+    except ValueError:
+        raise RequestError(f"limit override has an invalid unit {unit_value}") from None
+    stats_key = f"{domain}.{'.'.join(f'{k}_{v}' if v else k for k, v in d.entries)}"
+    return Rule(stats_key=stats_key, requests_per_unit=rpu, unit=unit,
+                window_s=UNIT_SECONDS[unit], algorithm=Algorithm.FIXED_WINDOW)
