@@ -30,6 +30,15 @@ _FLAG_HELP = {
     "drain_seconds": "seconds to keep answering after health goes NOT_SERVING",
     "grace_seconds": "seconds in-flight RPCs get once the listeners close",
     "admin_token_file": "admin token file (default: STATE_DIR/admin-token)",
+    "ratelimit_config": "rate-limit config file or directory (repeatable)",
+    "ratelimit_store": "counter store: memory (per process) or redis (shared)",
+    "redis_url": "redis://HOST:PORT/DB for --ratelimit-store redis",
+    "redis_timeout_ms": "bound on each Redis round trip (default 50)",
+    "on_store_error": "when Redis fails: allow, deny, or local (per-replica counting)",
+    "store_replicas": "replica count that divides limits under on_store_error=local",
+    "ratelimit_shadow_mode": "true: log and count over-limit decisions, never enforce",
+    "ratelimit_max_descriptors": "most descriptors one ShouldRateLimit may carry",
+    "reload_interval_seconds": "how often config files and applied configs are checked",
 }
 
 
@@ -41,15 +50,19 @@ def _die(message: str, code: int = EXIT_USAGE) -> int:
 def _settings_from(args: argparse.Namespace, keys: Sequence[str]) -> Settings:
     flags: dict[str, str | None] = {"config": args.config}
     for key in keys:
-        flags[key] = getattr(args, key, None)
+        value = getattr(args, key, None)
+        flags[key] = os.pathsep.join(value) if isinstance(value, list) else value
     return load_settings(flags)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from sitsmesh import logs, preflight
 
+    from sitsmesh.ratelimit import config as rlconfig
+
     settings = _settings_from(args, list(PARSERS))
     preflight.check_all(settings)
+    rlconfig.load(settings.ratelimit_config)  # a bad file stops the start, before any port
     logs.configure(settings.log_level, settings.log_format)
     if settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Must be set before prometheus_client is imported (server imports it).
@@ -139,6 +152,77 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILED
 
 
+def cmd_ratelimit_check(args: argparse.Namespace) -> int:
+    """Validate files offline: each alone, then all together (domains, replaces)."""
+    from sitsmesh.errors import ConfigError
+    from sitsmesh.ratelimit import config as rlconfig
+
+    failed = False
+    good: list[tuple[str, str]] = []
+    paths = rlconfig.expand(Path(p) for p in args.paths)
+    if not paths:
+        print("sitsmesh: error: no config files found", file=sys.stderr)
+        return EXIT_FAILED
+    for path in paths:
+        try:
+            (item,) = rlconfig.read_files([path])
+            domain, _ = rlconfig.parse_domain(*item)
+        except ConfigError as exc:
+            print(exc.message)
+            failed = True
+            continue
+        good.append(item)
+        print(f"{path}: ok (domain '{domain}')")
+    try:
+        rlconfig.build(good)
+    except ConfigError as exc:
+        print(exc.message)
+        failed = True
+    return EXIT_FAILED if failed else 0
+
+
+def cmd_ratelimit_apply(args: argparse.Namespace) -> int:
+    from sitsmesh.admin.v1 import admin_pb2
+
+    files = []
+    for name in args.files:
+        path = Path(name)
+        try:
+            files.append(admin_pb2.RateLimitConfigFile(name=path.name,
+                                                       yaml=path.read_text(encoding="utf-8")))
+        except OSError as exc:
+            return _die(f"{path}: cannot read: {exc.strerror or exc}", EXIT_FAILED)
+    reply = _call_admin(args, "ApplyRateLimitConfig", admin_pb2.ApplyRateLimitConfigRequest(
+        files=files, dry_run=args.dry_run))
+    verb = "applied" if reply.applied else "valid (dry run, nothing changed)"
+    print(f"{verb}: {', '.join(reply.domains)}; config version {reply.config_version}")
+    return 0
+
+
+def cmd_ratelimit_get(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from sitsmesh.admin.v1 import admin_pb2
+
+    reply = _call_admin(args, "GetRateLimitConfig", admin_pb2.GetRateLimitConfigRequest())
+    if args.output == "json":
+        print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2))
+        return 0
+    print(f"# config version {reply.config_version}")
+    for domain in reply.domains:
+        print(f"---\n# domain {domain.domain} from {domain.source}\n{domain.yaml.rstrip()}")
+    return 0
+
+
+def cmd_ratelimit_delete(args: argparse.Namespace) -> int:
+    from sitsmesh.admin.v1 import admin_pb2
+
+    _call_admin(args, "DeleteRateLimitConfig",
+                admin_pb2.DeleteRateLimitConfigRequest(domain=args.domain))
+    print(f"deleted domain {args.domain}")
+    return 0
+
+
 def cmd_dev(args: argparse.Namespace) -> int:
     from sitsmesh import devstack
 
@@ -167,7 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the control plane")
     serve.add_argument("--config", help="YAML config file (or SITSMESH_CONFIG)")
     for key in PARSERS:
-        serve.add_argument(flag_name(key), dest=key, help=_FLAG_HELP[key])
+        if key == "ratelimit_config":
+            serve.add_argument(flag_name(key), dest=key, action="append", help=_FLAG_HELP[key])
+        else:
+            serve.add_argument(flag_name(key), dest=key, help=_FLAG_HELP[key])
     serve.set_defaults(func=cmd_serve)
 
     status = sub.add_parser("status", help="show a running sitsmesh's status (admin API)")
@@ -179,6 +266,24 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="", help="service name ('' = whole server)")
     health.add_argument("--timeout", type=float, default=3.0)
     health.set_defaults(func=cmd_health)
+
+    rl = sub.add_parser("ratelimit", help="rate-limit configs").add_subparsers(
+        dest="ratelimit_command", required=True)
+    check = rl.add_parser("check", help="validate config files offline; exit 1 if any is bad")
+    check.add_argument("paths", nargs="+", metavar="PATH")
+    check.set_defaults(func=cmd_ratelimit_check)
+    apply = rl.add_parser("apply", help="validate and apply config files (admin API)")
+    apply.add_argument("files", nargs="+", metavar="FILE")
+    apply.add_argument("--dry-run", action="store_true", help="validate only")
+    _add_common_admin(apply)
+    apply.set_defaults(func=cmd_ratelimit_apply)
+    get = rl.add_parser("get", help="print the live rate-limit config (admin API)")
+    _add_common_admin(get)
+    get.set_defaults(func=cmd_ratelimit_get)
+    delete = rl.add_parser("delete", help="remove a domain applied through the admin API")
+    delete.add_argument("domain")
+    _add_common_admin(delete)
+    delete.set_defaults(func=cmd_ratelimit_delete)
 
     dev = sub.add_parser("dev", help="run sitsmesh with a local Envoy and demo upstream")
     dev.add_argument("--run-dir", default=".run", help="state and logs (default .run)")

@@ -72,6 +72,15 @@ class Settings:
     drain_seconds: float = 5.0
     grace_seconds: float = 10.0
     admin_token_file: Path | None = None
+    ratelimit_config: tuple[Path, ...] = ()
+    ratelimit_store: str = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_timeout_ms: int = 50
+    on_store_error: str = "allow"
+    store_replicas: int = 1
+    ratelimit_shadow_mode: bool = False
+    ratelimit_max_descriptors: int = 64
+    reload_interval_seconds: float = 1.0
     config_file: Path | None = None
 
     @property
@@ -82,6 +91,7 @@ class Settings:
     def config_version(self) -> str:
         """Digest of the effective settings, so operators can tell two configs apart."""
         data = {k: str(v) for k, v in asdict(self).items() if k != "config_file"}
+        data["redis_url"] = hashlib.sha256(self.redis_url.encode()).hexdigest()
         blob = json.dumps(data, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -123,6 +133,31 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     return parse
 
 
+def _bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {raw!r}")
+
+
+def _paths(raw: Any) -> tuple[Path, ...]:
+    """A list (YAML) or an os.pathsep-separated string (env, repeated flags)."""
+    items = raw if isinstance(raw, list) else str(raw).split(os.pathsep)
+    if not all(isinstance(i, str) for i in items):
+        raise ValueError(f"expected paths, got {raw!r}")
+    return tuple(Path(i).expanduser() for i in items if i)
+
+
+def _redis_url(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {raw!r}")
+    return raw
+
+
 def _address(raw: Any) -> Address:
     if not isinstance(raw, str):
         raise ValueError(f"expected HOST:PORT as a string, got {raw!r}")
@@ -146,6 +181,15 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "drain_seconds": _seconds,
     "grace_seconds": _seconds,
     "admin_token_file": _path,
+    "ratelimit_config": _paths,
+    "ratelimit_store": _choice(("memory", "redis")),
+    "redis_url": _redis_url,
+    "redis_timeout_ms": _int_range(1, 10_000),
+    "on_store_error": _choice(("allow", "deny", "local")),
+    "store_replicas": _int_range(1, 10_000),
+    "ratelimit_shadow_mode": _bool,
+    "ratelimit_max_descriptors": _int_range(1, 100_000),
+    "reload_interval_seconds": _seconds,
 }
 FILE_KEYS = tuple(PARSERS)
 
@@ -219,4 +263,6 @@ def load_settings(
 
 def describe(settings: Settings) -> dict[str, str]:
     """Settings as plain strings, for logs and status output (holds no secrets)."""
-    return {f.name: str(getattr(settings, f.name)) for f in fields(settings)}
+    hidden = {"redis_url"}  # may carry a password
+    return {f.name: str(getattr(settings, f.name)) for f in fields(settings)
+            if f.name not in hidden}

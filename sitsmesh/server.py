@@ -24,6 +24,7 @@ from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.config import Settings, describe
 from sitsmesh.errors import StartupError
 from sitsmesh.metrics import MULTIPROC_ENV, RpcMetrics, new_registry
+from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.state import SqliteStore
 from sitsmesh.status import ServiceState, Serving, StatusBoard
 from sitsmesh.transport.admin import AdminServicer
@@ -62,7 +63,8 @@ def _host(addr: str) -> str:
 
 
 async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetrics,
-                      reuseport: bool) -> tuple[aio.Server, str]:
+                      reuseport: bool, services: list[wiring.DataService]
+                      ) -> tuple[aio.Server, str]:
     server = aio.server(
         interceptors=[metrics.interceptor("data")],
         options=[("grpc.so_reuseport", int(reuseport))],
@@ -70,7 +72,6 @@ async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetric
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     board.add_listener(_health_listener(health, "data"))
-    services = wiring.data_services(settings)
     for service in services:
         service.add_to_server(server)
     names: Sequence[str] = [s.name for s in services]
@@ -84,7 +85,8 @@ async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetric
 
 
 async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMetrics,
-                       store: SqliteStore, auth: BearerTokenInterceptor, bound: dict[str, str]
+                       store: SqliteStore, ratelimit: ConfigManager,
+                       auth: BearerTokenInterceptor, bound: dict[str, str]
                        ) -> tuple[aio.Server, str]:
     # Auth runs first: the metrics interceptor caches handlers per method.
     server = aio.server(
@@ -92,7 +94,7 @@ async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMe
         options=[("grpc.so_reuseport", 0)],
     )
     admin_pb2_grpc.add_AdminServicer_to_server(
-        AdminServicer(settings, board, store, bound), server)
+        AdminServicer(settings, board, store, bound, ratelimit), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     board.add_listener(_health_listener(health, "admin"))
@@ -104,9 +106,11 @@ async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMe
     return server, f"{_host(str(settings.admin_addr))}:{port}"
 
 
-def _stop_event() -> asyncio.Event:
+def _stop_event(on_hup: Callable[[], None] | None = None) -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    if on_hup is not None:
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
 
     def on_signal(signame: str) -> None:
         if stop.is_set():
@@ -129,20 +133,37 @@ async def _drain_and_stop(settings: Settings, board: StatusBoard,
     await asyncio.gather(*(s.stop(settings.grace_seconds) for s in servers))
 
 
+def _reload_on_hup(component: wiring.RateLimitComponent) -> Callable[[], None]:
+    tasks: set[asyncio.Task[bool]] = set()
+
+    def on_hup() -> None:
+        task = asyncio.get_running_loop().create_task(component.config.reload("SIGHUP"))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    return on_hup
+
+
 async def run_worker(settings: Settings, index: int,
                      on_ready: Callable[[], None] = lambda: None) -> int:
     """A data-plane worker: the data server only, sharing the port with its siblings."""
     structlog_ctx = {"worker": index, "pid": os.getpid()}
     board = StatusBoard()
-    stop = _stop_event()
+    # Reads the configs the supervisor's admin API persists; WAL lets both open it.
+    state = SqliteStore(settings.state_dir / "state.db")
     # Values go to the multiprocess files the supervisor's /metrics aggregates.
-    metrics = RpcMetrics(None)
-    server, data = await _start_data(settings, board, metrics, reuseport=True)
+    component = wiring.RateLimitComponent(settings, state, None, board, serve=True)
+    stop = _stop_event(_reload_on_hup(component))
+    await component.start()
+    server, data = await _start_data(settings, board, RpcMetrics(None), reuseport=True,
+                                     services=component.services())
     board.set_all(Serving.SERVING)
     on_ready()
     _log.info("worker serving", data_addr=data, **structlog_ctx)
     await stop.wait()
     await _drain_and_stop(settings, board, [server])
+    await component.stop()
+    await state.close()
     _log.info("worker stopped", **structlog_ctx)
     return 0
 
@@ -170,7 +191,6 @@ def _start_pool(settings: Settings, board: StatusBoard) -> WorkerPool:
 async def run(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; return the exit code. Preflight has already passed."""
     board = StatusBoard()
-    stop = _stop_event()
     registry: CollectorRegistry = new_registry()
     # In multiprocess mode the collector reads every process's files, this one's too,
     # so registering live metrics as well would export each series twice.
@@ -181,6 +201,17 @@ async def run(settings: Settings) -> int:
                             registry=metric_registry)
 
     store = SqliteStore(settings.state_dir / "state.db")
+    component = wiring.RateLimitComponent(settings, store, metric_registry, board,
+                                          serve=settings.workers == 1)
+    pools: list[WorkerPool] = []
+    reload_here = _reload_on_hup(component)
+
+    def on_hup() -> None:
+        reload_here()
+        for running in pools:  # each worker reloads its own snapshot
+            running.signal(signal.SIGHUP)
+
+    stop = _stop_event(on_hup)
     token, created = admintoken.load_or_create(settings.token_path, os.environ)
     if created:
         _log.info("admin token created", path=str(settings.token_path))
@@ -190,21 +221,22 @@ async def run(settings: Settings) -> int:
     pool: WorkerPool | None = None
     httpd = None
     try:
+        await component.start()
         if settings.workers == 1:
             data_server, bound["data"] = await _start_data(
-                settings, board, rpc_metrics, reuseport=False)
+                settings, board, rpc_metrics, reuseport=False, services=component.services())
             servers.append(data_server)
         else:
             bound["data"] = str(settings.data_addr)
-            for name in ["", *(s.name for s in wiring.data_services(settings))]:
-                board.register(name, "data")
+            board.register("", "data")
         admin_server, bound["admin"] = await _start_admin(
-            settings, board, metrics=rpc_metrics, store=store,
+            settings, board, metrics=rpc_metrics, store=store, ratelimit=component.config,
             auth=BearerTokenInterceptor(token, on_reject=auth_failures.inc), bound=bound)
         servers.append(admin_server)
         httpd, bound["metrics"] = _start_metrics(settings, registry)
         if settings.workers > 1:
             pool = _start_pool(settings, board)
+            pools.append(pool)
         board.set_all(Serving.SERVING)
         _log.info("serving", version=__version__, pid=os.getpid(), bound=bound,
                   workers=settings.workers, config_version=settings.config_version,
@@ -222,6 +254,7 @@ async def run(settings: Settings) -> int:
         if httpd is not None:
             httpd.shutdown()
             httpd.server_close()
+        await component.stop()
         await store.close()
     _log.info("stopped", clean=clean)
     return 0 if clean else 1

@@ -53,6 +53,12 @@ class StatusBoard:
         self._services[name] = ServiceState(name, server, state)
         self._notify(self._services[name])
 
+    def set(self, name: str, state: Serving) -> None:
+        service = self._services[name]
+        if service.state is not state:
+            service.state = state
+            self._notify(service)
+
     def set_all(self, state: Serving, server: str | None = None) -> None:
         for service in self._services.values():
             if server is None or service.server == server:

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from grpc import aio
+from prometheus_client import CollectorRegistry, Gauge
 
+from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from sitsmesh.config import Settings
+from sitsmesh.ratelimit.limiter import RateLimiter
+from sitsmesh.ratelimit.memory import MemoryStore
+from sitsmesh.ratelimit.metrics import RuleMetrics
+from sitsmesh.ratelimit.reload import ConfigManager
+from sitsmesh.ratelimit.store import CounterStore
+from sitsmesh.state import StateStore
+from sitsmesh.status import Serving, StatusBoard
+from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
+from sitsmesh.transport.ratelimit import RateLimitServicer
+
+STORE_HEALTH = "sitsmesh.ratelimit.store"
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,11 +33,65 @@ class DataService:
     add_to_server: Callable[[aio.Server], None]
 
 
-def data_services(settings: Settings) -> list[DataService]:
-    """Services the data plane carries besides health and reflection.
+def _counter_store(settings: Settings, registry: CollectorRegistry | None,
+                   board: StatusBoard) -> CounterStore:
+    if settings.ratelimit_store == "memory":
+        return MemoryStore()
+    from sitsmesh.ratelimit.redis_store import RedisStore
+    from sitsmesh.ratelimit.resilient import ResilientStore, StoreErrorPolicy
 
-    Envoy-facing services (ext_authz, ratelimit, access log) are added here as
-    they are built; health reports a status for each one by name.
-    """
-    del settings
-    return []
+    up = Gauge("sitsmesh_ratelimit_store_up", "1 while the shared counter store answers.",
+               registry=registry, multiprocess_mode="min")
+    up.set(1)
+
+    def on_health(healthy: bool) -> None:
+        up.set(1 if healthy else 0)
+        board.set(STORE_HEALTH, Serving.SERVING if healthy else Serving.NOT_SERVING)
+
+    timeout = settings.redis_timeout_ms / 1000
+    return ResilientStore(RedisStore.from_url(settings.redis_url, timeout_s=timeout),
+                          StoreErrorPolicy(settings.on_store_error), timeout_s=timeout,
+                          replicas=settings.store_replicas, on_health=on_health)
+
+
+class RateLimitComponent:
+    """Config snapshots for every process; counting only where the data plane runs."""
+
+    def __init__(self, settings: Settings, state: StateStore,
+                 registry: CollectorRegistry | None, board: StatusBoard, *,
+                 serve: bool) -> None:
+        self._settings = settings
+        self.config = ConfigManager(settings.ratelimit_config, state, registry)
+        self.store: CounterStore | None = None
+        self.limiter: RateLimiter | None = None
+        self._board = board
+        self._watch: asyncio.Task[None] | None = None
+        if serve:
+            self.store = _counter_store(settings, registry, board)
+            self.limiter = RateLimiter(
+                self.config.holder, self.store, RuleMetrics(registry),
+                global_shadow=settings.ratelimit_shadow_mode,
+                max_descriptors=settings.ratelimit_max_descriptors)
+
+    def services(self) -> list[DataService]:
+        if self.limiter is None:
+            return []
+        servicer = RateLimitServicer(self.limiter)
+        services = [DataService(RATELIMIT_SERVICE, lambda server: (
+            rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, server)))]
+        if self._settings.ratelimit_store == "redis":
+            services.append(DataService(STORE_HEALTH, lambda server: None))
+        return services
+
+    async def start(self) -> None:
+        await self.config.reload("startup")
+        self._watch = asyncio.get_running_loop().create_task(
+            self.config.watch(self._settings.reload_interval_seconds))
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        if self.store is not None:
+            await self.store.close()

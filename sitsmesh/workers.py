@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import signal
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -81,6 +82,11 @@ class WorkerPool:
                     self._restarts[index] += 1
                     self._spawn(index)
                     self._on_change(self.all_alive())
+
+    def signal(self, signum: int) -> None:
+        for proc in self._procs:
+            if proc is not None and proc.is_alive() and proc.pid:
+                os.kill(proc.pid, signum)
 
     def terminate(self) -> None:
         """Ask every worker to drain and stop; each runs its own graceful shutdown."""

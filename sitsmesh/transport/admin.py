@@ -5,13 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
+import grpc
 from grpc import aio
 
-from sitsmesh import __version__
+from sitsmesh import __version__, logs
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.config import Settings
+from sitsmesh.errors import SitsmeshError
+from sitsmesh.ratelimit.reload import ConfigManager, version_of
 from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
+from sitsmesh.transport.errors import grpc_status
+
+_log = logs.get("sitsmesh.admin")
 
 _STATES = {
     Serving.SERVING: admin_pb2.SERVING,
@@ -22,8 +28,9 @@ _STATES = {
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, settings: Settings, board: StatusBoard, store: StateStore,
-                 bound: dict[str, str]) -> None:
+                 bound: dict[str, str], ratelimit: ConfigManager) -> None:
         self._settings = settings
+        self._ratelimit = ratelimit
         self._board = board
         self._store = store
         self._bound = bound
@@ -52,3 +59,47 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 for w in self._board.workers()
             ],
         )
+
+    async def ApplyRateLimitConfig(
+        self, request: admin_pb2.ApplyRateLimitConfigRequest,
+        context: aio.ServicerContext[Any, Any],
+    ) -> admin_pb2.ApplyRateLimitConfigResponse:
+        if not request.files:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no files to apply")
+        names = [f.name or f"file{i}" for i, f in enumerate(request.files)]
+        try:
+            config, domains = await self._ratelimit.apply(
+                [(n, f.yaml) for n, f in zip(names, request.files, strict=True)],
+                dry_run=request.dry_run)
+        except SitsmeshError as exc:
+            await context.abort(grpc_status(exc.code), exc.message)
+            raise
+        _log.info("rate-limit config applied" if not request.dry_run
+                  else "rate-limit config dry run passed", domains=domains)
+        return admin_pb2.ApplyRateLimitConfigResponse(
+            domains=domains, config_version=version_of(config), applied=not request.dry_run)
+
+    async def GetRateLimitConfig(
+        self, request: admin_pb2.GetRateLimitConfigRequest,
+        context: aio.ServicerContext[Any, Any],
+    ) -> admin_pb2.GetRateLimitConfigResponse:
+        config = self._ratelimit.holder.current
+        return admin_pb2.GetRateLimitConfigResponse(
+            domains=[admin_pb2.RateLimitDomain(domain=d, source=config.sources[d],
+                                               yaml=config.texts[d])
+                     for d in sorted(config.domains)],
+            config_version=self._ratelimit.version)
+
+    async def DeleteRateLimitConfig(
+        self, request: admin_pb2.DeleteRateLimitConfigRequest,
+        context: aio.ServicerContext[Any, Any],
+    ) -> admin_pb2.DeleteRateLimitConfigResponse:
+        try:
+            deleted = await self._ratelimit.delete(request.domain)
+        except SitsmeshError as exc:
+            await context.abort(grpc_status(exc.code), exc.message)
+            raise
+        if not deleted:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no rate-limit domain '{request.domain}' applied through the API")
+        return admin_pb2.DeleteRateLimitConfigResponse()

@@ -25,23 +25,39 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dsitsmesh/admin/v1/admin.proto\x12\x11sitsmesh.admin.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x12\n\x10GetStatusRequest\"]\n\rServiceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06server\x18\x02 \x01(\t\x12.\n\x05state\x18\x03 \x01(\x0e\x32\x1f.sitsmesh.admin.v1.ServingState\"K\n\x0cWorkerStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x10\n\x08restarts\x18\x04 \x01(\r\"\xbf\x02\n\x11GetStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12.\n\nstarted_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x08services\x18\x04 \x03(\x0b\x32 .sitsmesh.admin.v1.ServiceStatus\x12\x16\n\x0e\x63onfig_version\x18\x05 \x01(\t\x12\x16\n\x0estate_revision\x18\x06 \x01(\x04\x12\x11\n\tdata_addr\x18\x07 \x01(\t\x12\x12\n\nadmin_addr\x18\x08 \x01(\t\x12\x14\n\x0cmetrics_addr\x18\t \x01(\t\x12\x30\n\x07workers\x18\n \x03(\x0b\x32\x1f.sitsmesh.admin.v1.WorkerStatus*Y\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x32_\n\x05\x41\x64min\x12V\n\tGetStatus\x12#.sitsmesh.admin.v1.GetStatusRequest\x1a$.sitsmesh.admin.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dsitsmesh/admin/v1/admin.proto\x12\x11sitsmesh.admin.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"1\n\x13RateLimitConfigFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04yaml\x18\x02 \x01(\t\"e\n\x1b\x41pplyRateLimitConfigRequest\x12\x35\n\x05\x66iles\x18\x01 \x03(\x0b\x32&.sitsmesh.admin.v1.RateLimitConfigFile\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\"X\n\x1c\x41pplyRateLimitConfigResponse\x12\x0f\n\x07\x64omains\x18\x01 \x03(\t\x12\x16\n\x0e\x63onfig_version\x18\x02 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x03 \x01(\x08\"\x1b\n\x19GetRateLimitConfigRequest\"?\n\x0fRateLimitDomain\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04yaml\x18\x03 \x01(\t\"i\n\x1aGetRateLimitConfigResponse\x12\x33\n\x07\x64omains\x18\x01 \x03(\x0b\x32\".sitsmesh.admin.v1.RateLimitDomain\x12\x16\n\x0e\x63onfig_version\x18\x02 \x01(\t\".\n\x1c\x44\x65leteRateLimitConfigRequest\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\"\x1f\n\x1d\x44\x65leteRateLimitConfigResponse\"\x12\n\x10GetStatusRequest\"]\n\rServiceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06server\x18\x02 \x01(\t\x12.\n\x05state\x18\x03 \x01(\x0e\x32\x1f.sitsmesh.admin.v1.ServingState\"K\n\x0cWorkerStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x10\n\x08restarts\x18\x04 \x01(\r\"\xbf\x02\n\x11GetStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12.\n\nstarted_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x08services\x18\x04 \x03(\x0b\x32 .sitsmesh.admin.v1.ServiceStatus\x12\x16\n\x0e\x63onfig_version\x18\x05 \x01(\t\x12\x16\n\x0estate_revision\x18\x06 \x01(\x04\x12\x11\n\tdata_addr\x18\x07 \x01(\t\x12\x12\n\nadmin_addr\x18\x08 \x01(\t\x12\x14\n\x0cmetrics_addr\x18\t \x01(\t\x12\x30\n\x07workers\x18\n \x03(\x0b\x32\x1f.sitsmesh.admin.v1.WorkerStatus*Y\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x32\xc7\x03\n\x05\x41\x64min\x12V\n\tGetStatus\x12#.sitsmesh.admin.v1.GetStatusRequest\x1a$.sitsmesh.admin.v1.GetStatusResponse\x12w\n\x14\x41pplyRateLimitConfig\x12..sitsmesh.admin.v1.ApplyRateLimitConfigRequest\x1a/.sitsmesh.admin.v1.ApplyRateLimitConfigResponse\x12q\n\x12GetRateLimitConfig\x12,.sitsmesh.admin.v1.GetRateLimitConfigRequest\x1a-.sitsmesh.admin.v1.GetRateLimitConfigResponse\x12z\n\x15\x44\x65leteRateLimitConfig\x12/.sitsmesh.admin.v1.DeleteRateLimitConfigRequest\x1a\x30.sitsmesh.admin.v1.DeleteRateLimitConfigResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sitsmesh.admin.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SERVINGSTATE']._serialized_start=599
-  _globals['_SERVINGSTATE']._serialized_end=688
-  _globals['_GETSTATUSREQUEST']._serialized_start=85
-  _globals['_GETSTATUSREQUEST']._serialized_end=103
-  _globals['_SERVICESTATUS']._serialized_start=105
-  _globals['_SERVICESTATUS']._serialized_end=198
-  _globals['_WORKERSTATUS']._serialized_start=200
-  _globals['_WORKERSTATUS']._serialized_end=275
-  _globals['_GETSTATUSRESPONSE']._serialized_start=278
-  _globals['_GETSTATUSRESPONSE']._serialized_end=597
-  _globals['_ADMIN']._serialized_start=690
-  _globals['_ADMIN']._serialized_end=785
+  _globals['_SERVINGSTATE']._serialized_start=1125
+  _globals['_SERVINGSTATE']._serialized_end=1214
+  _globals['_RATELIMITCONFIGFILE']._serialized_start=85
+  _globals['_RATELIMITCONFIGFILE']._serialized_end=134
+  _globals['_APPLYRATELIMITCONFIGREQUEST']._serialized_start=136
+  _globals['_APPLYRATELIMITCONFIGREQUEST']._serialized_end=237
+  _globals['_APPLYRATELIMITCONFIGRESPONSE']._serialized_start=239
+  _globals['_APPLYRATELIMITCONFIGRESPONSE']._serialized_end=327
+  _globals['_GETRATELIMITCONFIGREQUEST']._serialized_start=329
+  _globals['_GETRATELIMITCONFIGREQUEST']._serialized_end=356
+  _globals['_RATELIMITDOMAIN']._serialized_start=358
+  _globals['_RATELIMITDOMAIN']._serialized_end=421
+  _globals['_GETRATELIMITCONFIGRESPONSE']._serialized_start=423
+  _globals['_GETRATELIMITCONFIGRESPONSE']._serialized_end=528
+  _globals['_DELETERATELIMITCONFIGREQUEST']._serialized_start=530
+  _globals['_DELETERATELIMITCONFIGREQUEST']._serialized_end=576
+  _globals['_DELETERATELIMITCONFIGRESPONSE']._serialized_start=578
+  _globals['_DELETERATELIMITCONFIGRESPONSE']._serialized_end=609
+  _globals['_GETSTATUSREQUEST']._serialized_start=611
+  _globals['_GETSTATUSREQUEST']._serialized_end=629
+  _globals['_SERVICESTATUS']._serialized_start=631
+  _globals['_SERVICESTATUS']._serialized_end=724
+  _globals['_WORKERSTATUS']._serialized_start=726
+  _globals['_WORKERSTATUS']._serialized_end=801
+  _globals['_GETSTATUSRESPONSE']._serialized_start=804
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1123
+  _globals['_ADMIN']._serialized_start=1217
+  _globals['_ADMIN']._serialized_end=1672
 # @@protoc_insertion_point(module_scope)

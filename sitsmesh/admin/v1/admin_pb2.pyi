@@ -21,6 +21,64 @@ SERVING: ServingState
 NOT_SERVING: ServingState
 DRAINING: ServingState
 
+class RateLimitConfigFile(_message.Message):
+    __slots__ = ("name", "yaml")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    YAML_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    yaml: str
+    def __init__(self, name: _Optional[str] = ..., yaml: _Optional[str] = ...) -> None: ...
+
+class ApplyRateLimitConfigRequest(_message.Message):
+    __slots__ = ("files", "dry_run")
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[RateLimitConfigFile]
+    dry_run: bool
+    def __init__(self, files: _Optional[_Iterable[_Union[RateLimitConfigFile, _Mapping]]] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class ApplyRateLimitConfigResponse(_message.Message):
+    __slots__ = ("domains", "config_version", "applied")
+    DOMAINS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    domains: _containers.RepeatedScalarFieldContainer[str]
+    config_version: str
+    applied: bool
+    def __init__(self, domains: _Optional[_Iterable[str]] = ..., config_version: _Optional[str] = ..., applied: _Optional[bool] = ...) -> None: ...
+
+class GetRateLimitConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RateLimitDomain(_message.Message):
+    __slots__ = ("domain", "source", "yaml")
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    YAML_FIELD_NUMBER: _ClassVar[int]
+    domain: str
+    source: str
+    yaml: str
+    def __init__(self, domain: _Optional[str] = ..., source: _Optional[str] = ..., yaml: _Optional[str] = ...) -> None: ...
+
+class GetRateLimitConfigResponse(_message.Message):
+    __slots__ = ("domains", "config_version")
+    DOMAINS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_VERSION_FIELD_NUMBER: _ClassVar[int]
+    domains: _containers.RepeatedCompositeFieldContainer[RateLimitDomain]
+    config_version: str
+    def __init__(self, domains: _Optional[_Iterable[_Union[RateLimitDomain, _Mapping]]] = ..., config_version: _Optional[str] = ...) -> None: ...
+
+class DeleteRateLimitConfigRequest(_message.Message):
+    __slots__ = ("domain",)
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    domain: str
+    def __init__(self, domain: _Optional[str] = ...) -> None: ...
+
+class DeleteRateLimitConfigResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

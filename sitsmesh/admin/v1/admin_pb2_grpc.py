@@ -39,6 +39,21 @@ class AdminStub:
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.ApplyRateLimitConfig = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/ApplyRateLimitConfig',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyRateLimitConfigRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyRateLimitConfigResponse.FromString,
+                _registered_method=True)
+        self.GetRateLimitConfig = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/GetRateLimitConfig',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetRateLimitConfigRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetRateLimitConfigResponse.FromString,
+                _registered_method=True)
+        self.DeleteRateLimitConfig = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/DeleteRateLimitConfig',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -52,6 +67,28 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyRateLimitConfig(self, request, context):
+        """Validate rate-limit config files (envoyproxy/ratelimit format) together with
+        the live ones; unless dry_run, persist them and make them live everywhere.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRateLimitConfig(self, request, context):
+        """The live rate-limit config, domain by domain, as loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteRateLimitConfig(self, request, context):
+        """Remove a domain applied through the API (file domains are changed in their files).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +96,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetStatusRequest.FromString,
                     response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'ApplyRateLimitConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyRateLimitConfig,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyRateLimitConfigRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyRateLimitConfigResponse.SerializeToString,
+            ),
+            'GetRateLimitConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRateLimitConfig,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetRateLimitConfigRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetRateLimitConfigResponse.SerializeToString,
+            ),
+            'DeleteRateLimitConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteRateLimitConfig,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +140,87 @@ class Admin:
             '/sitsmesh.admin.v1.Admin/GetStatus',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetStatusRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyRateLimitConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/ApplyRateLimitConfig',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyRateLimitConfigRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyRateLimitConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRateLimitConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/GetRateLimitConfig',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetRateLimitConfigRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetRateLimitConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteRateLimitConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/DeleteRateLimitConfig',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,

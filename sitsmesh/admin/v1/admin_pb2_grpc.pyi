@@ -37,6 +37,14 @@ class AdminStub:
     """Process-level status: version, uptime, per-service serving state and
     the version of the configuration in force.
     """
+    ApplyRateLimitConfig: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ApplyRateLimitConfigRequest, _admin_pb2.ApplyRateLimitConfigResponse]
+    """Validate rate-limit config files (envoyproxy/ratelimit format) together with
+    the live ones; unless dry_run, persist them and make them live everywhere.
+    """
+    GetRateLimitConfig: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetRateLimitConfigRequest, _admin_pb2.GetRateLimitConfigResponse]
+    """The live rate-limit config, domain by domain, as loaded."""
+    DeleteRateLimitConfig: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteRateLimitConfigRequest, _admin_pb2.DeleteRateLimitConfigResponse]
+    """Remove a domain applied through the API (file domains are changed in their files)."""
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -45,6 +53,14 @@ class AdminAsyncStub(AdminStub):
     """Process-level status: version, uptime, per-service serving state and
     the version of the configuration in force.
     """
+    ApplyRateLimitConfig: _aio.UnaryUnaryMultiCallable[_admin_pb2.ApplyRateLimitConfigRequest, _admin_pb2.ApplyRateLimitConfigResponse]  # type: ignore[assignment]
+    """Validate rate-limit config files (envoyproxy/ratelimit format) together with
+    the live ones; unless dry_run, persist them and make them live everywhere.
+    """
+    GetRateLimitConfig: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetRateLimitConfigRequest, _admin_pb2.GetRateLimitConfigResponse]  # type: ignore[assignment]
+    """The live rate-limit config, domain by domain, as loaded."""
+    DeleteRateLimitConfig: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteRateLimitConfigRequest, _admin_pb2.DeleteRateLimitConfigResponse]  # type: ignore[assignment]
+    """Remove a domain applied through the API (file domains are changed in their files)."""
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -56,5 +72,31 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         """Process-level status: version, uptime, per-service serving state and
         the version of the configuration in force.
         """
+
+    @_abc_1.abstractmethod
+    def ApplyRateLimitConfig(
+        self,
+        request: _admin_pb2.ApplyRateLimitConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ApplyRateLimitConfigResponse, _abc.Awaitable[_admin_pb2.ApplyRateLimitConfigResponse]]:
+        """Validate rate-limit config files (envoyproxy/ratelimit format) together with
+        the live ones; unless dry_run, persist them and make them live everywhere.
+        """
+
+    @_abc_1.abstractmethod
+    def GetRateLimitConfig(
+        self,
+        request: _admin_pb2.GetRateLimitConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetRateLimitConfigResponse, _abc.Awaitable[_admin_pb2.GetRateLimitConfigResponse]]:
+        """The live rate-limit config, domain by domain, as loaded."""
+
+    @_abc_1.abstractmethod
+    def DeleteRateLimitConfig(
+        self,
+        request: _admin_pb2.DeleteRateLimitConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.DeleteRateLimitConfigResponse, _abc.Awaitable[_admin_pb2.DeleteRateLimitConfigResponse]]:
+        """Remove a domain applied through the API (file domains are changed in their files)."""
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,1 @@
+"""Global rate limiting: envoyproxy/ratelimit's config format and answers, and more."""

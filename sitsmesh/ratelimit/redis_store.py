@@ -1,0 +1,205 @@
+"""Redis counter store: every counter of one request in one pipelined round trip.
+
+Each counter is one EVALSHA of a small Lua script, so its read-decide-write
+is atomic in Redis, and the script returns the state it read so the answer is
+computed by the same functions in `store.py` that MemoryStore uses: the two
+stores cannot disagree on a `Count` for the same state. Values that decide
+the outcome (window start, sliding weight, GCRA interval) are computed in
+Python exactly as the reference does and passed in, because Lua 5.1's `%`
+rounds differently from Python's at window edges.
+
+Expiry is relative (PEXPIRE / SET PX, computed from the caller's `now`), not
+absolute: the caller's clock need not agree with the Redis server's, and a
+key set with an absolute time in the server's past would vanish at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError
+
+from sitsmesh.ratelimit.config import Algorithm
+from sitsmesh.ratelimit.store import Count, Hit, fixed_window, gcra, sliding_window
+
+DEFAULT_PREFIX = "sitsmesh:rl:"
+
+# KEYS[1] counter. ARGV: addend, ttl_ms. Returns the count after this hit.
+# The hit is counted even when over, as in the reference; addend 0 only reads.
+_FIXED_LUA = """
+local addend = tonumber(ARGV[1])
+if addend == 0 then
+  return tonumber(redis.call('GET', KEYS[1]) or '0')
+end
+local after = redis.call('INCRBY', KEYS[1], addend)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return after
+"""
+
+# KEYS[1] current window, KEYS[2] previous window. ARGV: addend, limit, weight,
+# ttl_ms. Returns {previous, current} as read; a rejected hit is not counted.
+# The expression keeps sliding_window's operation order so the doubles match.
+_SLIDING_LUA = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local previous = tonumber(redis.call('GET', KEYS[2]) or '0')
+local addend = tonumber(ARGV[1])
+if addend ~= 0 and previous * tonumber(ARGV[3]) + current + addend <= tonumber(ARGV[2]) then
+  redis.call('INCRBY', KEYS[1], addend)
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+end
+return {previous, current}
+"""
+
+# KEYS[1] theoretical arrival time. ARGV: now, interval, addend, window_s.
+# Returns the stored TAT as read (nil when absent). %.17g round-trips a double.
+_GCRA_LUA = """
+local raw = redis.call('GET', KEYS[1])
+local addend = tonumber(ARGV[3])
+if addend ~= 0 then
+  local now = tonumber(ARGV[1])
+  local base = now
+  if raw then base = math.max(tonumber(raw), now) end
+  local tat = base + tonumber(ARGV[2]) * addend
+  if tat - now <= tonumber(ARGV[4]) then
+    local ttl = math.max(1, math.ceil((tat - now) * 1000))
+    redis.call('SET', KEYS[1], string.format('%.17g', tat), 'PX', ttl)
+  end
+end
+return raw
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class _Script:
+    text: str
+    sha: str
+    numkeys: int
+
+
+def _script(text: str, numkeys: int) -> _Script:
+    return _Script(text, hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest(),
+                   numkeys)
+
+
+_FIXED = _script(_FIXED_LUA, 1)
+_SLIDING = _script(_SLIDING_LUA, 2)
+_GCRA = _script(_GCRA_LUA, 1)
+
+_Call = tuple[_Script, tuple[str | int | float, ...]]
+
+
+def _ttl_ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+class RedisStore:
+    """A CounterStore on Redis or Redis Cluster. Errors are raised, never absorbed.
+
+    Keys are `<prefix>{<hit.key>}:<window start>` (GCRA: `<prefix>{<hit.key>}`):
+    the hash tag puts every key of one counter in one cluster slot.
+    """
+
+    __slots__ = ("_client", "_tag_open")
+
+    name = "redis"
+
+    def __init__(self, client: Redis | RedisCluster, *, prefix: str = DEFAULT_PREFIX) -> None:
+        if "{" in prefix or "}" in prefix:
+            # A brace in the prefix would become the hash tag and split counters across slots.
+            raise ValueError(f"redis key prefix must not contain braces: {prefix!r}")
+        self._client = client
+        self._tag_open = prefix + "{"
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, timeout_s: float = 0.05,
+                 cluster: bool = False) -> RedisStore:
+        # No retries: a retry would multiply the time a request waits on a sick
+        # Redis; the caller's error policy answers instead.
+        retry = Retry(NoBackoff(), 0)
+        if cluster:
+            return cls(RedisCluster.from_url(url, socket_timeout=timeout_s,
+                                             socket_connect_timeout=timeout_s, retry=retry),
+                       prefix=prefix)
+        return cls(Redis.from_url(url, socket_timeout=timeout_s,
+                                  socket_connect_timeout=timeout_s, retry=retry),
+                   prefix=prefix)
+
+    def _call(self, hit: Hit, now: float) -> _Call | None:
+        window = hit.window_s
+        if hit.algorithm is Algorithm.GCRA:
+            if hit.limit <= 0:
+                return None
+            return _GCRA, (f"{self._tag_open}{hit.key}}}", now, window / hit.limit,
+                           hit.addend, window)
+        start = now - now % window
+        base = f"{self._tag_open}{hit.key}}}:"
+        if hit.algorithm is Algorithm.FIXED_WINDOW:
+            return _FIXED, (f"{base}{int(start)}", hit.addend, _ttl_ms(start + window - now))
+        weight = 1.0 - (now - start) / window
+        return _SLIDING, (f"{base}{int(start)}", f"{base}{int(start - window)}", hit.addend,
+                          hit.limit, weight, _ttl_ms(start + 2 * window - now))
+
+    async def hit(self, hits: Sequence[Hit], now: float) -> list[Count]:
+        calls = [self._call(hit, now) for hit in hits]
+        queued = [call for call in calls if call is not None]
+        replies: list[object] = []
+        if queued:
+            pipe = self._client.pipeline(transaction=False)
+            for script, args in queued:
+                pipe.evalsha(script.sha, script.numkeys, *args)
+            replies = await pipe.execute(raise_on_error=False)
+            missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+            if missing:
+                await self._resend(queued, replies, missing)
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        answers = iter(replies)
+        return [_count(hit, now, None if call is None else next(answers))
+                for hit, call in zip(hits, calls, strict=True)]
+
+    async def _resend(self, queued: list[_Call], replies: list[object],
+                      missing: list[int]) -> None:
+        # The server lost its script cache (restart, failover, SCRIPT FLUSH). A
+        # NOSCRIPT reply ran nothing, so resending only those is safe; EVAL goes
+        # to the key's own node and caches the script there for later EVALSHAs.
+        pipe = self._client.pipeline(transaction=False)
+        for i in missing:
+            script, args = queued[i]
+            pipe.eval(script.text, script.numkeys, *args)
+        for i, reply in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
+            replies[i] = reply
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _count(hit: Hit, now: float, reply: object) -> Count:
+    if hit.algorithm is Algorithm.FIXED_WINDOW:
+        after = _int(reply)
+        return fixed_window(after - hit.addend, hit, now)[1]
+    if hit.algorithm is Algorithm.SLIDING_WINDOW:
+        if not isinstance(reply, list) or len(reply) != 2:
+            raise TypeError(f"unexpected sliding window reply: {reply!r}")
+        return sliding_window(_int(reply[0]), _int(reply[1]), hit, now)[1]
+    tat = 0.0 if reply is None else float(_text(reply))
+    return gcra(tat, hit, now)[1]
+
+
+def _int(value: object) -> int:
+    if isinstance(value, int):
+        return value
+    return int(_text(value))
+
+
+def _text(value: object) -> str | bytes:
+    if isinstance(value, str | bytes):
+        return value
+    raise TypeError(f"unexpected reply from redis: {value!r}")

@@ -1,0 +1,145 @@
+"""Rate-limit config reloads: from files, from the admin API, on SIGHUP.
+
+A reload builds a whole new snapshot and validates it before the one
+assignment that makes it live; a bad reload keeps the old snapshot, counts the
+error and logs it. Configs applied through the admin API are persisted in the
+state store, so every worker process (and a restart) sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter
+
+from sitsmesh import logs
+from sitsmesh.errors import ConfigError
+from sitsmesh.ratelimit import config as rlconfig
+from sitsmesh.ratelimit.config import RateLimitConfig
+from sitsmesh.ratelimit.limiter import ConfigHolder
+from sitsmesh.state import StateStore
+
+KIND = "ratelimit_config"
+_log = logs.get("sitsmesh.ratelimit.reload")
+
+
+def version_of(config: RateLimitConfig) -> str:
+    digest = hashlib.sha256()
+    for domain in sorted(config.texts):
+        digest.update(f"{domain}\0{config.sources[domain]}\0{config.texts[domain]}\0".encode())
+    return digest.hexdigest()[:12]
+
+
+class ConfigManager:
+    def __init__(self, paths: Sequence[Path], state: StateStore,
+                 registry: CollectorRegistry | None) -> None:
+        self._paths = list(paths)
+        self._state = state
+        self.holder = ConfigHolder(rlconfig.EMPTY)
+        self.version = version_of(rlconfig.EMPTY)
+        self._errors = Counter("sitsmesh_ratelimit_config_load_errors_total",
+                               "Rate-limit config reloads rejected; the old config stays live.",
+                               registry=registry)
+        self._loads = Counter("sitsmesh_ratelimit_config_loads_total",
+                              "Rate-limit config snapshots made live.", registry=registry)
+        self._signature: tuple[object, ...] = ()
+        self._lock = asyncio.Lock()
+
+    async def _applied(self) -> list[tuple[str, str]]:
+        return [(r.body["source"], r.body["yaml"]) for r in await self._state.list(KIND)]
+
+    def _file_signature(self) -> tuple[object, ...]:
+        sig: list[object] = []
+        for path in rlconfig.expand(p for p in self._paths if p.exists()):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            sig.append((str(path), st.st_mtime_ns, st.st_size))
+        return tuple(sig)
+
+    async def build(self, extra: Iterable[tuple[str, str]] = (),
+                    drop_domains: Iterable[str] = ()) -> RateLimitConfig:
+        """Files + applied configs (+ `extra` replacing applied ones by domain), validated."""
+        files = await asyncio.to_thread(rlconfig.read_files, self._paths)
+        extra = list(extra)
+        extra_domains = {rlconfig.parse_domain(src, text)[0] for src, text in extra}
+        dropped = set(drop_domains)
+        applied = []
+        for src, text in await self._applied():
+            domain = rlconfig.parse_domain(src, text)[0]
+            if domain not in extra_domains and domain not in dropped:
+                applied.append((src, text))
+        return rlconfig.build([*files, *applied, *extra])
+
+    async def reload(self, reason: str) -> bool:
+        """Make a fresh snapshot live. False (old snapshot kept) when it is invalid."""
+        async with self._lock:
+            signature = (self._file_signature(), await self._state.revision())
+            try:
+                config = await self.build()
+            except ConfigError as exc:
+                self._errors.inc()
+                self._signature = signature
+                _log.error("rate-limit config rejected; keeping the previous one",
+                           reason=reason, error=exc.message, version=self.version)
+                return False
+            self._signature = signature
+            version = version_of(config)
+            if version != self.version or reason == "startup":
+                self.holder.current = config
+                self.version = version
+                self._loads.inc()
+                _log.info("rate-limit config live", reason=reason, version=version,
+                          domains=sorted(config.domains))
+            return True
+
+    async def watch(self, interval_s: float) -> None:
+        """Poll files and the state store; reload when either changed."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                signature = (self._file_signature(), await self._state.revision())
+            except Exception as exc:  # a transient state-store error must not end the watch
+                _log.warning("config watch failed", error=str(exc))
+                continue
+            if signature != self._signature:
+                await self.reload("changed")
+
+    async def apply(self, files: Sequence[tuple[str, str]], *, dry_run: bool
+                    ) -> tuple[RateLimitConfig, list[str]]:
+        """Validate `files` with everything else; persist and go live unless dry_run."""
+        file_domains = {rlconfig.parse_domain(src, text)[0]: src
+                        for src, text in await asyncio.to_thread(rlconfig.read_files,
+                                                                 self._paths)}
+        named = []
+        for name, text in files:
+            source = f"api:{name}"
+            domain = rlconfig.parse_domain(source, text)[0]
+            if domain in file_domains:
+                raise ConfigError(f"{source}: domain '{domain}' is defined in file "
+                                  f"{file_domains[domain]}; change the file instead")
+            named.append((source, text, domain))
+        config = await self.build([(s, t) for s, t, _ in named])
+        domains = sorted(d for _, _, d in named)
+        if not dry_run:
+            for source, text, domain in named:
+                await self._state.put(KIND, domain, {"source": source, "yaml": text})
+            await self.reload("admin api")
+        return config, domains
+
+    async def delete(self, domain: str) -> bool:
+        if await self._state.get(KIND, domain) is None:
+            return False
+        await self.build(drop_domains=[domain])
+        await self._state.delete(KIND, domain)
+        await self.reload("admin api")
+        return True
+
+
+def paths_from(value: str) -> list[Path]:
+    return [Path(p).expanduser() for p in value.split(os.pathsep) if p]

@@ -1,0 +1,72 @@
+"""envoy.service.ratelimit.v3.RateLimitService: protobuf in, limiter decision out."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.struct_pb2 import Struct
+from grpc import aio
+
+from sitsmesh import logs
+from sitsmesh.errors import SitsmeshError
+from sitsmesh.ratelimit.config import Rule
+from sitsmesh.ratelimit.limiter import Descriptor, RateLimiter
+from sitsmesh.transport.errors import grpc_status
+
+SERVICE_NAME = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
+_OK = rls_pb2.RateLimitResponse.OK
+_OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
+_log = logs.get("sitsmesh.ratelimit")
+
+
+def _duration(seconds: float) -> Duration:
+    whole = math.floor(seconds)
+    return Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+
+
+class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    def __init__(self, limiter: RateLimiter) -> None:
+        self._limiter = limiter
+        # One RateLimit message per rule, built once; rules live as long as their snapshot.
+        self._limits: dict[int, Any] = {}
+
+    def _limit(self, rule: Rule) -> Any:
+        cached = self._limits.get(id(rule))
+        if cached is None or cached[0] is not rule:
+            message = rls_pb2.RateLimitResponse.RateLimit(
+                name=rule.name, requests_per_unit=rule.requests_per_unit, unit=int(rule.unit or 0))
+            if len(self._limits) > 100_000:
+                self._limits.clear()
+            cached = self._limits[id(rule)] = (rule, message)
+        return cached[1]
+
+    async def ShouldRateLimit(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        descriptors = [
+            Descriptor([(e.key, e.value) for e in d.entries],
+                       d.hits_addend.value if d.HasField("hits_addend") else None,
+                       (d.limit.requests_per_unit, d.limit.unit) if d.HasField("limit") else None)
+            for d in request.descriptors
+        ]
+        try:
+            decision = await self._limiter.check(request.domain, descriptors,
+                                                 request.hits_addend)
+        except SitsmeshError as exc:
+            await context.abort(grpc_status(exc.code), exc.message)
+            raise  # abort raises; keeps type checkers honest
+        response = rls_pb2.RateLimitResponse(overall_code=_OVER if decision.over else _OK)
+        for status in decision.statuses:
+            entry = response.statuses.add(code=_OVER if status.over else _OK,
+                                          limit_remaining=status.remaining)
+            if status.rule is not None and not status.rule.unlimited:
+                entry.current_limit.CopyFrom(self._limit(status.rule))
+                entry.duration_until_reset.CopyFrom(_duration(status.reset_s))
+        if decision.metadata:
+            metadata = Struct()
+            metadata.update(decision.metadata)
+            response.dynamic_metadata.CopyFrom(metadata)
+        if decision.over:
+            _log.debug("over limit", domain=request.domain)
+        return response
