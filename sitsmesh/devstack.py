@@ -74,13 +74,14 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
         "upstream_host": "127.0.0.1", "upstream_port": ports.upstream,
         "sitsmesh_host": ports.data_addr.rpartition(":")[0],
         "sitsmesh_port": int(ports.data_addr.rpartition(":")[2]),
-        "health_interval": "1s",
-    }), run_dir / "envoy.yaml")
+        "health_interval": "1s", "ratelimit_domain": "sitsmesh-local",
+    }, fragments=["ratelimit"]), run_dir / "envoy.yaml")
 
     # Embedded defaults: SQLite state in the default state dir, memory stores.
     sitsmesh = subprocess.Popen([str(bin_dir / "sitsmesh"), "serve",
                                  "--data-addr", ports.data_addr, "--log-format", "console",
-                                 "--drain-seconds", "1", *serve_args],
+                                 "--drain-seconds", "1", "--ratelimit-config",
+                                 str(filters_dir / "local" / "ratelimit"), *serve_args],
                                 # Own session: Ctrl-C reaches only us, and we stop
                                 # the children in order.
                                 start_new_session=True)
@@ -104,6 +105,8 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
             (f"curl -s http://127.0.0.1:{ports.listen}/v2/models/demo/infer",
              "via Envoy to the demo upstream"),
             (".venv/bin/sitsmesh status", "admin API, token from the state dir"),
+            (f"curl -si -H 'x-user: alice' http://127.0.0.1:{ports.listen}/ | head -5",
+             "6th in a minute gets 429"),
             (f".venv/bin/sitsmesh health --addr {ports.data_addr}",
              "gRPC health of the data plane"),
             ("curl -s http://127.0.0.1:9464/metrics | grep sitsmesh_", "Prometheus metrics"),

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from grpc import aio
 from prometheus_client import CollectorRegistry, Gauge
 
-from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from sitsmesh.config import Settings
 from sitsmesh.ratelimit.limiter import RateLimiter
 from sitsmesh.ratelimit.memory import MemoryStore
@@ -21,6 +20,7 @@ from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
 from sitsmesh.transport.ratelimit import RateLimitServicer
+from sitsmesh.transport.ratelimit import add_to_server as add_ratelimit
 
 STORE_HEALTH = "sitsmesh.ratelimit.store"
 
@@ -77,8 +77,8 @@ class RateLimitComponent:
         if self.limiter is None:
             return []
         servicer = RateLimitServicer(self.limiter)
-        services = [DataService(RATELIMIT_SERVICE, lambda server: (
-            rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, server)))]
+        services = [DataService(RATELIMIT_SERVICE,
+                                lambda server: add_ratelimit(servicer, server))]
         if self._settings.ratelimit_store == "redis":
             services.append(DataService(STORE_HEALTH, lambda server: None))
         return services

@@ -184,14 +184,17 @@ def envoy_values(sitsmesh_addr: str, upstream_port: int, listen_port: int,
     host, _, port = sitsmesh_addr.rpartition(":")
     return {"envoy_admin_port": admin_port, "listen_port": listen_port,
             "upstream_host": "127.0.0.1", "upstream_port": upstream_port,
-            "sitsmesh_host": host, "sitsmesh_port": int(port), "health_interval": "0.25s"}
+            "sitsmesh_host": host, "sitsmesh_port": int(port), "health_interval": "0.25s",
+            "ratelimit_domain": "sitsmesh-local"}
 
 
 def start_envoy(tmp: Path, sitsmesh_addr: str, upstream_port: int,
-                bootstrap: Path = REPO / "filters" / "local" / "bootstrap.yaml") -> Envoy:
+                bootstrap: Path = REPO / "filters" / "local" / "bootstrap.yaml",
+                fragments: list[str] | None = None) -> Envoy:
     listen, admin = free_port(), free_port()
     config = envoyconf.write(
-        envoyconf.render(bootstrap, envoy_values(sitsmesh_addr, upstream_port, listen, admin)),
+        envoyconf.render(bootstrap, envoy_values(sitsmesh_addr, upstream_port, listen, admin),
+                         fragments),
         tmp / "envoy.yaml")
     base = spawn([ENVOY, "-c", str(config), "--disable-hot-restart", "--log-level", "warn"],
                  tmp / "envoy.log")

@@ -121,16 +121,26 @@ class RateLimiter:
         statuses = [Status(False, None, 0, 0.0) for _ in descriptors]
         hits: list[Hit] = []
         counted: list[tuple[int, Rule, int]] = []
+        oversized: dict[int, Count] = {}
         for i, rule, key, addend in matched:
             if rule.unlimited:
                 if statuses[i].rule is None:
                     statuses[i] = Status(False, rule, UNLIMITED_REMAINING, 0.0)
                 continue
-            counter = f"{key}#{rule.index}" if rule.index else key
-            hits.append(Hit(counter, rule.algorithm, rule.requests_per_unit, rule.window_s,
-                            addend))
+            if addend > rule.requests_per_unit:
+                # Can never fit: answer over limit without letting it swamp the counter
+                # for everyone else in the window.
+                oversized[len(counted)] = Count(True, 0, float(rule.window_s), addend)
+            else:
+                counter = f"{key}#{rule.index}" if rule.index else key
+                hits.append(Hit(counter, rule.algorithm, rule.requests_per_unit,
+                                rule.window_s, addend))
             counted.append((i, rule, addend))
         counts = await self._store.hit(hits, self._clock()) if hits else []
+        if oversized:
+            stored = iter(counts)
+            counts = [oversized[n] if n in oversized else next(stored)
+                      for n in range(len(counted))]
         over_any, violations = self._decide(descriptors, counted, counts, statuses)
         if violations is not None:
             metadata = metadata or {}

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from sitsmesh import logs
 from sitsmesh.ratelimit.memory import MemoryStore
-from sitsmesh.ratelimit.store import CounterStore, Count, Hit
+from sitsmesh.ratelimit.store import Count, CounterStore, Hit
 
 _log = logs.get("sitsmesh.ratelimit.store")
 

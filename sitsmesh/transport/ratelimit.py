@@ -6,7 +6,9 @@ import math
 from typing import Any
 
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+import grpc
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.message import DecodeError
 from google.protobuf.struct_pb2 import Struct
 from grpc import aio
 
@@ -17,9 +19,36 @@ from sitsmesh.ratelimit.limiter import Descriptor, RateLimiter
 from sitsmesh.transport.errors import grpc_status
 
 SERVICE_NAME = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
+_REQUEST = rls_pb2.RateLimitRequest
 _OK = rls_pb2.RateLimitResponse.OK
 _OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
 _log = logs.get("sitsmesh.ratelimit")
+
+
+class _Undecodable:
+    """Stands in for a request protobuf could not parse (for example non-UTF-8 strings)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _deserialize(data: bytes) -> Any:
+    # grpc would answer a parse failure with UNKNOWN and an exception name; callers
+    # deserve INVALID_ARGUMENT and a reason.
+    try:
+        return _REQUEST.FromString(data)
+    except DecodeError as exc:
+        return _Undecodable(str(exc))
+
+
+def add_to_server(servicer: RateLimitServicer, server: aio.Server) -> None:
+    handler = grpc.unary_unary_rpc_method_handler(
+        servicer.ShouldRateLimit, request_deserializer=_deserialize,
+        response_serializer=rls_pb2.RateLimitResponse.SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"ShouldRateLimit": handler}),))
 
 
 def _duration(seconds: float) -> Duration:
@@ -44,6 +73,9 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
         return cached[1]
 
     async def ShouldRateLimit(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        if type(request) is _Undecodable:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "request is not a valid RateLimitRequest (strings must be UTF-8)")
         descriptors = [
             Descriptor([(e.key, e.value) for e in d.entries],
                        d.hits_addend.value if d.HasField("hits_addend") else None,

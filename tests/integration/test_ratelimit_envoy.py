@@ -1,0 +1,50 @@
+"""Real Envoy with envoy.filters.http.ratelimit in front, sitsmesh answering ShouldRateLimit."""
+
+from __future__ import annotations
+
+import signal
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from tests import harness
+
+CONFIG = harness.REPO / "filters" / "local" / "ratelimit"
+
+
+def _get(envoy: harness.Envoy, user: str) -> tuple[int, dict[str, str]]:
+    req = urllib.request.Request(envoy.url("/v2/models/demo/infer"), headers={"x-user": user})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}
+    except urllib.error.HTTPError as err:
+        return err.code, {k.lower(): v for k, v in err.headers.items()}
+
+
+def test_request_over_the_limit_gets_429_with_headers_and_envoy_fails_open(
+    tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh], upstream: int
+) -> None:
+    node = start_sitsmesh("--ratelimit-config", str(CONFIG))
+    envoy = harness.start_envoy(tmp_path, node.data_addr, upstream, fragments=["ratelimit"])
+    try:
+        results = [_get(envoy, "alice") for _ in range(6)]
+        codes = [code for code, _ in results]
+        assert codes == [200, 200, 200, 200, 200, 429], codes
+        code, headers = results[-1]
+        assert headers["x-ratelimit-limit"].startswith("5, 5;w=60")
+        assert headers["x-ratelimit-remaining"] == "0"
+        assert 0 < int(headers["x-ratelimit-reset"]) <= 60
+        first_headers = results[0][1]
+        assert first_headers["x-ratelimit-remaining"] == "4"
+        # Another user has a budget of its own.
+        assert _get(envoy, "bob")[0] == 200
+
+        # sitsmesh down: the filter is configured to fail open.
+        assert node.stop(signal.SIGKILL) != 0
+        assert [_get(envoy, "alice")[0] for _ in range(3)] == [200, 200, 200]
+        stats = envoy.admin_get("/stats?filter=ratelimit")
+        assert "ratelimit.error: " in stats or "ratelimit.failure_mode_allowed" in stats
+    finally:
+        envoy.kill()
+        node.kill()

@@ -1,0 +1,228 @@
+"""RateLimitService and the rate-limit admin API on a real `sitsmesh serve`."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+from tests import harness
+
+Start = Callable[..., harness.Sitsmesh]
+OK, OVER = rls_pb2.RateLimitResponse.OK, rls_pb2.RateLimitResponse.OVER_LIMIT
+
+FILE_CONFIG = """
+domain: files
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 2}
+"""
+API_CONFIG = """
+domain: api
+descriptors:
+  - key: team
+    rate_limit: {unit: hour, requests_per_unit: 1, name: team}
+"""
+
+
+def _desc(key: str, value: str, addend: int | None = None) -> ratelimit_pb2.RateLimitDescriptor:
+    d = ratelimit_pb2.RateLimitDescriptor(
+        entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key=key, value=value)])
+    if addend is not None:
+        d.hits_addend.value = addend
+    return d
+
+
+def _ask(node: harness.Sitsmesh, domain: str, *descs: ratelimit_pb2.RateLimitDescriptor,
+         hits_addend: int = 0) -> rls_pb2.RateLimitResponse:
+    with grpc.insecure_channel(node.data_addr) as channel:
+        reply: rls_pb2.RateLimitResponse = rls_pb2_grpc.RateLimitServiceStub(
+            channel).ShouldRateLimit(rls_pb2.RateLimitRequest(
+                domain=domain, descriptors=list(descs), hits_addend=hits_addend), timeout=5)
+        return reply
+
+
+def _admin(node: harness.Sitsmesh) -> tuple[grpc.Channel, admin_pb2_grpc.AdminStub]:
+    channel = grpc.insecure_channel(node.admin_addr)
+    return channel, admin_pb2_grpc.AdminStub(channel)
+
+
+@pytest.fixture
+def node(start_sitsmesh: Start, tmp_path: Path) -> harness.Sitsmesh:
+    config_dir = tmp_path / "rl"
+    config_dir.mkdir()
+    (config_dir / "files.yaml").write_text(FILE_CONFIG)
+    return start_sitsmesh("--ratelimit-config", str(config_dir),
+                          "--reload-interval-seconds", "0.2")
+
+
+def test_response_fields_for_envoy_headers(node: harness.Sitsmesh) -> None:
+    first = _ask(node, "files", _desc("user", "a"))
+    assert first.overall_code == OK
+    (status,) = first.statuses
+    assert (status.code, status.limit_remaining) == (OK, 1)
+    assert status.current_limit.requests_per_unit == 2
+    assert status.current_limit.unit == rls_pb2.RateLimitResponse.RateLimit.MINUTE
+    assert 0 < status.duration_until_reset.seconds <= 60
+    _ask(node, "files", _desc("user", "a"))
+    third = _ask(node, "files", _desc("user", "a"), _desc("nomatch", "x"))
+    assert third.overall_code == OVER
+    assert [s.code for s in third.statuses] == [OVER, OK]
+    assert not third.statuses[1].HasField("current_limit")
+
+
+@pytest.mark.parametrize(("domain", "count", "message"), [
+    ("", 1, "rate limit domain must not be empty"),
+    ("files", 0, "rate limit descriptor list must not be empty"),
+    ("files", 10_000, "too many descriptors: 10000 > 64"),
+])
+def test_bad_requests_get_invalid_argument(node: harness.Sitsmesh, domain: str, count: int,
+                                           message: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        _ask(node, domain, *[_desc("user", "z")] * count)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == message
+    # Nothing was counted for "z" by the rejected calls.
+    assert _ask(node, "files", _desc("user", "z")).statuses[0].limit_remaining == 1
+
+
+def test_unknown_domain_is_ok_like_the_reference(node: harness.Sitsmesh) -> None:
+    reply = _ask(node, "nobody", _desc("user", "a"))
+    assert reply.overall_code == OK and reply.statuses[0].code == OK
+
+
+def test_huge_hits_addend_is_over_limit_without_corrupting_the_counter(
+    node: harness.Sitsmesh,
+) -> None:
+    assert _ask(node, "files", _desc("user", "h"), hits_addend=2**32 - 1).overall_code == OVER
+    assert _ask(node, "files", _desc("user", "h")).statuses[0].limit_remaining == 1
+    with pytest.raises(grpc.RpcError) as err:
+        _ask(node, "files", _desc("user", "h", addend=2**40))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_non_utf8_values_get_invalid_argument(node: harness.Sitsmesh) -> None:
+    with grpc.insecure_channel(node.data_addr) as channel:
+        raw = channel.unary_unary("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit")
+        # domain "files", one descriptor whose entry value is the single byte 0xff.
+        body = b"\x0a\x05files" + b"\x12\x0b\x0a\x09\x0a\x04user\x12\x01\xff"
+        with pytest.raises(grpc.RpcError) as err:
+            raw(body, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UTF-8" in (err.value.details() or "")
+    assert _ask(node, "files", _desc("user", "after")).overall_code == OK
+
+
+def test_admin_apply_dry_run_get_delete(node: harness.Sitsmesh) -> None:
+    channel, admin = _admin(node)
+    meta = node.admin_metadata()
+    with channel:
+        dry = admin.ApplyRateLimitConfig(admin_pb2.ApplyRateLimitConfigRequest(
+            files=[admin_pb2.RateLimitConfigFile(name="api.yaml", yaml=API_CONFIG)],
+            dry_run=True), metadata=meta, timeout=5)
+        assert (list(dry.domains), dry.applied) == (["api"], False)
+        assert _ask(node, "api", _desc("team", "t")).statuses[0].HasField("current_limit") is False
+
+        with pytest.raises(grpc.RpcError) as err:
+            admin.ApplyRateLimitConfig(admin_pb2.ApplyRateLimitConfigRequest(
+                files=[admin_pb2.RateLimitConfigFile(name="bad.yaml", yaml="domain: api\n"
+                                                     "descriptors: [{key: k, rate_limit: "
+                                                     "{unit: second}}]\n")]),
+                metadata=meta, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith("api:bad.yaml: rate limit has no")
+
+        with pytest.raises(grpc.RpcError) as err:
+            admin.ApplyRateLimitConfig(admin_pb2.ApplyRateLimitConfigRequest(
+                files=[admin_pb2.RateLimitConfigFile(name="x.yaml", yaml=FILE_CONFIG)]),
+                metadata=meta, timeout=5)
+        assert "is defined in file" in (err.value.details() or "")
+
+        applied = admin.ApplyRateLimitConfig(admin_pb2.ApplyRateLimitConfigRequest(
+            files=[admin_pb2.RateLimitConfigFile(name="api.yaml", yaml=API_CONFIG)]),
+            metadata=meta, timeout=5)
+        assert applied.applied
+        assert _ask(node, "api", _desc("team", "t")).overall_code == OK
+        assert _ask(node, "api", _desc("team", "t")).overall_code == OVER
+
+        live = admin.GetRateLimitConfig(admin_pb2.GetRateLimitConfigRequest(),
+                                        metadata=meta, timeout=5)
+        assert {(d.domain, d.source) for d in live.domains} == {
+            ("api", "api:api.yaml"), ("files", str(node.state_dir.parent / "rl" / "files.yaml"))}
+        assert live.config_version == applied.config_version
+
+        admin.DeleteRateLimitConfig(admin_pb2.DeleteRateLimitConfigRequest(domain="api"),
+                                    metadata=meta, timeout=5)
+        with pytest.raises(grpc.RpcError) as err:
+            admin.DeleteRateLimitConfig(admin_pb2.DeleteRateLimitConfigRequest(domain="api"),
+                                        metadata=meta, timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert _ask(node, "api", _desc("team", "t")).overall_code == OK
+
+
+def test_applied_config_survives_restart(start_sitsmesh: Start, tmp_path: Path) -> None:
+    node = start_sitsmesh(name="persist")
+    channel, admin = _admin(node)
+    with channel:
+        admin.ApplyRateLimitConfig(admin_pb2.ApplyRateLimitConfigRequest(
+            files=[admin_pb2.RateLimitConfigFile(name="api.yaml", yaml=API_CONFIG)]),
+            metadata=node.admin_metadata(), timeout=5)
+    assert node.stop() == 0
+    again = start_sitsmesh(name="persist")
+    assert again.state_dir == node.state_dir
+    _ask(again, "api", _desc("team", "t"))
+    assert _ask(again, "api", _desc("team", "t")).overall_code == OVER
+
+
+def test_file_change_reloads_and_a_bad_file_keeps_the_old_config(
+    node: harness.Sitsmesh, tmp_path: Path
+) -> None:
+    config = tmp_path / "rl" / "files.yaml"
+    config.write_text(FILE_CONFIG.replace("requests_per_unit: 2", "requests_per_unit: 1"))
+    harness.wait_until(lambda: _ask(node, "files", _desc("user", "r"), hits_addend=0)
+                       .statuses[0].current_limit.requests_per_unit == 1, 10, "reload")
+    config.write_text(FILE_CONFIG.replace("rate_limit:", "rate_limitt:"))
+    harness.wait_until(lambda: harness.metric_value(
+        node.metrics(), "sitsmesh_ratelimit_config_load_errors_total") >= 1, 10, "rejection")
+    assert _ask(node, "files", _desc("user", "r2")).statuses[0].current_limit.requests_per_unit == 1
+    assert "rate-limit config rejected" in node.output()
+    assert "unknown key 'rate_limitt'" in node.output()
+
+    # SIGHUP reloads too (the file is valid again, with a new limit).
+    config.write_text(FILE_CONFIG.replace("requests_per_unit: 2", "requests_per_unit: 7"))
+    node.proc.send_signal(signal.SIGHUP)
+    harness.wait_until(lambda: _ask(node, "files", _desc("user", "r3"))
+                       .statuses[0].current_limit.requests_per_unit == 7, 10, "SIGHUP reload")
+    time.sleep(0.1)
+    assert node.proc.poll() is None
+
+
+def test_bad_file_at_start_exits_2_naming_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("domain: d\ndescriptors: [{key: k, rate_limit: {unlimied: true}}]\n")
+    result = harness.run_cli("serve", "--state-dir", str(tmp_path / "s"),
+                             "--data-addr", f"127.0.0.1:{harness.free_port()}",
+                             "--admin-addr", f"127.0.0.1:{harness.free_port()}",
+                             "--metrics-addr", f"127.0.0.1:{harness.free_port()}",
+                             "--ratelimit-config", str(bad))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"sitsmesh: error: {bad}: config error, unknown key "
+                                     "'unlimied' (at descriptors[0].rate_limit)")
+
+
+def test_ratelimit_check_cli(tmp_path: Path) -> None:
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(FILE_CONFIG)
+    bad.write_text("domain: ''\n")
+    ok = harness.run_cli("ratelimit", "check", str(good))
+    assert ok.returncode == 0 and "ok (domain 'files')" in ok.stdout
+    failed = harness.run_cli("ratelimit", "check", str(tmp_path))
+    assert failed.returncode == 1
+    assert f"{bad}: config file cannot have empty domain" in failed.stdout
