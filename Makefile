@@ -21,7 +21,8 @@ run: $(STAMP)
 	$(VENV)/bin/sitsmesh dev
 
 # System packages, as CHECK=PACKAGE pairs; installed when root, otherwise named.
-TEST_SYSDEPS  := "$(PYTHON) -c 'import ensurepip, venv'=python3-venv"
+TEST_SYSDEPS  := "$(PYTHON) -c 'import ensurepip, venv'=python3-venv" \
+                 "command -v redis-server=redis-server"
 BENCH_SYSDEPS := "command -v h2load=nghttp2-client"
 
 sysdeps:

@@ -57,7 +57,6 @@ def _settings_from(args: argparse.Namespace, keys: Sequence[str]) -> Settings:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from sitsmesh import logs, preflight
-
     from sitsmesh.ratelimit import config as rlconfig
 
     settings = _settings_from(args, list(PARSERS))

@@ -158,6 +158,7 @@ async def run_worker(settings: Settings, index: int,
     server, data = await _start_data(settings, board, RpcMetrics(None), reuseport=True,
                                      services=component.services())
     board.set_all(Serving.SERVING)
+    await component.probe()
     on_ready()
     _log.info("worker serving", data_addr=data, **structlog_ctx)
     await stop.wait()
@@ -188,6 +189,25 @@ def _start_pool(settings: Settings, board: StatusBoard) -> WorkerPool:
     return pool
 
 
+def _reload_everywhere(component: wiring.RateLimitComponent,
+                       pools: list[WorkerPool]) -> Callable[[], None]:
+    reload_here = _reload_on_hup(component)
+
+    def on_hup() -> None:
+        reload_here()
+        for running in pools:  # each worker reloads its own snapshot
+            running.signal(signal.SIGHUP)
+
+    return on_hup
+
+
+def _admin_token(settings: Settings) -> str:
+    token, created = admintoken.load_or_create(settings.token_path, os.environ)
+    if created:
+        _log.info("admin token created", path=str(settings.token_path))
+    return token
+
+
 async def run(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; return the exit code. Preflight has already passed."""
     board = StatusBoard()
@@ -204,17 +224,8 @@ async def run(settings: Settings) -> int:
     component = wiring.RateLimitComponent(settings, store, metric_registry, board,
                                           serve=settings.workers == 1)
     pools: list[WorkerPool] = []
-    reload_here = _reload_on_hup(component)
-
-    def on_hup() -> None:
-        reload_here()
-        for running in pools:  # each worker reloads its own snapshot
-            running.signal(signal.SIGHUP)
-
-    stop = _stop_event(on_hup)
-    token, created = admintoken.load_or_create(settings.token_path, os.environ)
-    if created:
-        _log.info("admin token created", path=str(settings.token_path))
+    stop = _stop_event(_reload_everywhere(component, pools))
+    token = _admin_token(settings)
 
     servers: list[aio.Server] = []
     bound: dict[str, str] = {}
@@ -238,6 +249,7 @@ async def run(settings: Settings) -> int:
             pool = _start_pool(settings, board)
             pools.append(pool)
         board.set_all(Serving.SERVING)
+        await component.probe()
         _log.info("serving", version=__version__, pid=os.getpid(), bound=bound,
                   workers=settings.workers, config_version=settings.config_version,
                   settings=describe(settings))

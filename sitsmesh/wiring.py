@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from grpc import aio
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from sitsmesh.config import Settings
+from sitsmesh.ratelimit.config import Algorithm
 from sitsmesh.ratelimit.limiter import RateLimiter
 from sitsmesh.ratelimit.memory import MemoryStore
 from sitsmesh.ratelimit.metrics import RuleMetrics
 from sitsmesh.ratelimit.reload import ConfigManager
-from sitsmesh.ratelimit.store import CounterStore
+from sitsmesh.ratelimit.store import CounterStore, Hit
 from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
@@ -49,9 +54,30 @@ def _counter_store(settings: Settings, registry: CollectorRegistry | None,
         board.set(STORE_HEALTH, Serving.SERVING if healthy else Serving.NOT_SERVING)
 
     timeout = settings.redis_timeout_ms / 1000
-    return ResilientStore(RedisStore.from_url(settings.redis_url, timeout_s=timeout),
-                          StoreErrorPolicy(settings.on_store_error), timeout_s=timeout,
-                          replicas=settings.store_replicas, on_health=on_health)
+    store = ResilientStore(RedisStore.from_url(settings.redis_url, timeout_s=timeout),
+                           StoreErrorPolicy(settings.on_store_error), timeout_s=timeout,
+                           replicas=settings.store_replicas, on_health=on_health)
+    if registry is not None:  # live counters; worker processes report store_up only
+        registry.register(_StoreCounters(store))
+    return store
+
+
+class _StoreCounters(Collector):
+    """Reads the resilient store's own counters at scrape time: nothing on the hot path."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        errors = CounterMetricFamily("sitsmesh_ratelimit_store_errors",
+                                     "Counter-store calls that failed or timed out.")
+        errors.add_metric([], self._store.errors)
+        fallbacks = CounterMetricFamily(
+            "sitsmesh_ratelimit_store_fallbacks",
+            "ShouldRateLimit calls answered by on_store_error instead of the store.")
+        fallbacks.add_metric([], self._store.fallbacks)
+        yield errors
+        yield fallbacks
 
 
 class RateLimitComponent:
@@ -87,6 +113,12 @@ class RateLimitComponent:
         await self.config.reload("startup")
         self._watch = asyncio.get_running_loop().create_task(
             self.config.watch(self._settings.reload_interval_seconds))
+
+    async def probe(self) -> None:
+        """One read-only call, so a store that is down shows in health before traffic does."""
+        if self.store is not None and self._settings.ratelimit_store != "memory":
+            await self.store.hit([Hit("sitsmesh:probe", Algorithm.FIXED_WINDOW, 1, 1, 0)],
+                                 time.time())
 
     async def stop(self) -> None:
         if self._watch is not None:

@@ -121,14 +121,18 @@ class RedisStore:
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, timeout_s: float = 0.05,
                  cluster: bool = False) -> RedisStore:
         # No retries: a retry would multiply the time a request waits on a sick
-        # Redis; the caller's error policy answers instead.
+        # Redis; the caller's error policy answers instead. RESP2: under RESP3,
+        # redis-py 8 turns on maintenance notifications and then skips its check
+        # for pooled connections the server closed, so after a Redis restart
+        # every idle pooled connection would fail one request.
         retry = Retry(NoBackoff(), 0)
         if cluster:
             return cls(RedisCluster.from_url(url, socket_timeout=timeout_s,
-                                             socket_connect_timeout=timeout_s, retry=retry),
+                                             socket_connect_timeout=timeout_s, retry=retry,
+                                             protocol=2),
                        prefix=prefix)
-        return cls(Redis.from_url(url, socket_timeout=timeout_s,
-                                  socket_connect_timeout=timeout_s, retry=retry),
+        return cls(Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                  retry=retry, protocol=2),
                    prefix=prefix)
 
     def _call(self, hit: Hit, now: float) -> _Call | None:

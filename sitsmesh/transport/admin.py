@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf.timestamp_pb2 import Timestamp
 import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
 from grpc import aio
 
 from sitsmesh import __version__, logs

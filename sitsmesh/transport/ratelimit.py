@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 import grpc
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError
 from google.protobuf.struct_pb2 import Struct

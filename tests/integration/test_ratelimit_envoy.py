@@ -31,7 +31,7 @@ def test_request_over_the_limit_gets_429_with_headers_and_envoy_fails_open(
         results = [_get(envoy, "alice") for _ in range(6)]
         codes = [code for code, _ in results]
         assert codes == [200, 200, 200, 200, 200, 429], codes
-        code, headers = results[-1]
+        _, headers = results[-1]
         assert headers["x-ratelimit-limit"].startswith("5, 5;w=60")
         assert headers["x-ratelimit-remaining"] == "0"
         assert 0 < int(headers["x-ratelimit-reset"]) <= 60

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from tests import harness
 
@@ -110,7 +110,8 @@ def test_huge_hits_addend_is_over_limit_without_corrupting_the_counter(
 
 def test_non_utf8_values_get_invalid_argument(node: harness.Sitsmesh) -> None:
     with grpc.insecure_channel(node.data_addr) as channel:
-        raw = channel.unary_unary("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit")
+        raw: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit")
         # domain "files", one descriptor whose entry value is the single byte 0xff.
         body = b"\x0a\x05files" + b"\x12\x0b\x0a\x09\x0a\x04user\x12\x01\xff"
         with pytest.raises(grpc.RpcError) as err:

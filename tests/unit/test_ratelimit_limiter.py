@@ -240,9 +240,11 @@ async def test_huge_addend_is_over_without_poisoning_later_requests() -> None:
     # (time offset, addend) -> over?
     (Algorithm.FIXED_WINDOW, [(0, 1), (0.1, 1), (0.2, 1), (1.0, 1)], [False, False, True, False]),
     # Sliding: half-way into the next window, half the previous count still weighs.
-    (Algorithm.SLIDING_WINDOW, [(0, 1), (0.1, 1), (1.5, 1), (1.6, 1)], [False, False, False, True]),
+    (Algorithm.SLIDING_WINDOW, [(0, 1), (0.1, 1), (1.5, 1), (1.6, 1)],
+     [False, False, False, True]),
     # GCRA 2 per second: an interval of 0.5 s, a burst of 2.
-    (Algorithm.GCRA, [(0, 1), (0, 1), (0, 1), (0.5, 1), (0.5, 1)], [False, False, True, False, True]),
+    (Algorithm.GCRA, [(0, 1), (0, 1), (0, 1), (0.5, 1), (0.5, 1)],
+     [False, False, True, False, True]),
 ])
 def test_algorithms_in_the_memory_store(
     algorithm: Algorithm, steps: list[tuple[float, int]], expected: list[bool]

@@ -61,7 +61,7 @@ def fixed(key: str = "k", limit: int = 10, window_s: int = 60, addend: int = 1) 
 
 def make(policy: StoreErrorPolicy, *, timeout_s: float = 0.05, replicas: int = 1,
          backoff_s: float = 1.0) -> tuple[ResilientStore, FakePrimary, Clock, list[bool]]:
-    primary, clock, health = FakePrimary(), Clock(), []
+    primary, clock, health = FakePrimary(), Clock(), list[bool]()
     store = ResilientStore(primary, policy, timeout_s=timeout_s, replicas=replicas,
                            backoff_s=backoff_s, clock=clock, on_health=health.append)
     return store, primary, clock, health
