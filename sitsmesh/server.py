@@ -246,6 +246,10 @@ async def run(settings: Settings) -> int:
         servers.append(admin_server)
         httpd, bound["metrics"] = _start_metrics(settings, registry)
         if settings.workers > 1:
+            if settings.ratelimit_store == "memory":
+                _log.warning("memory counter store counts in each worker: every limit applies "
+                             "per worker; use --ratelimit-store redis to share counts",
+                             workers=settings.workers)
             pool = _start_pool(settings, board)
             pools.append(pool)
         board.set_all(Serving.SERVING)
