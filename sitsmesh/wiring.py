@@ -28,6 +28,7 @@ from sitsmesh.transport.ratelimit import RateLimitServicer
 from sitsmesh.transport.ratelimit import add_to_server as add_ratelimit
 
 STORE_HEALTH = "sitsmesh.ratelimit.store"
+METRICS_FLUSH_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +55,9 @@ def _counter_store(settings: Settings, registry: CollectorRegistry | None,
         board.set(STORE_HEALTH, Serving.SERVING if healthy else Serving.NOT_SERVING)
 
     timeout = settings.redis_timeout_ms / 1000
+    # The Redis store bounds each batch itself, so the wrapper adds no timer per call.
     store = ResilientStore(RedisStore.from_url(settings.redis_url, timeout_s=timeout),
-                           StoreErrorPolicy(settings.on_store_error), timeout_s=timeout,
+                           StoreErrorPolicy(settings.on_store_error), timeout_s=None,
                            replicas=settings.store_replicas, on_health=on_health)
     if registry is not None:  # live counters; worker processes report store_up only
         registry.register(_StoreCounters(store))
@@ -91,11 +93,13 @@ class RateLimitComponent:
         self.store: CounterStore | None = None
         self.limiter: RateLimiter | None = None
         self._board = board
-        self._watch: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._metrics: RuleMetrics | None = None
         if serve:
             self.store = _counter_store(settings, registry, board)
+            self._metrics = RuleMetrics(registry)
             self.limiter = RateLimiter(
-                self.config.holder, self.store, RuleMetrics(registry),
+                self.config.holder, self.store, self._metrics,
                 global_shadow=settings.ratelimit_shadow_mode,
                 max_descriptors=settings.ratelimit_max_descriptors)
 
@@ -111,8 +115,17 @@ class RateLimitComponent:
 
     async def start(self) -> None:
         await self.config.reload("startup")
-        self._watch = asyncio.get_running_loop().create_task(
-            self.config.watch(self._settings.reload_interval_seconds))
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(
+            self.config.watch(self._settings.reload_interval_seconds)))
+        if self._metrics is not None:
+            self._tasks.append(loop.create_task(self._flush_metrics(self._metrics)))
+
+    @staticmethod
+    async def _flush_metrics(metrics: RuleMetrics) -> None:
+        while True:
+            await asyncio.sleep(METRICS_FLUSH_S)
+            metrics.flush()
 
     async def probe(self) -> None:
         """One read-only call, so a store that is down shows in health before traffic does."""
@@ -121,9 +134,11 @@ class RateLimitComponent:
                                  time.time())
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+                await task
+        if self._metrics is not None:
+            self._metrics.flush()
         if self.store is not None:
             await self.store.close()

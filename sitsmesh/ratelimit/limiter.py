@@ -87,8 +87,15 @@ def _match(root: Node, entries: Sequence[tuple[str, str]]) -> tuple[Node | None,
     return found, "_".join(parts)
 
 
+# A matched descriptor: the rules that apply with their counter keys, and the node's metadata.
+_Match = tuple[tuple[tuple[Rule, str], ...], "dict[str, Any] | None"]
+_NO_MATCH: _Match = ((), None)
+MATCH_CACHE_SIZE = 65_536
+
+
 class RateLimiter:
-    __slots__ = ("_clock", "_global_shadow", "_holder", "_max_descriptors", "_metrics", "_store")
+    __slots__ = ("_cache", "_cache_config", "_clock", "_global_shadow", "_holder",
+                 "_max_descriptors", "_metrics", "_store")
 
     def __init__(self, holder: ConfigHolder, store: CounterStore, metrics: RuleMetrics,
                  *, clock: Callable[[], float] = time.time, global_shadow: bool = False,
@@ -99,25 +106,45 @@ class RateLimiter:
         self._clock = clock
         self._global_shadow = global_shadow
         self._max_descriptors = max_descriptors
+        # (domain, entries) -> match; the tree walk and key building happen once per
+        # distinct descriptor and snapshot, not once per request.
+        self._cache: dict[tuple[str, tuple[tuple[str, str], ...]], _Match] = {}
+        self._cache_config: RateLimitConfig | None = None
 
-    def _validate(self, domain: str, descriptors: Sequence[Descriptor]) -> None:
-        if not domain:
-            raise RequestError("rate limit domain must not be empty")
-        if not descriptors:
-            raise RequestError("rate limit descriptor list must not be empty")
-        if len(descriptors) > self._max_descriptors:
-            raise RequestError(f"too many descriptors: {len(descriptors)} > "
-                               f"{self._max_descriptors}")
-        for i, d in enumerate(descriptors):
-            if not d.entries:
-                raise RequestError(f"descriptor {i} has no entries")
-            if d.addend is not None and d.addend > MAX_ADDEND:
-                raise RequestError(f"descriptor {i}: hits_addend {d.addend} exceeds {MAX_ADDEND}")
+    def _lookup(self, config: RateLimitConfig, domain: str,
+                entries: tuple[tuple[str, str], ...]) -> _Match:
+        if config is not self._cache_config:
+            self._cache.clear()
+            self._cache_config = config
+        cache_key = (domain, entries)
+        found = self._cache.get(cache_key)
+        if found is not None:
+            return found
+        root = config.domains.get(domain)
+        node, suffix = _match(root, entries) if root is not None else (None, "")
+        if node is None:
+            found = _NO_MATCH
+        else:
+            base = f"{domain}_{suffix}"
+            found = (tuple((rule, f"{base}#{rule.index}" if rule.index else base)
+                           for rule in node.rules),
+                     dict(node.metadata) if node.metadata else None)
+        if len(self._cache) >= MATCH_CACHE_SIZE:
+            self._cache.clear()
+        self._cache[cache_key] = found
+        return found
 
     async def check(self, domain: str, descriptors: Sequence[Descriptor],
                     hits_addend: int = 0) -> Decision:
-        self._validate(domain, descriptors)
-        matched, metadata = self._collect(domain, descriptors, max(1, hits_addend))
+        if not domain:
+            raise RequestError("rate limit domain must not be empty")
+        count_in = len(descriptors)
+        if not count_in:
+            raise RequestError("rate limit descriptor list must not be empty")
+        if count_in > self._max_descriptors:
+            raise RequestError(f"too many descriptors: {count_in} > {self._max_descriptors}")
+        matched, metadata = self._collect(domain, descriptors, hits_addend if hits_addend > 1
+                                          else 1)
         statuses = [Status(False, None, 0, 0.0) for _ in descriptors]
         hits: list[Hit] = []
         counted: list[tuple[int, Rule, int]] = []
@@ -132,9 +159,8 @@ class RateLimiter:
                 # for everyone else in the window.
                 oversized[len(counted)] = Count(True, 0, float(rule.window_s), addend)
             else:
-                counter = f"{key}#{rule.index}" if rule.index else key
-                hits.append(Hit(counter, rule.algorithm, rule.requests_per_unit,
-                                rule.window_s, addend))
+                hits.append(Hit(key, rule.algorithm, rule.requests_per_unit, rule.window_s,
+                                addend))
             counted.append((i, rule, addend))
         counts = await self._store.hit(hits, self._clock()) if hits else []
         if oversized:
@@ -154,29 +180,36 @@ class RateLimiter:
     def _collect(self, domain: str, descriptors: Sequence[Descriptor], default_addend: int
                  ) -> tuple[list[tuple[int, Rule, str, int]], dict[str, Any] | None]:
         """(descriptor index, rule, counter key, addend) for every rule that applies."""
-        root = self._holder.current.domains.get(domain)
+        config = self._holder.current
         matched: list[tuple[int, Rule, str, int]] = []
         metadata: dict[str, Any] | None = None
         for i, d in enumerate(descriptors):
-            addend = default_addend if d.addend is None else d.addend
+            entries = d.entries
+            if not entries:
+                raise RequestError(f"descriptor {i} has no entries")
+            addend = d.addend
+            if addend is None:
+                addend = default_addend
+            elif addend > MAX_ADDEND:
+                raise RequestError(f"descriptor {i}: hits_addend {addend} exceeds {MAX_ADDEND}")
             if d.override is not None:
                 matched.append((i, _override_rule(domain, d),
-                                f"{domain}_{_plain_key(d.entries)}", addend))
+                                f"{domain}_{_plain_key(entries)}", addend))
                 continue
-            if root is None:
-                continue
-            node, suffix = _match(root, d.entries)
-            if node is None:
-                continue
-            if node.metadata:
+            if type(entries) is not tuple:
+                entries = tuple(entries)
+            rules, node_metadata = self._lookup(config, domain, entries)
+            if node_metadata:
                 metadata = metadata or {}
-                metadata.setdefault("descriptors", {})[str(i)] = dict(node.metadata)
-            matched.extend((i, rule, f"{domain}_{suffix}", addend) for rule in node.rules)
-        if root is None and not matched:
+                metadata.setdefault("descriptors", {})[str(i)] = node_metadata
+            for rule, key in rules:
+                matched.append((i, rule, key, addend))
+        if domain not in config.domains and not matched:
             self._metrics.unknown_domain()
-        replaced = {name for _, rule, _, _ in matched for name in rule.replaces}
-        if replaced:
-            matched = [m for m in matched if m[1].name not in replaced]
+        if len(matched) > 1:
+            replaced = {name for _, rule, _, _ in matched for name in rule.replaces}
+            if replaced:
+                matched = [m for m in matched if m[1].name not in replaced]
         return matched, metadata
 
     def _decide(self, descriptors: Sequence[Descriptor], counted: list[tuple[int, Rule, int]],

@@ -1,5 +1,9 @@
 """Per-rule Prometheus counters, as the reference service keeps them.
 
+The request path only adds to plain lists; `flush()` (every second, from a
+background task) moves the sums into prometheus-client, whose increments take
+a lock each. Scrapes therefore lag by at most a flush interval.
+
 Label values come from the config (a rule's stats key), so cardinality is
 bounded by the config; a descriptor value becomes part of a label only for
 rules with `detailed_metric`, and those are capped too.
@@ -30,7 +34,10 @@ class RuleMetrics:
             "sitsmesh_ratelimit_global_shadow_mode_total",
             "Requests over limit let through by global shadow mode.", registry=registry)
         self._children: dict[str, tuple[Any, ...]] = {}
-        self._detailed = 0
+        self._pending: dict[str, list[int]] = {}
+        self._detailed: set[str] = set()
+        self._unknown_pending = 0
+        self._global_shadow_pending = 0
 
     def _for(self, key: str) -> tuple[Any, ...]:
         children = self._children.get(key)
@@ -43,23 +50,38 @@ class RuleMetrics:
         key = rule.stats_key
         if rule.detailed_metric:
             detailed = f"{key}_{value}"
-            if detailed in self._children or self._detailed < MAX_DETAILED_KEYS:
-                if detailed not in self._children:
-                    self._detailed += 1
+            if detailed in self._detailed or len(self._detailed) < MAX_DETAILED_KEYS:
+                self._detailed.add(detailed)
                 key = detailed
-        total, over, near_c, within, shadow = self._for(key)
-        total.inc(addend)
+        acc = self._pending.get(key)
+        if acc is None:
+            acc = self._pending[key] = [0, 0, 0, 0, 0]
+        acc[0] += addend
         if count.over:
-            over.inc(addend)
+            acc[1] += addend
             if rule.shadow_mode:
-                shadow.inc(addend)
+                acc[4] += addend
         else:
-            within.inc(addend)
+            acc[3] += addend
             if near:
-                near_c.inc(addend)
+                acc[2] += addend
 
     def unknown_domain(self) -> None:
-        self._unknown.inc()
+        self._unknown_pending += 1
 
     def global_shadow(self) -> None:
-        self._global_shadow.inc()
+        self._global_shadow_pending += 1
+
+    def flush(self) -> None:
+        """Move the sums gathered on the request path into prometheus-client."""
+        pending, self._pending = self._pending, {}
+        for key, acc in pending.items():
+            for child, amount in zip(self._for(key), acc, strict=True):
+                if amount:
+                    child.inc(amount)
+        if self._unknown_pending:
+            self._unknown.inc(self._unknown_pending)
+            self._unknown_pending = 0
+        if self._global_shadow_pending:
+            self._global_shadow.inc(self._global_shadow_pending)
+            self._global_shadow_pending = 0

@@ -47,7 +47,7 @@ class ResilientStore:
     name: str
 
     def __init__(self, primary: CounterStore, policy: StoreErrorPolicy, *,
-                 timeout_s: float = 0.05, replicas: int = 1, backoff_s: float = 1.0,
+                 timeout_s: float | None = 0.05, replicas: int = 1, backoff_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_health: Callable[[bool], None] | None = None) -> None:
         if replicas < 1:
@@ -79,8 +79,11 @@ class ResilientStore:
             # Claim the probe: calls arriving while it is in flight keep falling back.
             self._retry_at = self._clock() + self._backoff_s
         try:
-            async with asyncio.timeout(self._timeout_s):
+            if self._timeout_s is None:  # the primary bounds its own calls
                 counts = await self._primary.hit(hits, now)
+            else:
+                async with asyncio.timeout(self._timeout_s):
+                    counts = await self._primary.hit(hits, now)
         except Exception as exc:
             self._failed(exc)
             return self._fallback(hits, now)

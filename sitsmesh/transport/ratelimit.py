@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError
 from google.protobuf.struct_pb2 import Struct
 from grpc import aio
@@ -47,13 +45,11 @@ def add_to_server(servicer: RateLimitServicer, server: aio.Server) -> None:
     handler = grpc.unary_unary_rpc_method_handler(
         servicer.ShouldRateLimit, request_deserializer=_deserialize,
         response_serializer=rls_pb2.RateLimitResponse.SerializeToString)
+    handlers = {"ShouldRateLimit": handler}
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"ShouldRateLimit": handler}),))
-
-
-def _duration(seconds: float) -> Duration:
-    whole = math.floor(seconds)
-    return Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    # Registered methods are looked up in C core, skipping the per-call Python lookup.
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
@@ -77,7 +73,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "request is not a valid RateLimitRequest (strings must be UTF-8)")
         descriptors = [
-            Descriptor([(e.key, e.value) for e in d.entries],
+            Descriptor(tuple([(e.key, e.value) for e in d.entries]),
                        d.hits_addend.value if d.HasField("hits_addend") else None,
                        (d.limit.requests_per_unit, d.limit.unit) if d.HasField("limit") else None)
             for d in request.descriptors
@@ -94,7 +90,11 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
                                           limit_remaining=status.remaining)
             if status.rule is not None and not status.rule.unlimited:
                 entry.current_limit.CopyFrom(self._limit(status.rule))
-                entry.duration_until_reset.CopyFrom(_duration(status.reset_s))
+                reset = status.reset_s
+                whole = int(reset)
+                until = entry.duration_until_reset
+                until.seconds = whole
+                until.nanos = int((reset - whole) * 1e9)
         if decision.metadata:
             metadata = Struct()
             metadata.update(decision.metadata)

@@ -75,16 +75,28 @@ class Clock:
         return self.now
 
 
+class FlushingRegistry(CollectorRegistry):
+    """Flushes the limiter's pending metric sums before each read, as the flush task would."""
+
+    metrics: RuleMetrics
+
+    def get_sample_value(self, name: str, labels: dict[str, str] | None = None
+                         ) -> float | None:
+        self.metrics.flush()
+        return super().get_sample_value(name, labels)
+
+
 def _limiter(clock: Clock, *, shadow: bool = False) -> tuple[RateLimiter, CollectorRegistry]:
-    registry = CollectorRegistry()
+    registry = FlushingRegistry()
+    registry.metrics = RuleMetrics(registry)
     holder = ConfigHolder(rlconfig.build([("c.yaml", CONFIG)]))
-    return RateLimiter(holder, MemoryStore(), RuleMetrics(registry), clock=clock,
+    return RateLimiter(holder, MemoryStore(), registry.metrics, clock=clock,
                        global_shadow=shadow), registry
 
 
 def d(*pairs: str, addend: int | None = None) -> Descriptor:
     it = iter(pairs)
-    return Descriptor(list(zip(it, it, strict=True)), addend)
+    return Descriptor(tuple(zip(it, it, strict=True)), addend)
 
 
 async def _codes(limiter: RateLimiter, n: int, *descs: Descriptor) -> list[Decision]:
