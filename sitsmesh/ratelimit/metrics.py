@@ -15,10 +15,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from sitsmesh import logs
 from sitsmesh.ratelimit.config import Rule
 from sitsmesh.ratelimit.store import Count
 
 MAX_DETAILED_KEYS = 1000
+_log = logs.get("sitsmesh.ratelimit")
 OUTCOMES = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode")
 
 
@@ -79,9 +81,14 @@ class RuleMetrics:
             for child, amount in zip(self._for(key), acc, strict=True):
                 if amount:
                     child.inc(amount)
+            if acc[4]:
+                # Shadow decisions are logged here, summed per flush, not once per request.
+                _log.info("shadow mode let over-limit hits through", key=key, hits=acc[4])
         if self._unknown_pending:
             self._unknown.inc(self._unknown_pending)
             self._unknown_pending = 0
         if self._global_shadow_pending:
+            _log.info("global shadow mode let over-limit requests through",
+                      requests=self._global_shadow_pending)
             self._global_shadow.inc(self._global_shadow_pending)
             self._global_shadow_pending = 0

@@ -275,3 +275,15 @@ def test_memory_store_is_bounded_and_frees_expired_windows() -> None:
     assert len(store) == 100 and store.evicted == 400
     assert store.sweep(12.0) == 100
     assert len(store) == 0
+
+
+async def test_shadow_decisions_are_logged_at_flush() -> None:
+    from structlog.testing import capture_logs
+
+    limiter, registry = _limiter(Clock())
+    await _codes(limiter, 3, d("soft", "x"))
+    with capture_logs() as logs:
+        registry.get_sample_value("sitsmesh_ratelimit_hits_total",
+                                  {"key": "edge.soft", "outcome": "shadow_mode"})
+    assert {"event": "shadow mode let over-limit hits through", "key": "edge.soft", "hits": 2,
+            "log_level": "info", "component": "sitsmesh.ratelimit"} in logs
