@@ -39,6 +39,12 @@ _FLAG_HELP = {
     "ratelimit_shadow_mode": "true: log and count over-limit decisions, never enforce",
     "ratelimit_max_descriptors": "most descriptors one ShouldRateLimit may carry",
     "reload_interval_seconds": "how often config files and applied configs are checked",
+    "authz_api_key_headers": "headers that may carry an API key (comma-separated)",
+    "authz_peer_tenants": "SPIFFE principal=tenant pairs for mTLS callers (comma-separated)",
+    "authz_jwt_header": "header with Istio's verified JWT payload (trusted from mesh peers)",
+    "authz_jwt_tenant_claim": "JWT claim that names the tenant",
+    "authz_priority_header": "header a caller uses to ask for a priority",
+    "admission_hold_seconds": "how long a request counts against a concurrency cap at most",
 }
 
 

@@ -81,6 +81,12 @@ class Settings:
     ratelimit_shadow_mode: bool = False
     ratelimit_max_descriptors: int = 64
     reload_interval_seconds: float = 1.0
+    authz_api_key_headers: tuple[str, ...] = ("x-api-key", "authorization")
+    authz_peer_tenants: Mapping[str, str] = field(default_factory=dict)
+    authz_jwt_header: str = ""
+    authz_jwt_tenant_claim: str = "tenant"
+    authz_priority_header: str = "x-priority"
+    admission_hold_seconds: float = 60.0
     config_file: Path | None = None
 
     @property
@@ -158,6 +164,43 @@ def _redis_url(raw: Any) -> str:
     return raw
 
 
+def _header_names(raw: Any) -> tuple[str, ...]:
+    items = raw if isinstance(raw, list) else str(raw).split(",")
+    names = tuple(str(i).strip().lower() for i in items if str(i).strip())
+    if not names:
+        raise ValueError("expected at least one header name")
+    return names
+
+
+def _header_name(raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise ValueError(f"expected a header name, got {raw!r}")
+    return raw.strip().lower()
+
+
+def _string(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise ValueError(f"expected a non-empty string, got {raw!r}")
+    return raw
+
+
+def _mapping(raw: Any) -> dict[str, str]:
+    """A YAML mapping, or 'key=value,key=value' from the environment or a flag."""
+    if isinstance(raw, dict):
+        items = list(raw.items())
+    else:
+        items = []
+        for part in str(raw).split(","):
+            if part.strip():
+                key, sep, value = part.partition("=")
+                if not sep:
+                    raise ValueError(f"expected key=value, got {part!r}")
+                items.append((key.strip(), value.strip()))
+    if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in items):
+        raise ValueError("expected a mapping of non-empty strings")
+    return dict(items)
+
+
 def _address(raw: Any) -> Address:
     if not isinstance(raw, str):
         raise ValueError(f"expected HOST:PORT as a string, got {raw!r}")
@@ -190,6 +233,12 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "ratelimit_shadow_mode": _bool,
     "ratelimit_max_descriptors": _int_range(1, 100_000),
     "reload_interval_seconds": _seconds,
+    "authz_api_key_headers": _header_names,
+    "authz_peer_tenants": _mapping,
+    "authz_jwt_header": _header_name,
+    "authz_jwt_tenant_claim": _string,
+    "authz_priority_header": _header_name,
+    "admission_hold_seconds": _seconds,
 }
 FILE_KEYS = tuple(PARSERS)
 

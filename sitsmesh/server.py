@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from sitsmesh import __version__, admintoken, logs, wiring
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+from sitsmesh.authz.state import AuthzState
 from sitsmesh.config import Settings, describe
 from sitsmesh.errors import StartupError
 from sitsmesh.metrics import MULTIPROC_ENV, RpcMetrics, new_registry
@@ -85,7 +86,7 @@ async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetric
 
 
 async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMetrics,
-                       store: SqliteStore, ratelimit: ConfigManager,
+                       store: SqliteStore, ratelimit: ConfigManager, authz: AuthzState,
                        auth: BearerTokenInterceptor, bound: dict[str, str]
                        ) -> tuple[aio.Server, str]:
     # Auth runs first: the metrics interceptor caches handlers per method.
@@ -94,7 +95,7 @@ async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMe
         options=[("grpc.so_reuseport", 0)],
     )
     admin_pb2_grpc.add_AdminServicer_to_server(
-        AdminServicer(settings, board, store, bound, ratelimit), server)
+        AdminServicer(settings, board, store, bound, ratelimit=ratelimit, authz=authz), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     board.add_listener(_health_listener(health, "admin"))
@@ -153,10 +154,12 @@ async def run_worker(settings: Settings, index: int,
     state = SqliteStore(settings.state_dir / "state.db")
     # Values go to the multiprocess files the supervisor's /metrics aggregates.
     component = wiring.RateLimitComponent(settings, state, None, board, serve=True)
+    authz = wiring.AuthzComponent(settings, state, serve=True)
     stop = _stop_event(_reload_on_hup(component))
     await component.start()
+    await authz.start()
     server, data = await _start_data(settings, board, RpcMetrics(None), reuseport=True,
-                                     services=component.services())
+                                     services=[*authz.services(), *component.services()])
     board.set_all(Serving.SERVING)
     await component.probe()
     on_ready()
@@ -164,6 +167,7 @@ async def run_worker(settings: Settings, index: int,
     await stop.wait()
     await _drain_and_stop(settings, board, [server])
     await component.stop()
+    await authz.stop()
     await state.close()
     _log.info("worker stopped", **structlog_ctx)
     return 0
@@ -208,13 +212,18 @@ def _admin_token(settings: Settings) -> str:
     return token
 
 
+def _registries() -> tuple[CollectorRegistry, CollectorRegistry | None]:
+    """(registry to serve, registry for live metrics). In multiprocess mode the
+    collector reads every process's files, this one's too, so registering live
+    metrics as well would export each series twice."""
+    registry = new_registry()
+    return registry, None if os.environ.get(MULTIPROC_ENV) else registry
+
+
 async def run(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; return the exit code. Preflight has already passed."""
     board = StatusBoard()
-    registry: CollectorRegistry = new_registry()
-    # In multiprocess mode the collector reads every process's files, this one's too,
-    # so registering live metrics as well would export each series twice.
-    metric_registry = None if os.environ.get(MULTIPROC_ENV) else registry
+    registry, metric_registry = _registries()
     rpc_metrics = RpcMetrics(metric_registry)
     auth_failures = Counter("sitsmesh_admin_auth_failures_total",
                             "Admin calls rejected for a missing or wrong bearer token.",
@@ -223,6 +232,7 @@ async def run(settings: Settings) -> int:
     store = SqliteStore(settings.state_dir / "state.db")
     component = wiring.RateLimitComponent(settings, store, metric_registry, board,
                                           serve=settings.workers == 1)
+    authz = wiring.AuthzComponent(settings, store, serve=settings.workers == 1)
     pools: list[WorkerPool] = []
     stop = _stop_event(_reload_everywhere(component, pools))
     token = _admin_token(settings)
@@ -232,16 +242,19 @@ async def run(settings: Settings) -> int:
     pool: WorkerPool | None = None
     httpd = None
     try:
-        await component.start()
+        for part in (component, authz):
+            await part.start()
         if settings.workers == 1:
             data_server, bound["data"] = await _start_data(
-                settings, board, rpc_metrics, reuseport=False, services=component.services())
+                settings, board, rpc_metrics, reuseport=False,
+                services=[*authz.services(), *component.services()])
             servers.append(data_server)
         else:
             bound["data"] = str(settings.data_addr)
             board.register("", "data")
         admin_server, bound["admin"] = await _start_admin(
             settings, board, metrics=rpc_metrics, store=store, ratelimit=component.config,
+            authz=authz.state,
             auth=BearerTokenInterceptor(token, on_reject=auth_failures.inc), bound=bound)
         servers.append(admin_server)
         httpd, bound["metrics"] = _start_metrics(settings, registry)
@@ -270,7 +283,8 @@ async def run(settings: Settings) -> int:
         if httpd is not None:
             httpd.shutdown()
             httpd.server_close()
-        await component.stop()
+        for part in (component, authz):
+            await part.stop()
         await store.close()
     _log.info("stopped", clean=clean)
     return 0 if clean else 1

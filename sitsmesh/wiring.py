@@ -9,11 +9,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from envoy.service.auth.v3 import external_auth_pb2_grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sitsmesh.authz.admission import Admission, AdmissionPolicy
+from sitsmesh.authz.check import Authorizer, AuthzSettings, AuthzSnapshot
+from sitsmesh.authz.state import AuthzState
 from sitsmesh.config import Settings
 from sitsmesh.ratelimit.config import Algorithm
 from sitsmesh.ratelimit.limiter import RateLimiter
@@ -23,6 +27,8 @@ from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.ratelimit.store import CounterStore, Hit
 from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
+from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
+from sitsmesh.transport.authz import AuthorizationServicer
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
 from sitsmesh.transport.ratelimit import RateLimitServicer
 from sitsmesh.transport.ratelimit import add_to_server as add_ratelimit
@@ -142,3 +148,55 @@ class RateLimitComponent:
             self._metrics.flush()
         if self.store is not None:
             await self.store.close()
+
+
+class AuthzComponent:
+    """Tenants and keys for every process; the Check service where the data plane runs."""
+
+    def __init__(self, settings: Settings, state: StateStore, *, serve: bool) -> None:
+        self._settings = settings
+        self.state = AuthzState(state)
+        self.authorizer: Authorizer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        if serve:
+            admission = Admission(AdmissionPolicy(), hold_s=settings.admission_hold_seconds)
+            authorizer = Authorizer(AuthzSnapshot(), AuthzSettings(
+                api_key_headers=settings.authz_api_key_headers,
+                peer_tenants=dict(settings.authz_peer_tenants),
+                jwt_header=settings.authz_jwt_header,
+                jwt_tenant_claim=settings.authz_jwt_tenant_claim,
+                priority_header=settings.authz_priority_header), admission)
+
+            def swap(snapshot: AuthzSnapshot, policy: AdmissionPolicy) -> None:
+                authorizer.snapshot = snapshot
+                admission.policy = policy
+
+            self.state.on_change(swap)
+            self.authorizer = authorizer
+
+    def services(self) -> list[DataService]:
+        if self.authorizer is None:
+            return []
+        servicer = AuthorizationServicer(self.authorizer)
+        return [DataService(AUTHZ_SERVICE, lambda server: (
+            external_auth_pb2_grpc.add_AuthorizationServicer_to_server(servicer, server)))]
+
+    async def start(self) -> None:
+        await self.state.refresh()
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(
+            self.state.watch(self._settings.reload_interval_seconds)))
+        if self.authorizer is not None:
+            self._tasks.append(loop.create_task(self._expire(self.authorizer.admission)))
+
+    @staticmethod
+    async def _expire(admission: Admission) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            admission.expire()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -54,6 +54,46 @@ class AdminStub:
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigResponse.FromString,
                 _registered_method=True)
+        self.CreateTenant = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/CreateTenant',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+                _registered_method=True)
+        self.UpdateTenant = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/UpdateTenant',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+                _registered_method=True)
+        self.GetTenant = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/GetTenant',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTenantRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+                _registered_method=True)
+        self.ListTenants = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/ListTenants',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListTenantsRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListTenantsResponse.FromString,
+                _registered_method=True)
+        self.DeleteTenant = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/DeleteTenant',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteTenantRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteTenantResponse.FromString,
+                _registered_method=True)
+        self.CreateApiKey = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/CreateApiKey',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateApiKeyRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateApiKeyResponse.FromString,
+                _registered_method=True)
+        self.ListApiKeys = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/ListApiKeys',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListApiKeysRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListApiKeysResponse.FromString,
+                _registered_method=True)
+        self.RevokeApiKey = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/RevokeApiKey',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApiKey.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -89,6 +129,56 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateTenant(self, request, context):
+        """Tenants: who may call which models, at which priority, how many at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateTenant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTenant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTenants(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTenant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateApiKey(self, request, context):
+        """API keys: the secret is returned once, by CreateApiKey; only a digest is stored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListApiKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeApiKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +201,46 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.DeleteRateLimitConfig,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigRequest.FromString,
                     response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigResponse.SerializeToString,
+            ),
+            'CreateTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateTenant,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
+            ),
+            'UpdateTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateTenant,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
+            ),
+            'GetTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTenant,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTenantRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
+            ),
+            'ListTenants': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTenants,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListTenantsRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListTenantsResponse.SerializeToString,
+            ),
+            'DeleteTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTenant,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteTenantRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteTenantResponse.SerializeToString,
+            ),
+            'CreateApiKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateApiKey,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateApiKeyRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateApiKeyResponse.SerializeToString,
+            ),
+            'ListApiKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListApiKeys,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListApiKeysRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListApiKeysResponse.SerializeToString,
+            ),
+            'RevokeApiKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeApiKey,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApiKey.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +351,222 @@ class Admin:
             '/sitsmesh.admin.v1.Admin/DeleteRateLimitConfig',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/CreateTenant',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/UpdateTenant',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/GetTenant',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTenantRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTenants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/ListTenants',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListTenantsRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListTenantsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/DeleteTenant',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteTenantRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteTenantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateApiKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/CreateApiKey',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateApiKeyRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateApiKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListApiKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/ListApiKeys',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListApiKeysRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListApiKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeApiKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/RevokeApiKey',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApiKey.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,6 +45,16 @@ class AdminStub:
     """The live rate-limit config, domain by domain, as loaded."""
     DeleteRateLimitConfig: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteRateLimitConfigRequest, _admin_pb2.DeleteRateLimitConfigResponse]
     """Remove a domain applied through the API (file domains are changed in their files)."""
+    CreateTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.Tenant, _admin_pb2.Tenant]
+    """Tenants: who may call which models, at which priority, how many at once."""
+    UpdateTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.Tenant, _admin_pb2.Tenant]
+    GetTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetTenantRequest, _admin_pb2.Tenant]
+    ListTenants: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListTenantsRequest, _admin_pb2.ListTenantsResponse]
+    DeleteTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteTenantRequest, _admin_pb2.DeleteTenantResponse]
+    CreateApiKey: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CreateApiKeyRequest, _admin_pb2.CreateApiKeyResponse]
+    """API keys: the secret is returned once, by CreateApiKey; only a digest is stored."""
+    ListApiKeys: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListApiKeysRequest, _admin_pb2.ListApiKeysResponse]
+    RevokeApiKey: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeyRequest, _admin_pb2.ApiKey]
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -61,6 +71,16 @@ class AdminAsyncStub(AdminStub):
     """The live rate-limit config, domain by domain, as loaded."""
     DeleteRateLimitConfig: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteRateLimitConfigRequest, _admin_pb2.DeleteRateLimitConfigResponse]  # type: ignore[assignment]
     """Remove a domain applied through the API (file domains are changed in their files)."""
+    CreateTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.Tenant, _admin_pb2.Tenant]  # type: ignore[assignment]
+    """Tenants: who may call which models, at which priority, how many at once."""
+    UpdateTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.Tenant, _admin_pb2.Tenant]  # type: ignore[assignment]
+    GetTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetTenantRequest, _admin_pb2.Tenant]  # type: ignore[assignment]
+    ListTenants: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListTenantsRequest, _admin_pb2.ListTenantsResponse]  # type: ignore[assignment]
+    DeleteTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteTenantRequest, _admin_pb2.DeleteTenantResponse]  # type: ignore[assignment]
+    CreateApiKey: _aio.UnaryUnaryMultiCallable[_admin_pb2.CreateApiKeyRequest, _admin_pb2.CreateApiKeyResponse]  # type: ignore[assignment]
+    """API keys: the secret is returned once, by CreateApiKey; only a digest is stored."""
+    ListApiKeys: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListApiKeysRequest, _admin_pb2.ListApiKeysResponse]  # type: ignore[assignment]
+    RevokeApiKey: _aio.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeyRequest, _admin_pb2.ApiKey]  # type: ignore[assignment]
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -98,5 +118,63 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.DeleteRateLimitConfigResponse, _abc.Awaitable[_admin_pb2.DeleteRateLimitConfigResponse]]:
         """Remove a domain applied through the API (file domains are changed in their files)."""
+
+    @_abc_1.abstractmethod
+    def CreateTenant(
+        self,
+        request: _admin_pb2.Tenant,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.Tenant, _abc.Awaitable[_admin_pb2.Tenant]]:
+        """Tenants: who may call which models, at which priority, how many at once."""
+
+    @_abc_1.abstractmethod
+    def UpdateTenant(
+        self,
+        request: _admin_pb2.Tenant,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.Tenant, _abc.Awaitable[_admin_pb2.Tenant]]: ...
+
+    @_abc_1.abstractmethod
+    def GetTenant(
+        self,
+        request: _admin_pb2.GetTenantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.Tenant, _abc.Awaitable[_admin_pb2.Tenant]]: ...
+
+    @_abc_1.abstractmethod
+    def ListTenants(
+        self,
+        request: _admin_pb2.ListTenantsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListTenantsResponse, _abc.Awaitable[_admin_pb2.ListTenantsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DeleteTenant(
+        self,
+        request: _admin_pb2.DeleteTenantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.DeleteTenantResponse, _abc.Awaitable[_admin_pb2.DeleteTenantResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateApiKey(
+        self,
+        request: _admin_pb2.CreateApiKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.CreateApiKeyResponse, _abc.Awaitable[_admin_pb2.CreateApiKeyResponse]]:
+        """API keys: the secret is returned once, by CreateApiKey; only a digest is stored."""
+
+    @_abc_1.abstractmethod
+    def ListApiKeys(
+        self,
+        request: _admin_pb2.ListApiKeysRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListApiKeysResponse, _abc.Awaitable[_admin_pb2.ListApiKeysResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RevokeApiKey(
+        self,
+        request: _admin_pb2.RevokeApiKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ApiKey, _abc.Awaitable[_admin_pb2.ApiKey]]: ...
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

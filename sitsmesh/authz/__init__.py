@@ -1,0 +1,1 @@
+"""ext_authz: identity, per-tenant model policy and admission for every request."""

@@ -1,0 +1,170 @@
+"""The Check decision as plain Python: who is calling, may they, can we take it now."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sitsmesh.authz.admission import Admission
+from sitsmesh.authz.extract import model_and_class
+from sitsmesh.authz.model import ApiKey, Tenant, key_id_of, matches
+
+HEADER_PREFIX = "x-sits-"
+MAX_HEADER_VALUE = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class AuthzSnapshot:
+    tenants: Mapping[str, Tenant] = field(default_factory=dict)
+    keys: Mapping[str, ApiKey] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class AuthzSettings:
+    api_key_headers: tuple[str, ...] = ("x-api-key", "authorization")
+    peer_tenants: Mapping[str, str] = field(default_factory=dict)
+    jwt_header: str = ""
+    jwt_tenant_claim: str = "tenant"
+    priority_header: str = "x-priority"
+    pipeline_header: str = "x-sits-pipeline-hint"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckInput:
+    headers: Mapping[str, str]
+    path: str = ""
+    body: bytes = b""
+    principal: str = ""
+    request_id: str = ""
+    http: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Allowed:
+    tenant: str
+    priority: int
+    model: str
+    request_class: str
+    set_headers: tuple[tuple[str, str], ...]
+    remove_headers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Denied:
+    status: int  # HTTP status: 401, 403, 429 or 503
+    code: str
+    message: str
+    retry_after_s: float = 0.0
+
+
+def _deny_401(message: str) -> Denied:
+    return Denied(401, "unauthenticated", message)
+
+
+class Authorizer:
+    """Reads `snapshot` (swapped whole on every state change); no I/O on the request path."""
+
+    __slots__ = ("_clock", "_settings", "admission", "snapshot")
+
+    def __init__(self, snapshot: AuthzSnapshot, settings: AuthzSettings, admission: Admission,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.snapshot = snapshot
+        self._settings = settings
+        self.admission = admission
+        self._clock = clock
+
+    def check(self, request: CheckInput) -> Allowed | Denied:
+        snapshot = self.snapshot
+        tenant_or_denial = self._identify(request, snapshot)
+        if isinstance(tenant_or_denial, Denied):
+            return tenant_or_denial
+        tenant = tenant_or_denial
+        if not request.http:
+            # A TCP ext_authz check: identity is all there is to decide on.
+            return Allowed(tenant.name, tenant.priority, "", "tcp", (), ())
+        model, request_class = model_and_class(request.path, request.body)
+        if model and not tenant.allows(model):
+            return Denied(403, "model_not_allowed",
+                          f"tenant {tenant.name} may not call model {model}")
+        priority = self._priority(request.headers, tenant)
+        pipeline = request.headers.get(self._settings.pipeline_header, "")[:128]
+        verdict = self.admission.admit(tenant.name, model, priority, pipeline,
+                                       request.request_id)
+        if not verdict.admit:
+            return Denied(429, "over_capacity", verdict.reason, verdict.retry_after_s)
+        set_headers = (("x-sits-tenant", tenant.name), ("x-sits-priority", str(priority)),
+                       ("x-sits-model", model), ("x-sits-request-class", request_class))
+        ours = {name for name, _ in set_headers}
+        remove = tuple(name for name in request.headers
+                       if name.startswith(HEADER_PREFIX) and name not in ours)
+        return Allowed(tenant.name, priority, model, request_class, set_headers, remove)
+
+    def _identify(self, request: CheckInput, snapshot: AuthzSnapshot) -> Tenant | Denied:
+        headers = request.headers
+        for name in self._settings.api_key_headers:
+            value = headers.get(name)
+            if not value:
+                continue
+            presented = value.strip()
+            if name == "authorization":
+                scheme, _, credential = presented.partition(" ")
+                if scheme.lower() != "bearer":
+                    continue
+                presented = credential.strip()
+                if key_id_of(presented) is None:
+                    continue  # some other bearer token (a user's JWT): not ours to judge
+            return self._by_key(presented, snapshot)
+        if request.principal:
+            mapped = self._settings.peer_tenants.get(request.principal)
+            if mapped is not None:
+                tenant = snapshot.tenants.get(mapped)
+                if tenant is None:
+                    return Denied(403, "unknown_tenant",
+                                  f"peer maps to tenant {mapped}, which does not exist")
+                return tenant
+            if self._settings.jwt_header:
+                payload = headers.get(self._settings.jwt_header)
+                if payload:
+                    return self._by_jwt(payload, snapshot)
+        return _deny_401("no credentials: send an API key in x-api-key or "
+                         "'authorization: Bearer <key>'")
+
+    def _by_key(self, presented: str, snapshot: AuthzSnapshot) -> Tenant | Denied:
+        key_id = key_id_of(presented)
+        key = snapshot.keys.get(key_id) if key_id else None
+        if key is None or not matches(key, presented):
+            return _deny_401("invalid API key")
+        if key.revoked:
+            return _deny_401("API key revoked")
+        if key.expires_at is not None and key.expires_at <= self._clock():
+            return _deny_401("API key expired")
+        tenant = snapshot.tenants.get(key.tenant)
+        if tenant is None:
+            return _deny_401("API key's tenant no longer exists")
+        return tenant
+
+    def _by_jwt(self, payload: str, snapshot: AuthzSnapshot) -> Tenant | Denied:
+        """Istio verified the JWT; it forwards the payload as base64url JSON."""
+        if len(payload) > MAX_HEADER_VALUE:
+            return _deny_401("JWT payload header too large")
+        try:
+            raw = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
+            claims: Any = json.loads(raw)
+        except (binascii.Error, ValueError, RecursionError):
+            return _deny_401("JWT payload header is not base64url JSON")
+        name = claims.get(self._settings.jwt_tenant_claim) if isinstance(claims, dict) else None
+        tenant = snapshot.tenants.get(name) if isinstance(name, str) else None
+        if tenant is None:
+            return _deny_401("JWT names no known tenant")
+        return tenant
+
+    def _priority(self, headers: Mapping[str, str], tenant: Tenant) -> int:
+        asked = headers.get(self._settings.priority_header, "")
+        if asked.isdigit() and len(asked) < 3:
+            return min(int(asked), tenant.max_priority)  # a caller cannot exceed its ceiling
+        return tenant.priority

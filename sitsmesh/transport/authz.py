@@ -1,0 +1,75 @@
+"""envoy.service.auth.v3.Authorization/Check: protobuf in, Authorizer decision out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf.struct_pb2 import Struct
+from google.rpc import code_pb2, status_pb2
+from grpc import aio
+
+from sitsmesh.authz.check import Allowed, Authorizer, CheckInput, Denied
+
+SERVICE_NAME = external_auth_pb2.DESCRIPTOR.services_by_name["Authorization"].full_name
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_RPC_CODE = {401: code_pb2.UNAUTHENTICATED, 403: code_pb2.PERMISSION_DENIED,
+             429: code_pb2.RESOURCE_EXHAUSTED, 503: code_pb2.UNAVAILABLE}
+_OK_STATUS = status_pb2.Status(code=code_pb2.OK)
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, value=value),
+                                      append_action=_OVERWRITE)
+
+
+def _denied(decision: Denied) -> Any:
+    body: dict[str, Any] = {"code": decision.code, "message": decision.message}
+    headers = [_header("content-type", "application/json")]
+    if decision.status == 401:
+        headers.append(_header("www-authenticate", 'Bearer realm="sitsmesh"'))
+    if decision.status in (429, 503):
+        retry = max(1, round(decision.retry_after_s))
+        body["retry_after_s"] = retry
+        headers.append(_header("retry-after", str(retry)))
+    return external_auth_pb2.CheckResponse(
+        status=status_pb2.Status(code=_RPC_CODE[decision.status], message=decision.message),
+        denied_response=external_auth_pb2.DeniedHttpResponse(
+            status=http_status_pb2.HttpStatus(code=decision.status), headers=headers,
+            body=json.dumps(body)))
+
+
+def _allowed(decision: Allowed) -> Any:
+    metadata = Struct()
+    metadata.update({"tenant": decision.tenant, "priority": decision.priority,
+                     "model": decision.model, "request_class": decision.request_class})
+    return external_auth_pb2.CheckResponse(
+        status=_OK_STATUS,
+        ok_response=external_auth_pb2.OkHttpResponse(
+            headers=[_header(k, v) for k, v in decision.set_headers],
+            headers_to_remove=list(decision.remove_headers)),
+        dynamic_metadata=metadata)
+
+
+class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
+    def __init__(self, authorizer: Authorizer) -> None:
+        self._authorizer = authorizer
+
+    async def Check(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        attributes = request.attributes
+        is_http = attributes.request.HasField("http")
+        http = attributes.request.http
+        headers: dict[str, str] = dict(http.headers)
+        if not headers and http.HasField("header_map"):
+            headers = {h.key: h.value or h.raw_value.decode(errors="replace")
+                       for h in http.header_map.headers}
+        body = http.raw_body or http.body.encode()
+        decision = self._authorizer.check(CheckInput(
+            headers, http.path, body, attributes.source.principal,
+            headers.get("x-request-id") or http.id, is_http))
+        if isinstance(decision, Denied):
+            return _denied(decision)
+        return _allowed(decision)
