@@ -228,6 +228,123 @@ def cmd_ratelimit_delete(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_json(message: Any) -> None:
+    from google.protobuf.json_format import MessageToDict
+
+    print(json.dumps(MessageToDict(message, preserving_proto_field_name=True), indent=2))
+
+
+def _labels(pairs: Sequence[str] | None) -> dict[str, str]:
+    labels = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise _Usage(f"--label wants KEY=VALUE, got {pair!r}")
+        labels[key] = value
+    return labels
+
+
+class _Usage(Exception):
+    pass
+
+
+def _show_tenant(args: argparse.Namespace, tenant: Any) -> None:
+    if args.output == "json":
+        _print_json(tenant)
+        return
+    labels = ",".join(f"{k}={v}" for k, v in sorted(tenant.labels.items()))
+    print(f"{tenant.name}  models={','.join(tenant.models)}  priority={tenant.priority}  "
+          f"max_priority={tenant.max_priority}  max_concurrency={tenant.max_concurrency}"
+          + (f"  labels={labels}" if labels else ""))
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    from sitsmesh.admin.v1 import admin_pb2
+
+    action = args.tenants_command
+    if action in ("create", "update"):
+        tenant = admin_pb2.Tenant(name=args.name)
+        if action == "update":
+            tenant = _call_admin(args, "GetTenant", admin_pb2.GetTenantRequest(name=args.name))
+        if args.models is not None:
+            del tenant.models[:]
+            tenant.models.extend(m for m in args.models.split(",") if m)
+        for field in ("priority", "max_priority", "max_concurrency"):
+            if getattr(args, field) is not None:
+                setattr(tenant, field, getattr(args, field))
+        if args.label:
+            tenant.labels.update(_labels(args.label))
+        rpc = "CreateTenant" if action == "create" else "UpdateTenant"
+        _show_tenant(args, _call_admin(args, rpc, tenant))
+    elif action == "get":
+        _show_tenant(args, _call_admin(args, "GetTenant",
+                                       admin_pb2.GetTenantRequest(name=args.name)))
+    elif action == "list":
+        reply = _call_admin(args, "ListTenants", admin_pb2.ListTenantsRequest())
+        if args.output == "json":
+            _print_json(reply)
+        for tenant in reply.tenants if args.output != "json" else []:
+            _show_tenant(args, tenant)
+    else:
+        _call_admin(args, "DeleteTenant", admin_pb2.DeleteTenantRequest(name=args.name))
+        print(f"deleted tenant {args.name}")
+    return 0
+
+
+def _expiry(text: str) -> float:
+    """'30d', '12h', '90m' from now, or an ISO 8601 time."""
+    import datetime as dt
+    import time as _time
+
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    if text[:-1].isdigit() and text[-1:] in units:
+        return _time.time() + int(text[:-1]) * units[text[-1]]
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise _Usage(f"--expires wants 30d, 12h, 90m or an ISO 8601 time, got {text!r}"
+                     ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return when.timestamp()
+
+
+def cmd_apikeys(args: argparse.Namespace) -> int:
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from sitsmesh.admin.v1 import admin_pb2
+
+    action = args.apikeys_command
+    if action == "create":
+        request = admin_pb2.CreateApiKeyRequest(tenant=args.tenant, name=args.name or "")
+        if args.expires:
+            stamp = Timestamp()
+            stamp.FromNanoseconds(int(_expiry(args.expires) * 1e9))
+            request.expires_at.CopyFrom(stamp)
+        reply = _call_admin(args, "CreateApiKey", request)
+        if args.output == "json":
+            print(json.dumps({"key": reply.secret, "id": reply.key.id}))
+        else:
+            print(reply.secret)
+            print(f"(key id {reply.key.id} for tenant {reply.key.tenant}; the key is shown "
+                  "only now)", file=sys.stderr)
+    elif action == "list":
+        reply = _call_admin(args, "ListApiKeys", admin_pb2.ListApiKeysRequest(
+            tenant=args.tenant or ""))
+        if args.output == "json":
+            _print_json(reply)
+            return 0
+        print("ID            TENANT          STATE    EXPIRES               NAME")
+        for key in reply.keys:
+            expires = key.expires_at.ToJsonString() if key.HasField("expires_at") else "never"
+            state = "revoked" if key.revoked else "active"
+            print(f"{key.id:<12}  {key.tenant:<14}  {state:<7}  {expires:<20}  {key.name}")
+    else:
+        key = _call_admin(args, "RevokeApiKey", admin_pb2.RevokeApiKeyRequest(id=args.id))
+        print(f"revoked key {key.id} of tenant {key.tenant}")
+    return 0
+
+
 def cmd_dev(args: argparse.Namespace) -> int:
     from sitsmesh import devstack
 
@@ -246,6 +363,71 @@ def _add_common_admin(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-token-file", dest="admin_token_file", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     p.add_argument("--output", "-o", choices=("table", "json"), default="table")
+
+
+def _add_ratelimit_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    rl = sub.add_parser("ratelimit", help="rate-limit configs").add_subparsers(
+        dest="ratelimit_command", required=True)
+    check = rl.add_parser("check", help="validate config files offline; exit 1 if any is bad")
+    check.add_argument("paths", nargs="+", metavar="PATH")
+    check.set_defaults(func=cmd_ratelimit_check)
+    apply = rl.add_parser("apply", help="validate and apply config files (admin API)")
+    apply.add_argument("files", nargs="+", metavar="FILE")
+    apply.add_argument("--dry-run", action="store_true", help="validate only")
+    _add_common_admin(apply)
+    apply.set_defaults(func=cmd_ratelimit_apply)
+    get = rl.add_parser("get", help="print the live rate-limit config (admin API)")
+    _add_common_admin(get)
+    get.set_defaults(func=cmd_ratelimit_get)
+    delete = rl.add_parser("delete", help="remove a domain applied through the admin API")
+    delete.add_argument("domain")
+    _add_common_admin(delete)
+    delete.set_defaults(func=cmd_ratelimit_delete)
+
+
+def _add_tenant_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    tenants = sub.add_parser("tenants", help="manage tenants (admin API)").add_subparsers(
+        dest="tenants_command", required=True)
+    for action in ("create", "update"):
+        p = tenants.add_parser(action, help=f"{action} a tenant")
+        p.add_argument("name")
+        p.add_argument("--models", required=action == "create", metavar="GLOB[,GLOB...]",
+                       help="model name globs the tenant may call")
+        p.add_argument("--priority", type=int, help="default priority (0-9)")
+        p.add_argument("--max-priority", dest="max_priority", type=int,
+                       help="highest priority a caller may ask for")
+        p.add_argument("--max-concurrency", dest="max_concurrency", type=int,
+                       help="requests in flight at once (0: no cap)")
+        p.add_argument("--label", action="append", metavar="KEY=VALUE")
+        _add_common_admin(p)
+        p.set_defaults(func=cmd_tenants)
+    for action in ("get", "delete"):
+        p = tenants.add_parser(action, help=f"{action} a tenant")
+        p.add_argument("name")
+        _add_common_admin(p)
+        p.set_defaults(func=cmd_tenants)
+    p = tenants.add_parser("list", help="list tenants")
+    _add_common_admin(p)
+    p.set_defaults(func=cmd_tenants)
+
+
+def _add_apikey_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    keys = sub.add_parser("apikeys", help="manage API keys (admin API)").add_subparsers(
+        dest="apikeys_command", required=True)
+    p = keys.add_parser("create", help="create a key; it is printed once")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--name", help="a label for the key")
+    p.add_argument("--expires", help="30d, 12h, 90m, or an ISO 8601 time")
+    _add_common_admin(p)
+    p.set_defaults(func=cmd_apikeys)
+    p = keys.add_parser("list", help="list keys (never their secrets)")
+    p.add_argument("--tenant", help="only this tenant's keys")
+    _add_common_admin(p)
+    p.set_defaults(func=cmd_apikeys)
+    p = keys.add_parser("revoke", help="revoke a key by id")
+    p.add_argument("id")
+    _add_common_admin(p)
+    p.set_defaults(func=cmd_apikeys)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,23 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=3.0)
     health.set_defaults(func=cmd_health)
 
-    rl = sub.add_parser("ratelimit", help="rate-limit configs").add_subparsers(
-        dest="ratelimit_command", required=True)
-    check = rl.add_parser("check", help="validate config files offline; exit 1 if any is bad")
-    check.add_argument("paths", nargs="+", metavar="PATH")
-    check.set_defaults(func=cmd_ratelimit_check)
-    apply = rl.add_parser("apply", help="validate and apply config files (admin API)")
-    apply.add_argument("files", nargs="+", metavar="FILE")
-    apply.add_argument("--dry-run", action="store_true", help="validate only")
-    _add_common_admin(apply)
-    apply.set_defaults(func=cmd_ratelimit_apply)
-    get = rl.add_parser("get", help="print the live rate-limit config (admin API)")
-    _add_common_admin(get)
-    get.set_defaults(func=cmd_ratelimit_get)
-    delete = rl.add_parser("delete", help="remove a domain applied through the admin API")
-    delete.add_argument("domain")
-    _add_common_admin(delete)
-    delete.set_defaults(func=cmd_ratelimit_delete)
+    _add_ratelimit_commands(sub)
+    _add_tenant_commands(sub)
+    _add_apikey_commands(sub)
 
     dev = sub.add_parser("dev", help="run sitsmesh with a local Envoy and demo upstream")
     dev.add_argument("--run-dir", default=".run", help="state and logs (default .run)")
@@ -311,6 +479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _die(exc.message)
     except _RpcFailed as exc:
         return _die(str(exc), EXIT_FAILED)
+    except _Usage as exc:
+        return _die(str(exc))
     except KeyboardInterrupt:
         return 130
     return code
