@@ -63,6 +63,25 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout: flo
     raise SystemExit(f"sitsmesh dev: {what} not ready after {timeout}s")
 
 
+def _demo_key(bin_dir: Path, serve_args: list[str]) -> str:
+    """A 'demo' tenant allowed every model, and a fresh key for it (state persists)."""
+    admin = []
+    for flag in ("--admin-addr", "--state-dir"):
+        if flag in serve_args:
+            value = serve_args[serve_args.index(flag) + 1]
+            admin += ["--admin" if flag == "--admin-addr" else flag, value]
+    cli = str(bin_dir / "sitsmesh")
+    subprocess.run([cli, "tenants", "create", "demo", "--models", "*", *admin],
+                   capture_output=True, check=False)  # exists already on later runs
+    made = subprocess.run([cli, "apikeys", "create", "--tenant", "demo", "--name", "make-run",
+                           "--output", "json", *admin], capture_output=True, text=True,
+                          check=False)
+    if made.returncode != 0:
+        raise SystemExit(f"sitsmesh dev: cannot create a demo key: {made.stderr.strip()}")
+    key: str = json.loads(made.stdout)["key"]
+    return key
+
+
 def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     bin_dir = Path(sys.executable).parent
@@ -75,7 +94,7 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
         "sitsmesh_host": ports.data_addr.rpartition(":")[0],
         "sitsmesh_port": int(ports.data_addr.rpartition(":")[2]),
         "health_interval": "1s", "ratelimit_domain": "sitsmesh-local",
-    }, fragments=["ratelimit"]), run_dir / "envoy.yaml")
+    }, fragments=["ext_authz", "ratelimit"]), run_dir / "envoy.yaml")
 
     # Embedded defaults: SQLite state in the default state dir, memory stores.
     sitsmesh = subprocess.Popen([str(bin_dir / "sitsmesh"), "serve",
@@ -101,12 +120,15 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
     try:
         _wait_ready(f"http://127.0.0.1:{ports.envoy_admin}/ready", envoy, "envoy")
         time.sleep(1.5)  # let sitsmesh print its start-up lines first
+        key = _demo_key(bin_dir, serve_args)
         hints = [
-            (f"curl -s http://127.0.0.1:{ports.listen}/v2/models/demo/infer",
+            (f"curl -s -H 'x-api-key: {key}' http://127.0.0.1:{ports.listen}/v2/models/demo/infer",
              "via Envoy to the demo upstream"),
+            (f"curl -si http://127.0.0.1:{ports.listen}/v2/models/demo/infer | head -1",
+             "no key: 401"),
             (".venv/bin/sitsmesh status", "admin API, token from the state dir"),
-            (f"curl -si -H 'x-user: alice' http://127.0.0.1:{ports.listen}/ | head -5",
-             "6th in a minute gets 429"),
+            (f"curl -si -H 'x-api-key: {key}' -H 'x-user: alice' "
+             f"http://127.0.0.1:{ports.listen}/ | head -5", "6th in a minute gets 429"),
             (f".venv/bin/sitsmesh health --addr {ports.data_addr}",
              "gRPC health of the data plane"),
             ("curl -s http://127.0.0.1:9464/metrics | grep sitsmesh_", "Prometheus metrics"),

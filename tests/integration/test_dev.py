@@ -23,8 +23,11 @@ def test_dev_stack_serves_through_envoy_and_status_is_serving(tmp_path: Path) ->
     try:
         harness.wait_until(lambda: "Ctrl-C stops everything" in node.output(), 40,
                            "sitsmesh dev to print its hints")
-        with urllib.request.urlopen(f"http://127.0.0.1:{listen}/v2/models/demo/infer",
-                                    timeout=5) as resp:
+        key = next(line.split("x-api-key: ")[1].split("'")[0]
+                   for line in node.output().splitlines() if "x-api-key: smk_" in line)
+        req = urllib.request.Request(f"http://127.0.0.1:{listen}/v2/models/demo/infer",
+                                     headers={"x-api-key": key})
+        with urllib.request.urlopen(req, timeout=5) as resp:
             assert json.loads(resp.read())["upstream"] == "demo"
         status = harness.run_cli("status", "--admin", admin, "--state-dir", str(state))
         assert status.returncode == 0, status.stderr
