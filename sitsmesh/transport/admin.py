@@ -64,6 +64,15 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             ],
         )
 
+    @staticmethod
+    async def _guard(context: aio.ServicerContext[Any, Any], call: Any) -> Any:
+        """Await a domain call; its errors become the matching gRPC status, in one place."""
+        try:
+            return await call
+        except SitsmeshError as exc:
+            await context.abort(grpc_status(exc.code), exc.message)
+            raise
+
     async def ApplyRateLimitConfig(
         self, request: admin_pb2.ApplyRateLimitConfigRequest,
         context: aio.ServicerContext[Any, Any],
@@ -71,13 +80,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if not request.files:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no files to apply")
         names = [f.name or f"file{i}" for i, f in enumerate(request.files)]
-        try:
-            config, domains = await self._ratelimit.apply(
-                [(n, f.yaml) for n, f in zip(names, request.files, strict=True)],
-                dry_run=request.dry_run)
-        except SitsmeshError as exc:
-            await context.abort(grpc_status(exc.code), exc.message)
-            raise
+        config, domains = await self._guard(context, self._ratelimit.apply(
+            [(n, f.yaml) for n, f in zip(names, request.files, strict=True)],
+            dry_run=request.dry_run))
         _log.info("rate-limit config applied" if not request.dry_run
                   else "rate-limit config dry run passed", domains=domains)
         return admin_pb2.ApplyRateLimitConfigResponse(
@@ -98,24 +103,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.DeleteRateLimitConfigRequest,
         context: aio.ServicerContext[Any, Any],
     ) -> admin_pb2.DeleteRateLimitConfigResponse:
-        try:
-            deleted = await self._ratelimit.delete(request.domain)
-        except SitsmeshError as exc:
-            await context.abort(grpc_status(exc.code), exc.message)
-            raise
+        deleted = await self._guard(context, self._ratelimit.delete(request.domain))
         if not deleted:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no rate-limit domain '{request.domain}' applied through the API")
         return admin_pb2.DeleteRateLimitConfigResponse()
 
     # --- tenants and API keys --------------------------------------------
-
-    async def _guard(self, context: aio.ServicerContext[Any, Any], call: Any) -> Any:
-        try:
-            return await call
-        except SitsmeshError as exc:
-            await context.abort(grpc_status(exc.code), exc.message)
-            raise
 
     async def CreateTenant(self, request: admin_pb2.Tenant,
                            context: aio.ServicerContext[Any, Any]) -> admin_pb2.Tenant:
