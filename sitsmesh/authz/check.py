@@ -62,6 +62,10 @@ class Denied:
     retry_after_s: float = 0.0
 
 
+def _kserve(path: str) -> bool:
+    return path.startswith("/v2/models/")
+
+
 def _deny_401(message: str) -> Denied:
     return Denied(401, "unauthenticated", message)
 
@@ -88,6 +92,16 @@ class Authorizer:
             # A TCP ext_authz check: identity is all there is to decide on.
             return Allowed(tenant.name, tenant.priority, "", "tcp", (), ())
         model, request_class = model_and_class(request.path, request.body)
+        if request_class in ("grpc", "openai", "stream") and not _kserve(request.path):
+            # The model is in the body: a body cut short by Envoy's buffer limit, or
+            # one we cannot read, could hide the real model. Fail safe.
+            if request.headers.get("x-envoy-auth-partial-body") == "true":
+                return Denied(403, "body_too_large",
+                              "request body is larger than the authorization buffer; the "
+                              "model cannot be verified")
+            if not model:
+                return Denied(403, "model_unknown", "cannot determine the model of this "
+                              "request from its body")
         if model and not tenant.allows(model):
             return Denied(403, "model_not_allowed",
                           f"tenant {tenant.name} may not call model {model}")

@@ -19,12 +19,15 @@ def _grpc_model_name(body: bytes) -> str:
     """`model_name` (field 1) of a gRPC-framed ModelInferRequest.
 
     Reading one length-delimited field needs a dozen lines; importing Triton's
-    generated protos into the request path would cost far more. Anything
+    generated protos into the request path would cost far more. Protobuf keeps
+    the last occurrence of a repeated scalar field, so this does too: a second
+    model_name cannot smuggle a different model past the check. Anything
     malformed yields "".
     """
     if len(body) < 5 or body[0] != 0:  # compressed frames are not inspected
         return ""
     pos, end = 5, min(len(body), 5 + int.from_bytes(body[1:5], "big"))
+    found = ""
     while pos < end:
         tag, pos = _varint(body, pos, end)
         if tag < 0:
@@ -36,7 +39,7 @@ def _grpc_model_name(body: bytes) -> str:
                 return ""
             if field == 1:
                 try:
-                    return body[pos:pos + length].decode()
+                    found = body[pos:pos + length].decode()
                 except UnicodeDecodeError:
                     return ""
             pos += length
@@ -46,7 +49,7 @@ def _grpc_model_name(body: bytes) -> str:
                 return ""
         else:
             return ""
-    return ""
+    return found
 
 
 def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
@@ -71,7 +74,9 @@ def model_and_class(path: str, body: bytes) -> tuple[str, str]:
     if path == GRPC_INFER:
         return _grpc_model_name(body)[:MAX_MODEL_NAME], "grpc"
     match = _OPENAI.match(path)
-    if match and body and len(body) <= MAX_JSON_BODY:
+    if match:
+        if not body or len(body) > MAX_JSON_BODY:
+            return "", "openai"
         try:
             doc = json.loads(body)
         except (ValueError, RecursionError):

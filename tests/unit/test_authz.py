@@ -177,3 +177,26 @@ def test_model_extraction_never_crashes(path: str, body: bytes) -> None:
     model, request_class = model_and_class(path, body)
     assert isinstance(model, str) and len(model) <= 256
     assert request_class in {"infer", "generate", "stream", "grpc", "openai", "other"}
+
+
+def test_last_model_name_wins_in_grpc_bodies() -> None:
+    # Protobuf (and so Triton) keeps the last model_name; the check must see the same.
+    body = b"\x00\x00\x00\x00\x0c\x0a\x04bert\x0a\x04evil"
+    assert model_and_class("/inference.GRPCInferenceService/ModelInfer", body) == (
+        "evil", "grpc")
+    denied = _check(_authorizer(), {"x-api-key": KEY},
+                    "/inference.GRPCInferenceService/ModelInfer", body=body)
+    assert isinstance(denied, Denied) and denied.status == 403
+
+
+@pytest.mark.parametrize(("headers", "body", "code"), [
+    ({"x-envoy-auth-partial-body": "true"}, b'{"model": "bert", "messages": [', "body_too_large"),
+    ({}, b'{"messages": []}', "model_unknown"),
+    ({}, b"", "model_unknown"),
+])
+def test_body_models_that_cannot_be_verified_are_denied(
+    headers: dict[str, str], body: bytes, code: str
+) -> None:
+    denied = _check(_authorizer(), {"x-api-key": KEY, **headers}, "/v1/chat/completions",
+                    body=body)
+    assert isinstance(denied, Denied) and denied.status == 403 and denied.code == code

@@ -1,0 +1,327 @@
+"""Every manifest under deploy/ validates, and the Istio ext_authz wiring reaches sitsmesh.
+
+Core Kubernetes objects are checked against the Kubernetes OpenAPI schemas shipped by
+kubernetes-validate, in strict mode (unknown fields fail). kubernetes-validate has no
+schemas for Istio's CRDs or kustomize, so those get the schemas below, written the same
+way: required fields, allowed keys only. Tests at the end break copies of the manifests
+to show that every check can fail.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+KUBE = DEPLOY / "kubernetes"
+ISTIO = DEPLOY / "istio"
+KUBERNETES_VERSION = "1.30.0"  # oldest Kubernetes the manifests are meant for
+DATA_PORT_NAME = "grpc-data"
+MAX_CHECK_TIMEOUT_S = 1.0  # failOpen: false, so a slow sitsmesh holds every request
+MIN_BODY_BYTES, MAX_BODY_BYTES = 4 << 10, 1 << 20  # 1 MiB: sitsmesh parses no more JSON
+
+Doc = dict[str, Any]
+Schema = dict[str, Any]
+
+# --- schemas for the objects kubernetes-validate does not know ------------------------
+
+STR: Schema = {"type": "string", "minLength": 1}
+STRS: Schema = {"type": "array", "items": STR}
+BOOL: Schema = {"type": "boolean"}
+STR_MAP: Schema = {"type": "object", "additionalProperties": {"type": "string"}}
+PORT: Schema = {"type": "integer", "minimum": 1, "maximum": 65535}
+DURATION: Schema = {"type": "string", "pattern": r"^[0-9]+(\.[0-9]{1,9})?s$"}  # protobuf JSON
+
+
+def _obj(properties: dict[str, Schema], required: Sequence[str] = ()) -> Schema:
+    return {"type": "object", "properties": properties, "required": list(required),
+            "additionalProperties": False}
+
+
+def _list(items: Schema, min_items: int = 0) -> Schema:
+    return {"type": "array", "items": items, "minItems": min_items}
+
+
+def _top(api_version: str, kind: str, spec: Schema, namespaced: bool = True) -> Schema:
+    metadata = _obj({"name": STR, "namespace": STR, "labels": STR_MAP, "annotations": STR_MAP},
+                    ["name", "namespace"] if namespaced else ["name"])
+    return _obj({"apiVersion": {"const": api_version}, "kind": {"const": kind},
+                 "metadata": metadata, "spec": spec},
+                ["apiVersion", "kind", "metadata", "spec"])
+
+
+# istio.mesh.v1alpha1 MeshConfig.ExtensionProvider, envoy_ext_authz_grpc only.
+EXT_AUTHZ_GRPC = _obj({
+    "service": STR,
+    "port": PORT,
+    "timeout": DURATION,
+    "failOpen": BOOL,
+    "statusOnError": {"type": "string", "pattern": "^[1-5][0-9][0-9]$"},
+    "includeRequestBodyInCheck": _obj({
+        "maxRequestBytes": {"type": "integer", "minimum": 1, "maximum": 2**32 - 1},
+        "allowPartialMessage": BOOL,
+        "packAsBytes": BOOL,
+    }),
+}, ["service", "port"])
+
+ISTIO_OPERATOR = _top("install.istio.io/v1alpha1", "IstioOperator", _obj({
+    "meshConfig": _obj({
+        "extensionProviders": _list(
+            _obj({"name": STR, "envoyExtAuthzGrpc": EXT_AUTHZ_GRPC}, ["name", "envoyExtAuthzGrpc"]),
+            min_items=1),
+    }, ["extensionProviders"]),
+}, ["meshConfig"]))
+
+_TARGET_REF = _obj({"group": {"type": "string"}, "kind": STR, "name": STR, "namespace": STR},
+                   ["kind", "name"])
+
+
+def _lists_and_nots(*keys: str) -> Schema:
+    """An object of string lists: each key, and its notKey."""
+    return _obj({k: STRS for key in keys for k in (key, "not" + key[0].upper() + key[1:])})
+
+
+AUTHORIZATION_POLICY = _top("security.istio.io/v1", "AuthorizationPolicy", _obj({
+    "selector": _obj({"matchLabels": STR_MAP}, ["matchLabels"]),
+    "targetRef": _TARGET_REF,
+    "targetRefs": _list(_TARGET_REF),
+    "action": {"enum": ["ALLOW", "DENY", "AUDIT", "CUSTOM"]},
+    "provider": _obj({"name": STR}, ["name"]),
+    "rules": _list(_obj({
+        "from": _list(_obj({"source": _lists_and_nots(
+            "principals", "requestPrincipals", "namespaces", "ipBlocks", "remoteIpBlocks")})),
+        "to": _list(_obj({"operation": _lists_and_nots("hosts", "ports", "methods", "paths")})),
+        "when": _list(_obj({"key": STR, "values": STRS, "notValues": STRS}, ["key"])),
+    })),
+}, ["action"]))
+
+KUSTOMIZATION = _obj({
+    "apiVersion": {"const": "kustomize.config.k8s.io/v1beta1"},
+    "kind": {"const": "Kustomization"},
+    "namespace": STR,
+    "resources": _list(STR, min_items=1),
+    "images": _list(_obj({"name": STR, "newName": STR, "newTag": STR, "digest": STR}, ["name"])),
+    # Other kustomize fields are allowed unchecked; misspellings of them still fail.
+    **{key: {} for key in (
+        "metadata", "namePrefix", "nameSuffix", "labels", "commonLabels", "commonAnnotations",
+        "components", "configMapGenerator", "secretGenerator", "generatorOptions", "patches",
+        "replicas", "replacements", "buildMetadata", "sortOptions")},
+}, ["apiVersion", "kind", "resources"])
+
+SCHEMAS: dict[tuple[str, str], Schema] = {
+    ("install.istio.io/v1alpha1", "IstioOperator"): ISTIO_OPERATOR,
+    ("security.istio.io/v1", "AuthorizationPolicy"): AUTHORIZATION_POLICY,
+    ("kustomize.config.k8s.io/v1beta1", "Kustomization"): KUSTOMIZATION,
+}
+
+
+# --- loading and checks --------------------------------------------------------------
+
+def _docs(path: Path) -> list[Doc]:
+    with path.open() as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def _manifests() -> list[tuple[str, Doc]]:
+    paths = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
+    return [(f"{p.relative_to(DEPLOY)}#{i}", d) for p in paths for i, d in enumerate(_docs(p))]
+
+
+def validate_manifest(doc: Doc) -> None:
+    """Raise jsonschema.ValidationError (or SchemaNotFoundError) unless doc is valid."""
+    schema = SCHEMAS.get((doc.get("apiVersion", ""), doc.get("kind", "")))
+    if schema is not None:
+        jsonschema.Draft202012Validator(schema).validate(doc)
+    else:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def _only(docs: Sequence[Doc], kind: str) -> Doc:
+    found = [d for d in docs if d.get("kind") == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def _seconds(duration: object) -> float:
+    assert isinstance(duration, str), duration
+    assert re.fullmatch(DURATION["pattern"], duration), f"not a protobuf duration: {duration}"
+    return float(duration.removesuffix("s"))
+
+
+def check_ext_authz_wiring(kube: Sequence[Doc], istio: Sequence[Doc]) -> None:
+    """Each CUSTOM policy's provider reaches the sitsmesh Service's data port, fails closed,
+    sends raw bodies, and the policy selects some workload other than sitsmesh."""
+    kustomization = _only(kube, "Kustomization")
+    service = _only(kube, "Service")
+    namespace = (kustomization.get("namespace") or service["metadata"].get("namespace")
+                 or "default")
+    host = f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
+    data_port = {p.get("name"): p["port"] for p in service["spec"]["ports"]}[DATA_PORT_NAME]
+    pod_labels = _only(kube, "Deployment")["spec"]["template"]["metadata"]["labels"]
+
+    providers = {p["name"]: p for d in istio if d["kind"] == "IstioOperator"
+                 for p in d["spec"]["meshConfig"]["extensionProviders"]}
+    policies = [d for d in istio if d["kind"] == "AuthorizationPolicy"]
+    assert policies, "no AuthorizationPolicy"
+    for policy in policies:
+        spec = policy["spec"]
+        assert spec["action"] == "CUSTOM"
+        name = spec.get("provider", {}).get("name")
+        assert name in providers, f"provider {name!r} is not in extensionProviders"
+        grpc = providers[name]["envoyExtAuthzGrpc"]
+        prefix, _, service_host = grpc["service"].rpartition("/")  # [<Namespace>/]<Hostname>
+        assert service_host == host and prefix in ("", namespace), grpc["service"]
+        assert grpc["port"] == data_port
+        assert grpc.get("failOpen") is False, "fail closed, and say so"
+        assert "timeout" in grpc, "Istio's default is 600s"
+        assert 0 < _seconds(grpc["timeout"]) <= MAX_CHECK_TIMEOUT_S
+        body = grpc.get("includeRequestBodyInCheck", {})
+        assert body.get("packAsBytes") is True, "sitsmesh reads raw_body (gRPC frames)"
+        assert body.get("allowPartialMessage") is True, "else large bodies get 413"
+        assert MIN_BODY_BYTES <= body.get("maxRequestBytes", 0) <= MAX_BODY_BYTES
+
+        labels = spec.get("selector", {}).get("matchLabels", {})
+        assert labels, "select the inference workload; no namespace- or mesh-wide policy"
+        assert policy["metadata"]["namespace"] != namespace or not labels.items() <= \
+            pod_labels.items(), "the policy must not select sitsmesh itself"
+
+
+def _kube_docs() -> list[Doc]:
+    return [d for p in sorted(KUBE.glob("*.yaml")) for d in _docs(p)]
+
+
+def _istio_docs() -> list[Doc]:
+    return [d for p in sorted(ISTIO.glob("*.yaml")) for d in _docs(p)]
+
+
+# --- the manifests as they are -------------------------------------------------------
+
+def test_own_schemas_are_valid_json_schema() -> None:
+    for schema in SCHEMAS.values():
+        jsonschema.Draft202012Validator.check_schema(schema)
+
+
+@pytest.mark.parametrize(("where", "doc"), _manifests(), ids=[w for w, _ in _manifests()])
+def test_manifest_validates(where: str, doc: Doc) -> None:
+    try:
+        validate_manifest(doc)
+    except kubernetes_validate.SchemaNotFoundError as e:
+        pytest.fail(f"{where}: no schema: {e.message}; add one to SCHEMAS")
+    except jsonschema.ValidationError as e:
+        pytest.fail(f"{where}: {'.'.join(map(str, e.absolute_path))}: {e.message}")
+
+
+def test_ext_authz_wiring() -> None:
+    check_ext_authz_wiring(_kube_docs(), _istio_docs())
+
+
+# --- and broken copies of them --------------------------------------------------------
+
+DELETE = object()
+
+
+def _break(doc: Doc, path: str, value: object) -> None:
+    """Set `path` (dotted; digits index lists) in doc to value, or remove it if DELETE."""
+    node: Any = doc
+    *parents, last = path.split(".")
+    for step in parents:
+        node = node[int(step)] if isinstance(node, list) else node[step]
+    key: int | str = int(last) if isinstance(node, list) else last
+    if value is DELETE:
+        del node[key]
+    else:
+        node[key] = value
+
+
+_CONTAINER = "spec.template.spec.containers.0"
+_GRPC = "spec.meshConfig.extensionProviders.0.envoyExtAuthzGrpc"
+
+SCHEMA_BREAKS = [
+    ("Deployment", f"{_CONTAINER}.imagePullPolicyy", "Always"),  # unknown field
+    ("Deployment", f"{_CONTAINER}.ports.0.containerPort", "50051"),
+    ("Deployment", "spec.replicas", "1"),
+    ("Deployment", "spec.template.spec.securityContext.runAsNonroot", True),
+    ("Service", "spec.ports.0.port", "50051"),
+    ("Service", "spec.portz", []),
+    ("Namespace", "metadata.label", {}),
+    ("ServiceAccount", "automountToken", False),
+    ("PersistentVolumeClaim", "spec.accessModes", "ReadWriteOnce"),
+    ("Deployment", "apiVersion", "apps/v1beta9"),  # no schema at all
+    ("IstioOperator", "apiVersion", "install.istio.io/v1"),
+    ("IstioOperator", "spec.meshconfig", {}),
+    ("IstioOperator", "spec.meshConfig.extensionProviders.0.envoyExtAuthzHttp", {}),
+    ("IstioOperator", f"{_GRPC}.failopen", False),
+    ("IstioOperator", f"{_GRPC}.port", "50051"),
+    ("IstioOperator", f"{_GRPC}.timeout", "500ms"),
+    ("IstioOperator", f"{_GRPC}.service", DELETE),
+    ("IstioOperator", f"{_GRPC}.includeRequestBodyInCheck.packAsByte", True),
+    ("AuthorizationPolicy", "kind", "AuthorisationPolicy"),
+    ("AuthorizationPolicy", "spec.providers", {}),
+    ("AuthorizationPolicy", "spec.action", "custom"),
+    ("AuthorizationPolicy", "spec.provider.nam", "x"),
+    ("AuthorizationPolicy", "spec.rules.0.to", [{"operation": {"path": ["/"]}}]),
+    ("AuthorizationPolicy", "metadata.namespace", DELETE),
+    ("Kustomization", "resource", []),
+    ("Kustomization", "images.0.newtag", "1"),
+]
+
+
+@pytest.mark.parametrize(("kind", "path", "value"), SCHEMA_BREAKS,
+                         ids=[f"{k}:{p}" for k, p, _ in SCHEMA_BREAKS])
+def test_validation_rejects_a_broken_manifest(kind: str, path: str, value: object) -> None:
+    doc = _only(_kube_docs() + _istio_docs(), kind)
+    try:
+        validate_manifest(doc)
+    except (jsonschema.ValidationError, kubernetes_validate.SchemaNotFoundError):
+        pytest.skip(f"the {kind} is invalid as it is: see test_manifest_validates")
+    _break(doc, path, value)
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.SchemaNotFoundError)):
+        validate_manifest(doc)
+
+
+WIRING_BREAKS = [
+    ("AuthorizationPolicy", "spec.action", "ALLOW"),
+    ("AuthorizationPolicy", "spec.provider.name", "other-ext-authz"),
+    ("AuthorizationPolicy", "spec.selector", DELETE),
+    ("AuthorizationPolicy", "metadata.namespace", "sitsmesh"),  # with sitsmesh's labels, below
+    ("IstioOperator", f"{_GRPC}.service", "sitsmesh.default.svc.cluster.local"),
+    ("IstioOperator", f"{_GRPC}.service", "sitsmesh.sitsmesh"),
+    ("IstioOperator", f"{_GRPC}.service", "default/sitsmesh.sitsmesh.svc.cluster.local"),
+    ("IstioOperator", f"{_GRPC}.port", 50052),
+    ("IstioOperator", f"{_GRPC}.failOpen", True),
+    ("IstioOperator", f"{_GRPC}.failOpen", DELETE),
+    ("IstioOperator", f"{_GRPC}.timeout", DELETE),
+    ("IstioOperator", f"{_GRPC}.timeout", "600s"),
+    ("IstioOperator", f"{_GRPC}.includeRequestBodyInCheck", DELETE),
+    ("IstioOperator", f"{_GRPC}.includeRequestBodyInCheck.packAsBytes", False),
+    ("IstioOperator", f"{_GRPC}.includeRequestBodyInCheck.allowPartialMessage", False),
+    ("IstioOperator", f"{_GRPC}.includeRequestBodyInCheck.maxRequestBytes", 16 << 20),
+    ("Service", "spec.ports.0.port", 50061),
+    ("Kustomization", "namespace", "elsewhere"),
+]
+
+
+@pytest.mark.parametrize(("kind", "path", "value"), WIRING_BREAKS,
+                         ids=[f"{k}:{p}={v if v is not DELETE else '-'}"
+                              for k, p, v in WIRING_BREAKS])
+def test_wiring_check_rejects_a_broken_setup(kind: str, path: str, value: object) -> None:
+    kube, istio = _kube_docs(), _istio_docs()
+    try:
+        check_ext_authz_wiring(kube, istio)
+    except AssertionError:
+        pytest.skip("the wiring is broken as it is: see test_ext_authz_wiring")
+    doc = _only(kube + istio, kind)
+    _break(doc, path, value)
+    if kind == "AuthorizationPolicy" and path == "metadata.namespace":
+        pod_labels = _only(kube, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        _break(doc, "spec.selector.matchLabels", dict(pod_labels))
+    with pytest.raises(AssertionError):
+        check_ext_authz_wiring(kube, istio)
