@@ -243,6 +243,8 @@ class Target:
     expected: Callable[[int], dict[str, float]] = lambda n: {}
     goal: float | None = None  # wanted ratio vs the baseline, reported only
     notes: Callable[[], list[str]] = list  # facts observed during the run, printed at the end
+    # Wait before reading a round's baseline counters; 0 when every counter is immediate.
+    flush_wait_s: float = FLUSH_WAIT_S
     rates: list[float] = field(default_factory=list)
     p50_ms: list[float] = field(default_factory=list)
     p99_ms: list[float] = field(default_factory=list)
@@ -258,7 +260,7 @@ class Target:
     def settled_counters(self) -> dict[str, float]:
         """Counters once earlier traffic has been flushed, so a baseline includes all of it."""
         if self.expected(1):
-            time.sleep(FLUSH_WAIT_S)
+            time.sleep(self.flush_wait_s)
         return self.counters()
 
     def check_counters(self, before: dict[str, float], after: dict[str, float],
@@ -305,12 +307,13 @@ def percentile(sorted_values: Sequence[int], pct: float) -> int:
 
 
 def run_h2load(h2load: str, target: Target, args: argparse.Namespace, requests: int,
-               workdir: Path) -> LoadResult:
+               workdir: Path, extra_args: Sequence[str] = ()) -> LoadResult:
+    """One checked h2load run; `extra_args` (e.g. `--rps=N`) go before the target's own."""
     log_file = workdir / "h2load.log"
     log_file.unlink(missing_ok=True)  # h2load appends; a stale log would skew the count
     argv = [h2load, "-n", str(requests), "-c", str(args.clients), "-m", str(args.streams),
-            "-t", str(args.threads), *target.h2load_args, "--log-file", str(log_file),
-            target.url]
+            "-t", str(args.threads), *extra_args, *target.h2load_args,
+            "--log-file", str(log_file), target.url]
     before = target.settled_counters()
     cpu_before = procs_cpu(target.procs)
     child_before = resource.getrusage(resource.RUSAGE_CHILDREN)

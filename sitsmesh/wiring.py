@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from envoy.service.auth.v3 import external_auth_pb2_grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -29,6 +28,7 @@ from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
 from sitsmesh.transport.authz import AuthorizationServicer
+from sitsmesh.transport.authz import add_to_server as add_authz
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
 from sitsmesh.transport.ratelimit import RateLimitServicer
 from sitsmesh.transport.ratelimit import add_to_server as add_ratelimit
@@ -178,8 +178,7 @@ class AuthzComponent:
         if self.authorizer is None:
             return []
         servicer = AuthorizationServicer(self.authorizer)
-        return [DataService(AUTHZ_SERVICE, lambda server: (
-            external_auth_pb2_grpc.add_AuthorizationServicer_to_server(servicer, server)))]
+        return [DataService(AUTHZ_SERVICE, lambda server: add_authz(servicer, server))]
 
     async def start(self) -> None:
         await self.state.refresh()

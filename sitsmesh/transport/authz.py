@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
 from envoy.type.v3 import http_status_pb2
@@ -54,9 +55,24 @@ def _allowed(decision: Allowed) -> Any:
         dynamic_metadata=metadata)
 
 
+MAX_CACHED_REPLIES = 10_000
+
+
 class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
     def __init__(self, authorizer: Authorizer) -> None:
         self._authorizer = authorizer
+        # An answer depends only on its decision, and few distinct decisions exist
+        # (tenant x priority x model x class): build each reply once, not per Check.
+        self._replies: dict[Allowed | Denied, Any] = {}
+
+    def _reply(self, decision: Allowed | Denied) -> Any:
+        reply = self._replies.get(decision)
+        if reply is None:
+            reply = _denied(decision) if isinstance(decision, Denied) else _allowed(decision)
+            if len(self._replies) >= MAX_CACHED_REPLIES:
+                self._replies.clear()
+            self._replies[decision] = reply
+        return reply
 
     async def Check(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         attributes = request.attributes
@@ -70,6 +86,14 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
         decision = self._authorizer.check(CheckInput(
             headers, http.path, body, attributes.source.principal,
             headers.get("x-request-id") or http.id, is_http))
-        if isinstance(decision, Denied):
-            return _denied(decision)
-        return _allowed(decision)
+        return self._reply(decision)
+
+
+def add_to_server(servicer: AuthorizationServicer, server: aio.Server) -> None:
+    handlers = {"Check": grpc.unary_unary_rpc_method_handler(
+        servicer.Check, request_deserializer=external_auth_pb2.CheckRequest.FromString,
+        response_serializer=external_auth_pb2.CheckResponse.SerializeToString)}
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    # Registered methods are looked up in C core, skipping the per-call Python lookup.
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
