@@ -174,3 +174,30 @@ def test_sitsmesh_down_fails_closed_and_keys_survive_restart(
         assert status == 200, "the key persisted across the restart"
     finally:
         envoy.kill()
+
+
+def test_tcp_check_without_http_attributes_is_answered_from_the_peer(
+    start_sitsmesh: Start,
+) -> None:
+    from envoy.service.auth.v3 import (
+        attribute_context_pb2,
+        external_auth_pb2,
+        external_auth_pb2_grpc,
+    )
+    from google.rpc import code_pb2
+
+    node = start_sitsmesh("--authz-peer-tenants", "spiffe://cluster.local/ns/a/sa/b=acme",
+                          "--reload-interval-seconds", "0.2")
+    _setup_tenant(node)
+
+    def check(principal: str) -> int:
+        request = external_auth_pb2.CheckRequest(attributes=attribute_context_pb2.AttributeContext(
+            source=attribute_context_pb2.AttributeContext.Peer(principal=principal)))
+        with grpc.insecure_channel(node.data_addr) as channel:
+            reply = external_auth_pb2_grpc.AuthorizationStub(channel).Check(request, timeout=5)
+        code: int = reply.status.code
+        return code
+
+    assert check("spiffe://cluster.local/ns/a/sa/b") == code_pb2.OK
+    assert check("spiffe://cluster.local/ns/x/sa/y") == code_pb2.UNAUTHENTICATED
+    assert check("") == code_pb2.UNAUTHENTICATED
