@@ -50,6 +50,10 @@ check-protos: $(STAMP)
 bench: sysdeps $(STAMP)
 	@scripts/sysdeps.sh $(BENCH_SYSDEPS)
 	$(PY) bench/health_throughput.py
+	$(PY) bench/ratelimit_throughput.py
+	$(PY) bench/ratelimit_envoy.py
+	$(PY) bench/authz_throughput.py
+	$(PY) bench/authz_envoy.py
 
 clean:
 	rm -rf $(VENV) .run .pytest_cache .mypy_cache .ruff_cache
