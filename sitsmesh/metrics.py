@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -61,6 +61,48 @@ class RpcMetrics:
         """Interceptor for one listener; `server` labels its series (data or admin)."""
         return _MetricsInterceptor(server, self._handled, self._latency)
 
+    def registrar(self, server: aio.Server, label: str) -> InstrumentedRegistrar:
+        """Register services through this and each handler is wrapped once, at startup.
+
+        An interceptor costs an extra coroutine on every call (about 10 % of the
+        data plane's throughput, measured); wrapping at registration costs nothing
+        per call beyond the metrics themselves.
+        """
+        return InstrumentedRegistrar(server, _MetricsInterceptor(label, self._handled,
+                                                                 self._latency))
+
+
+class InstrumentedRegistrar:
+    """Stands in for an aio.Server while services register; wraps what they add."""
+
+    def __init__(self, server: aio.Server, wrapper: _MetricsInterceptor) -> None:
+        self._server = server
+        self._wrapper = wrapper
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(
+            tuple(_InstrumentedGeneric(h, self._wrapper) for h in handlers))
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        self._server.add_registered_method_handlers(
+            service, {name: self._wrapper.wrapped(f"/{service}/{name}", handler)
+                      for name, handler in handlers.items()})
+
+
+class _InstrumentedGeneric(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler, wrapper: _MetricsInterceptor) -> None:
+        self._inner = inner
+        self._wrapper = wrapper
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails
+                ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        return self._wrapper.wrapped(handler_call_details.method, handler)
+
 
 class _MetricsInterceptor(aio.ServerInterceptor):
     """Wraps each method handler once and caches it, so per-call work is two dict lookups."""
@@ -84,9 +126,15 @@ class _MetricsInterceptor(aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        wrapped = self._wrap(method, handler)
-        self._wrapped[method] = wrapped
-        return wrapped
+        return self.wrapped(method, handler)
+
+    def wrapped(self, method: str, handler: grpc.RpcMethodHandler[Any, Any]
+                ) -> grpc.RpcMethodHandler[Any, Any]:
+        """The instrumented handler for `method`, built once."""
+        cached = self._wrapped.get(method)
+        if cached is None:
+            cached = self._wrapped[method] = self._wrap(method, handler)
+        return cached
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler[Any, Any]
               ) -> grpc.RpcMethodHandler[Any, Any]:

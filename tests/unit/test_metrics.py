@@ -36,19 +36,30 @@ async def _client_stream(requests: AsyncIterator[bytes],
     return b"".join([r async for r in requests])
 
 
-HANDLERS = grpc.method_handlers_generic_handler("test.Svc", {
+METHODS: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
     "Unary": grpc.unary_unary_rpc_method_handler(_unary),
     "Gen": grpc.unary_stream_rpc_method_handler(_gen),
     "Writer": grpc.unary_stream_rpc_method_handler(_writer),
     "Collect": grpc.stream_unary_rpc_method_handler(_client_stream),
-})
+}
+HANDLERS = grpc.method_handlers_generic_handler("test.Svc", METHODS)
 
 
-@pytest.fixture
-async def served() -> AsyncIterator[tuple[aio.Channel, CollectorRegistry]]:
+@pytest.fixture(params=["interceptor", "registrar-generic", "registrar-registered"])
+async def served(request: pytest.FixtureRequest
+                 ) -> AsyncIterator[tuple[aio.Channel, CollectorRegistry]]:
     registry = CollectorRegistry()
-    server = aio.server(interceptors=[RpcMetrics(registry).interceptor("data")])
-    server.add_generic_rpc_handlers((HANDLERS,))
+    metrics = RpcMetrics(registry)
+    if request.param == "interceptor":
+        server = aio.server(interceptors=[metrics.interceptor("data")])
+        server.add_generic_rpc_handlers((HANDLERS,))
+    else:
+        server = aio.server()
+        registrar = metrics.registrar(server, "data")
+        if request.param == "registrar-generic":
+            registrar.add_generic_rpc_handlers((HANDLERS,))
+        else:
+            registrar.add_registered_method_handlers("test.Svc", METHODS)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
