@@ -1,0 +1,1 @@
+"""Latency chains: Envoy access logs and stage reports -> one chain per request."""

@@ -1,0 +1,242 @@
+"""Chain assembly: hops with one request id -> one chain -> per-stage own time.
+
+Plain Python with an injected clock. Memory is bounded: open chains are
+capped and expire after a TTL, and finished chains only feed fixed-size
+histograms in time slots plus a small top-K of the slowest chains per slot
+(enough to attribute the slowest 1 %).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from sitsmesh.chains.histogram import Histogram
+from sitsmesh.chains.pipeline import Pipeline, Stage
+
+EPSILON_S = 0.0005  # Envoy timestamps are microseconds; tolerate rounding at the edges
+
+
+@dataclass(slots=True)
+class Hop:
+    request_id: str
+    start: float                 # absolute, seconds
+    duration: float              # the whole hop, to its last byte back
+    ttfb: float | None = None    # to the first byte back
+    queue: float | None = None   # before the first byte went upstream
+    upstream_cluster: str = ""
+    route_name: str = ""
+    stage_header: str = ""       # x-sits-stage, for stages matched by header
+    pipeline: str = ""           # set by stage reports, which name their stage
+    stage: str = ""
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
+
+
+@dataclass(slots=True)
+class _Chain:
+    pipeline: Pipeline
+    hops: dict[str, Hop]
+    opened: float
+
+
+@dataclass(slots=True)
+class _Slot:
+    index: int
+    chains: int = 0
+    incomplete: int = 0
+    e2e: Histogram = field(default_factory=Histogram)
+    own: dict[str, Histogram] = field(default_factory=dict)
+    ttfb: dict[str, Histogram] = field(default_factory=dict)
+    total: dict[str, Histogram] = field(default_factory=dict)
+    # min-heap of (e2e, sequence, {stage: own seconds}): the slowest chains of the slot
+    slowest: list[tuple[float, int, dict[str, float]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StageReport:
+    name: str
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    ttfb_p99_ms: float | None
+    total_p99_ms: float | None
+    attributed_ms: float       # mean own time in the slowest 1 % of chains
+    share_of_e2e_p99: float    # attributed_ms / mean end-to-end time of those chains
+
+
+@dataclass(frozen=True, slots=True)
+class ChainReport:
+    pipeline: str
+    window_s: int
+    chains: int
+    incomplete: int
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+    stages: tuple[StageReport, ...]
+    bottleneck: str
+
+
+def own_times(hops: Mapping[str, Hop]) -> tuple[dict[str, float], float]:
+    """Each stage's span minus the spans nested in it that it waited on; and end to end."""
+    ordered = sorted(hops.items(), key=lambda kv: -kv[1].duration)
+    own = {name: hop.duration for name, hop in ordered}
+    for i, (_, hop) in enumerate(ordered):
+        # The parent is the shortest longer hop that contains this one.
+        for parent_name, parent in reversed(ordered[:i]):
+            if (parent.start - EPSILON_S <= hop.start
+                    and hop.end <= parent.end + EPSILON_S):
+                own[parent_name] -= hop.duration
+                break
+    e2e = ordered[0][1].duration if ordered else 0.0
+    return {name: max(0.0, value) for name, value in own.items()}, e2e
+
+
+class Assembler:
+    def __init__(self, pipelines: Mapping[str, Pipeline], *,
+                 clock: Callable[[], float] = time.monotonic, ttl_s: float = 30.0,
+                 slot_s: int = 10, slots: int = 30, max_open: int = 100_000,
+                 top_k: int = 64,
+                 on_chain: Callable[[str, dict[str, float], float], None] | None = None
+                 ) -> None:
+        self._clock = clock
+        self._ttl_s = ttl_s
+        self._slot_s = slot_s
+        self._slots: list[_Slot | None] = [None] * slots
+        self._max_open = max_open
+        self._top_k = top_k
+        self._on_chain = on_chain
+        self._open: dict[str, _Chain] = {}
+        self._sequence = 0
+        self.duplicates = 0
+        self.unmatched = 0
+        self.set_pipelines(pipelines)
+
+    def set_pipelines(self, pipelines: Mapping[str, Pipeline]) -> None:
+        """Swap the pipeline set; lookups are precomputed so matching is one dict hit."""
+        index: dict[tuple[str, str], tuple[Pipeline, Stage]] = {}
+        for pipeline in pipelines.values():
+            for stage in pipeline.stages:
+                index.setdefault((stage.match_key, stage.match_value), (pipeline, stage))
+                index.setdefault(("report:" + pipeline.name, stage.name), (pipeline, stage))
+        self._index = index
+        self.pipelines = dict(pipelines)
+
+    def _match(self, hop: Hop) -> tuple[Pipeline, Stage] | None:
+        index = self._index
+        if hop.stage:
+            return index.get(("report:" + hop.pipeline, hop.stage))
+        return (index.get(("upstream_cluster", hop.upstream_cluster))
+                or index.get(("route_name", hop.route_name))
+                or (index.get(("header", hop.stage_header)) if hop.stage_header else None))
+
+    def add(self, hop: Hop) -> None:
+        matched = self._match(hop)
+        if matched is None or not hop.request_id:
+            self.unmatched += 1
+            return
+        pipeline, stage = matched
+        chain = self._open.get(hop.request_id)
+        if chain is None:
+            if len(self._open) >= self._max_open:
+                self._close(next(iter(self._open)), complete=False)
+            chain = self._open[hop.request_id] = _Chain(pipeline, {}, self._clock())
+        if stage.name in chain.hops:
+            self.duplicates += 1  # a retried hop or a resent entry: the first one stands
+            return
+        chain.hops[stage.name] = hop
+        if len(chain.hops) == len(pipeline.stages):
+            self._close(hop.request_id, complete=True)
+
+    def expire(self) -> int:
+        """Close chains older than the TTL as incomplete. Returns how many."""
+        deadline = self._clock() - self._ttl_s
+        expired = [rid for rid, chain in self._open.items() if chain.opened <= deadline]
+        for rid in expired:
+            self._close(rid, complete=False)
+        return len(expired)
+
+    def open_chains(self) -> int:
+        return len(self._open)
+
+    def _slot(self) -> _Slot:
+        index = int(self._clock() // self._slot_s)
+        position = index % len(self._slots)
+        slot = self._slots[position]
+        if slot is None or slot.index != index:
+            slot = self._slots[position] = _Slot(index)
+        return slot
+
+    def _close(self, request_id: str, *, complete: bool) -> None:
+        chain = self._open.pop(request_id)
+        slot = self._slot()
+        if not complete:
+            slot.incomplete += 1
+            return
+        own, e2e = own_times(chain.hops)
+        slot.chains += 1
+        slot.e2e.add(e2e)
+        for name, seconds in own.items():
+            slot.own.setdefault(name, Histogram()).add(seconds)
+            hop = chain.hops[name]
+            slot.total.setdefault(name, Histogram()).add(hop.duration)
+            if hop.ttfb is not None:
+                slot.ttfb.setdefault(name, Histogram()).add(hop.ttfb)
+        self._sequence += 1
+        entry = (e2e, self._sequence, own)
+        if len(slot.slowest) < self._top_k:
+            heapq.heappush(slot.slowest, entry)
+        elif e2e > slot.slowest[0][0]:
+            heapq.heapreplace(slot.slowest, entry)
+        if self._on_chain is not None:
+            self._on_chain(chain.pipeline.name, own, e2e)
+
+    def report(self, pipeline_name: str, window_s: int) -> ChainReport | None:
+        pipeline = self.pipelines.get(pipeline_name)
+        if pipeline is None:
+            return None
+        newest = int(self._clock() // self._slot_s)
+        oldest = newest - max(1, window_s // self._slot_s) + 1
+        slots = [s for s in self._slots if s is not None and oldest <= s.index <= newest]
+        e2e = Histogram()
+        chains = incomplete = 0
+        own: dict[str, Histogram] = {}
+        ttfb: dict[str, Histogram] = {}
+        total: dict[str, Histogram] = {}
+        slowest: list[tuple[float, int, dict[str, float]]] = []
+        for slot in slots:
+            chains += slot.chains
+            incomplete += slot.incomplete
+            e2e.merge(slot.e2e)
+            for target, source in ((own, slot.own), (ttfb, slot.ttfb), (total, slot.total)):
+                for name, hist in source.items():
+                    target.setdefault(name, Histogram()).merge(hist)
+            slowest.extend(slot.slowest)
+        # Critical path over the slowest 1 % (at least one chain).
+        slow = heapq.nlargest(max(1, math.ceil(chains / 100)), slowest)
+        slow_e2e = sum(c[0] for c in slow) / len(slow) if slow else 0.0
+        stages: list[StageReport] = []
+        for stage in pipeline.stages:
+            hist = own.get(stage.name, Histogram())
+            attributed = sum(c[2].get(stage.name, 0.0) for c in slow) / len(slow) if slow else 0.0
+            stage_ttfb = ttfb.get(stage.name)
+            stage_total = total.get(stage.name)
+            stages.append(StageReport(
+                stage.name, _ms(hist.quantile(0.5)), _ms(hist.quantile(0.9)),
+                _ms(hist.quantile(0.99)),
+                _ms(stage_ttfb.quantile(0.99)) if stage_ttfb and stage_ttfb.total else None,
+                _ms(stage_total.quantile(0.99)) if stage_total and stage_total.total else None,
+                round(attributed * 1000, 3),
+                round(attributed / slow_e2e, 4) if slow_e2e else 0.0))
+        bottleneck = max(stages, key=lambda s: s.attributed_ms).name if chains else ""
+        return ChainReport(pipeline_name, window_s, chains, incomplete, _ms(e2e.quantile(0.5)),
+                           _ms(e2e.quantile(0.99)), tuple(stages), bottleneck)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)

@@ -1,0 +1,88 @@
+"""Pipelines as data: stages and how an access-log entry is matched to one."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sitsmesh.errors import Code, SitsmeshError
+
+PIPELINE_KIND = "pipeline"
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
+MATCH_KEYS = ("upstream_cluster", "route_name", "header")
+
+
+class InvalidPipeline(SitsmeshError):
+    code = Code.INVALID_ARGUMENT
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    name: str
+    match_key: str    # upstream_cluster, route_name or header (x-sits-stage value)
+    match_value: str
+    sla_p99_ms: float | None = None
+    ttfb_p99_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    name: str
+    stages: tuple[Stage, ...]
+
+    def to_body(self) -> dict[str, Any]:
+        return {"stages": [
+            {"name": s.name, "match": {s.match_key: s.match_value},
+             **({"sla_p99_ms": s.sla_p99_ms} if s.sla_p99_ms is not None else {}),
+             **({"ttfb_p99_ms": s.ttfb_p99_ms} if s.ttfb_p99_ms is not None else {})}
+            for s in self.stages]}
+
+
+def _number(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise InvalidPipeline(f"{where} must be a positive number of milliseconds")
+    return float(value)
+
+
+def pipeline_from(name: str, body: Mapping[str, Any], source: str = "pipeline") -> Pipeline:
+    """Validate a pipeline document; errors name the source and the field."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidPipeline(f"{source}: name {name!r}: use 1-63 lowercase letters, digits, "
+                              "'.', '_' or '-'")
+    unknown = set(body) - {"name", "stages"}
+    if unknown:
+        raise InvalidPipeline(f"{source}: unknown key '{sorted(unknown)[0]}'")
+    stages_raw = body.get("stages")
+    if not isinstance(stages_raw, list) or not stages_raw:
+        raise InvalidPipeline(f"{source}: stages must be a non-empty list")
+    stages: list[Stage] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(stages_raw):
+        where = f"{source}: stages[{i}]"
+        if not isinstance(raw, dict):
+            raise InvalidPipeline(f"{where} must be a mapping")
+        extra = set(raw) - {"name", "match", "sla_p99_ms", "ttfb_p99_ms"}
+        if extra:
+            raise InvalidPipeline(f"{where}: unknown key '{sorted(extra)[0]}'")
+        stage_name = raw.get("name")
+        if not isinstance(stage_name, str) or not _NAME.match(stage_name):
+            raise InvalidPipeline(f"{where}: name must be a lowercase identifier")
+        if stage_name in seen:
+            raise InvalidPipeline(f"{where}: duplicate stage name '{stage_name}'")
+        seen.add(stage_name)
+        match = raw.get("match")
+        if not isinstance(match, dict) or len(match) != 1:
+            raise InvalidPipeline(f"{where}: match must have exactly one of "
+                                  f"{', '.join(MATCH_KEYS)}")
+        ((key, value),) = match.items()
+        if key not in MATCH_KEYS or not isinstance(value, str) or not value:
+            raise InvalidPipeline(f"{where}: match must have exactly one of "
+                                  f"{', '.join(MATCH_KEYS)} with a non-empty string")
+        stages.append(Stage(stage_name, key, value,
+                            _number(raw.get("sla_p99_ms"), f"{where}.sla_p99_ms"),
+                            _number(raw.get("ttfb_p99_ms"), f"{where}.ttfb_p99_ms")))
+    return Pipeline(name, tuple(stages))
