@@ -88,15 +88,16 @@ async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetric
 
 async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMetrics,
                        store: SqliteStore, ratelimit: ConfigManager, authz: AuthzState,
-                       auth: BearerTokenInterceptor, bound: dict[str, str]
-                       ) -> tuple[aio.Server, str]:
+                       chains: wiring.ChainsComponent, auth: BearerTokenInterceptor,
+                       bound: dict[str, str]) -> tuple[aio.Server, str]:
     # Auth runs first: the metrics interceptor caches handlers per method.
     server = aio.server(
         interceptors=[auth, metrics.interceptor("admin")],
         options=[("grpc.so_reuseport", 0)],
     )
     admin_pb2_grpc.add_AdminServicer_to_server(
-        AdminServicer(settings, board, store, bound, ratelimit=ratelimit, authz=authz), server)
+        AdminServicer(settings, board, store, bound, ratelimit=ratelimit, authz=authz,
+                      pipelines=chains.pipelines, assembler=chains.assembler), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     board.add_listener(_health_listener(health, "admin"))
@@ -156,19 +157,21 @@ async def run_worker(settings: Settings, index: int,
     # Values go to the multiprocess files the supervisor's /metrics aggregates.
     component = wiring.RateLimitComponent(settings, state, None, board, serve=True)
     authz = wiring.AuthzComponent(settings, state, serve=True)
+    chains = _chains(settings, state, None, authz, serve=True)
     stop = _stop_event(_reload_on_hup(component))
-    await component.start()
-    await authz.start()
-    server, data = await _start_data(settings, board, RpcMetrics(None), reuseport=True,
-                                     services=[*authz.services(), *component.services()])
+    for part in (component, authz, chains):
+        await part.start()
+    server, data = await _start_data(
+        settings, board, RpcMetrics(None), reuseport=True,
+        services=[*authz.services(), *component.services(), *chains.services()])
     board.set_all(Serving.SERVING)
     await component.probe()
     on_ready()
     _log.info("worker serving", data_addr=data, **structlog_ctx)
     await stop.wait()
     await _drain_and_stop(settings, board, [server])
-    await component.stop()
-    await authz.stop()
+    for part in (component, authz, chains):
+        await part.stop()
     await state.close()
     _log.info("worker stopped", **structlog_ctx)
     return 0
@@ -213,6 +216,24 @@ def _admin_token(settings: Settings) -> str:
     return token
 
 
+def _components(settings: Settings, store: SqliteStore, registry: CollectorRegistry | None,
+                board: StatusBoard) -> tuple[wiring.RateLimitComponent, wiring.AuthzComponent,
+                                             wiring.ChainsComponent]:
+    """The supervisor's parts: with workers, only config and admin, no request serving."""
+    serve = settings.workers == 1
+    component = wiring.RateLimitComponent(settings, store, registry, board, serve=serve)
+    authz = wiring.AuthzComponent(settings, store, serve=serve)
+    return component, authz, _chains(settings, store, registry, authz, serve=serve)
+
+
+def _chains(settings: Settings, state: SqliteStore, registry: CollectorRegistry | None,
+            authz: wiring.AuthzComponent, *, serve: bool) -> wiring.ChainsComponent:
+    admission = authz.authorizer.admission if authz.authorizer is not None else None
+    # An access-log entry marks the end of its request: it frees the admission hold.
+    release = admission.release if admission is not None else (lambda _request_id: False)
+    return wiring.ChainsComponent(settings, state, registry, serve=serve, release=release)
+
+
 def _registries() -> tuple[CollectorRegistry, CollectorRegistry | None]:
     """(registry to serve, registry for live metrics). In multiprocess mode the
     collector reads every process's files, this one's too, so registering live
@@ -231,9 +252,7 @@ async def run(settings: Settings) -> int:
                             registry=metric_registry)
 
     store = SqliteStore(settings.state_dir / "state.db")
-    component = wiring.RateLimitComponent(settings, store, metric_registry, board,
-                                          serve=settings.workers == 1)
-    authz = wiring.AuthzComponent(settings, store, serve=settings.workers == 1)
+    component, authz, chains = _components(settings, store, metric_registry, board)
     pools: list[WorkerPool] = []
     stop = _stop_event(_reload_everywhere(component, pools))
     token = _admin_token(settings)
@@ -243,19 +262,19 @@ async def run(settings: Settings) -> int:
     pool: WorkerPool | None = None
     httpd = None
     try:
-        for part in (component, authz):
+        for part in (component, authz, chains):
             await part.start()
         if settings.workers == 1:
             data_server, bound["data"] = await _start_data(
                 settings, board, rpc_metrics, reuseport=False,
-                services=[*authz.services(), *component.services()])
+                services=[*authz.services(), *component.services(), *chains.services()])
             servers.append(data_server)
         else:
             bound["data"] = str(settings.data_addr)
             board.register("", "data")
         admin_server, bound["admin"] = await _start_admin(
             settings, board, metrics=rpc_metrics, store=store, ratelimit=component.config,
-            authz=authz.state,
+            authz=authz.state, chains=chains,
             auth=BearerTokenInterceptor(token, on_reject=auth_failures.inc), bound=bound)
         servers.append(admin_server)
         httpd, bound["metrics"] = _start_metrics(settings, registry)
@@ -284,7 +303,7 @@ async def run(settings: Settings) -> int:
         if httpd is not None:
             httpd.shutdown()
             httpd.server_close()
-        for part in (component, authz):
+        for part in (component, authz, chains):
             await part.stop()
         await store.close()
     _log.info("stopped", clean=clean)

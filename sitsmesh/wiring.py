@@ -9,14 +9,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from grpc import aio
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sitsmesh.authz.admission import Admission, AdmissionPolicy
 from sitsmesh.authz.check import Authorizer, AuthzSettings, AuthzSnapshot
 from sitsmesh.authz.state import AuthzState
+from sitsmesh.chains.assembler import Assembler
+from sitsmesh.chains.state import PipelineState
 from sitsmesh.config import Settings
 from sitsmesh.ratelimit.config import Algorithm
 from sitsmesh.ratelimit.limiter import RateLimiter
@@ -26,6 +29,8 @@ from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.ratelimit.store import CounterStore, Hit
 from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
+from sitsmesh.transport.accesslog import SERVICE_NAME as ACCESSLOG_SERVICE
+from sitsmesh.transport.accesslog import AccessLogServicer
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
 from sitsmesh.transport.authz import AuthorizationServicer
 from sitsmesh.transport.authz import add_to_server as add_authz
@@ -199,3 +204,64 @@ class AuthzComponent:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+class ChainsComponent:
+    """Pipelines everywhere; access-log ingestion and chains where the data plane runs."""
+
+    def __init__(self, settings: Settings, state: StateStore,
+                 registry: CollectorRegistry | None, *, serve: bool,
+                 release: Callable[[str], bool]) -> None:
+        self._settings = settings
+        self.pipelines = PipelineState(state)
+        self.assembler: Assembler | None = None
+        self._release = release
+        self._tasks: list[asyncio.Task[None]] = []
+        if serve:
+            latency = Histogram("sitsmesh_stage_latency_seconds",
+                                "Own time of each pipeline stage per finished chain.",
+                                ["pipeline", "stage"], registry=registry,
+                                buckets=STAGE_BUCKETS)
+            e2e = Histogram("sitsmesh_pipeline_latency_seconds",
+                            "End-to-end time of each finished chain.", ["pipeline"],
+                            registry=registry, buckets=STAGE_BUCKETS)
+
+            def on_chain(pipeline: str, own: dict[str, float], total: float) -> None:
+                for stage, seconds in own.items():
+                    latency.labels(pipeline, stage).observe(seconds)
+                e2e.labels(pipeline).observe(total)
+
+            assembler = Assembler({}, on_chain=on_chain)
+            self.pipelines.on_change(assembler.set_pipelines)
+            self.assembler = assembler
+
+    def services(self) -> list[DataService]:
+        if self.assembler is None:
+            return []
+        servicer = AccessLogServicer(self.assembler, self._release)
+        return [DataService(ACCESSLOG_SERVICE, lambda server: (
+            als_pb2_grpc.add_AccessLogServiceServicer_to_server(servicer, server)))]
+
+    async def start(self) -> None:
+        await self.pipelines.refresh()
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(
+            self.pipelines.watch(self._settings.reload_interval_seconds)))
+        if self.assembler is not None:
+            self._tasks.append(loop.create_task(self._expire(self.assembler)))
+
+    @staticmethod
+    async def _expire(assembler: Assembler) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            assembler.expire()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                 30.0, 60.0)

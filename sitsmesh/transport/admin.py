@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import yaml
 from google.protobuf.timestamp_pb2 import Timestamp
 from grpc import aio
 
@@ -12,6 +14,9 @@ from sitsmesh import __version__, logs
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.authz.model import ApiKey, Tenant
 from sitsmesh.authz.state import AuthzState
+from sitsmesh.chains.assembler import Assembler, Hop
+from sitsmesh.chains.pipeline import Pipeline
+from sitsmesh.chains.state import PipelineState
 from sitsmesh.config import Settings
 from sitsmesh.errors import SitsmeshError
 from sitsmesh.ratelimit.reload import ConfigManager, version_of
@@ -28,11 +33,105 @@ _STATES = {
 }
 
 
-class AdminServicer(admin_pb2_grpc.AdminServicer):
+class ChainAdmin:
+    """Pipelines and latency chains on the admin API (mixed into AdminServicer)."""
+
+    _pipelines: PipelineState
+    _assembler: Assembler | None
+    _guard: Any
+
+    async def ApplyPipeline(self, request: admin_pb2.ApplyPipelineRequest,
+                            context: aio.ServicerContext[Any, Any]) -> admin_pb2.Pipeline:
+        source = request.source or "pipeline"
+        try:
+            doc = yaml.safe_load(request.yaml)
+        except yaml.YAMLError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{source}: invalid YAML: {str(exc).splitlines()[0]}")
+            raise
+        if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{source}: a pipeline needs a name and stages")
+        pipeline = await self._guard(context, self._pipelines.apply(doc["name"], doc, source))
+        _log.info("pipeline applied", pipeline=pipeline.name)
+        return _pipeline_pb(pipeline)
+
+    async def GetPipeline(self, request: admin_pb2.GetPipelineRequest,
+                          context: aio.ServicerContext[Any, Any]) -> admin_pb2.Pipeline:
+        return _pipeline_pb(await self._guard(context, self._pipelines.get(request.name)))
+
+    async def ListPipelines(self, request: admin_pb2.ListPipelinesRequest,
+                            context: aio.ServicerContext[Any, Any]
+                            ) -> admin_pb2.ListPipelinesResponse:
+        await self._guard(context, self._pipelines.refresh())
+        return admin_pb2.ListPipelinesResponse(pipelines=[
+            _pipeline_pb(p) for _, p in sorted(self._pipelines.pipelines.items())])
+
+    async def DeletePipeline(self, request: admin_pb2.DeletePipelineRequest,
+                             context: aio.ServicerContext[Any, Any]
+                             ) -> admin_pb2.DeletePipelineResponse:
+        await self._guard(context, self._pipelines.delete(request.name))
+        _log.info("pipeline deleted", pipeline=request.name)
+        return admin_pb2.DeletePipelineResponse()
+
+    async def GetLatencyChain(self, request: admin_pb2.GetLatencyChainRequest,
+                              context: aio.ServicerContext[Any, Any]) -> admin_pb2.LatencyChain:
+        window = request.window or "1m"
+        if window not in WINDOWS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"window must be one of {', '.join(WINDOWS)}, got {window!r}")
+        if self._assembler is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "latency chains are assembled with --workers 1: the entries "
+                                "of one request could reach different worker processes")
+            raise AssertionError("unreachable")
+        report = self._assembler.report(request.pipeline, WINDOWS[window])
+        if report is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"pipeline {request.pipeline} does not exist")
+            raise AssertionError("unreachable")
+        reply = admin_pb2.LatencyChain(
+            pipeline=report.pipeline, window=window, chains=report.chains,
+            incomplete=report.incomplete, e2e_p50_ms=report.e2e_p50_ms,
+            e2e_p99_ms=report.e2e_p99_ms, bottleneck=report.bottleneck)
+        for stage in report.stages:
+            entry = reply.stages.add(name=stage.name, p50_ms=stage.p50_ms, p90_ms=stage.p90_ms,
+                                     p99_ms=stage.p99_ms, attributed_ms=stage.attributed_ms,
+                                     share_of_e2e_p99=stage.share_of_e2e_p99)
+            if stage.ttfb_p99_ms is not None:
+                entry.ttfb_p99_ms = stage.ttfb_p99_ms
+            if stage.total_p99_ms is not None:
+                entry.total_p99_ms = stage.total_p99_ms
+        return reply
+
+    async def ReportStageLatency(self, request_iterator: AsyncIterator[admin_pb2.StageLatency],
+                                 context: aio.ServicerContext[Any, Any]
+                                 ) -> admin_pb2.ReportStageLatencyResponse:
+        accepted = rejected = 0
+        async for report in request_iterator:
+            start = report.start.ToNanoseconds() / 1e9
+            end = report.end.ToNanoseconds() / 1e9
+            if (self._assembler is None or not report.request_id or not report.stage
+                    or not report.HasField("start") or end < start):
+                rejected += 1
+                continue
+            ttfb = (report.first_byte.ToNanoseconds() / 1e9 - start
+                    if report.HasField("first_byte") else None)
+            self._assembler.add(Hop(report.request_id, start, end - start, ttfb=ttfb,
+                                    pipeline=report.pipeline, stage=report.stage))
+            accepted += 1
+        return admin_pb2.ReportStageLatencyResponse(accepted=accepted, rejected=rejected)
+
+
+
+class AdminServicer(ChainAdmin, admin_pb2_grpc.AdminServicer):
     def __init__(self, settings: Settings, board: StatusBoard, store: StateStore,
                  bound: dict[str, str], *, ratelimit: ConfigManager,
-                 authz: AuthzState) -> None:
+                 authz: AuthzState, pipelines: PipelineState,
+                 assembler: Assembler | None) -> None:
         self._settings = settings
+        self._pipelines = pipelines
+        self._assembler = assembler
         self._authz = authz
         self._ratelimit = ratelimit
         self._board = board
@@ -189,3 +288,11 @@ def _key_pb(key: ApiKey) -> admin_pb2.ApiKey:
     if key.expires_at is not None:
         message.expires_at.CopyFrom(_timestamp(key.expires_at))
     return message
+
+
+WINDOWS = {"1m": 60, "5m": 300}
+
+
+def _pipeline_pb(pipeline: Pipeline) -> admin_pb2.Pipeline:
+    body = {"name": pipeline.name, **pipeline.to_body()}
+    return admin_pb2.Pipeline(name=pipeline.name, yaml=yaml.safe_dump(body, sort_keys=False))

@@ -21,6 +21,120 @@ SERVING: ServingState
 NOT_SERVING: ServingState
 DRAINING: ServingState
 
+class Pipeline(_message.Message):
+    __slots__ = ("name", "yaml")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    YAML_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    yaml: str
+    def __init__(self, name: _Optional[str] = ..., yaml: _Optional[str] = ...) -> None: ...
+
+class ApplyPipelineRequest(_message.Message):
+    __slots__ = ("yaml", "source")
+    YAML_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    yaml: str
+    source: str
+    def __init__(self, yaml: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+
+class GetPipelineRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListPipelinesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPipelinesResponse(_message.Message):
+    __slots__ = ("pipelines",)
+    PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    pipelines: _containers.RepeatedCompositeFieldContainer[Pipeline]
+    def __init__(self, pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ...) -> None: ...
+
+class DeletePipelineRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeletePipelineResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetLatencyChainRequest(_message.Message):
+    __slots__ = ("pipeline", "window")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    window: str
+    def __init__(self, pipeline: _Optional[str] = ..., window: _Optional[str] = ...) -> None: ...
+
+class StageLatencyReport(_message.Message):
+    __slots__ = ("name", "p50_ms", "p90_ms", "p99_ms", "ttfb_p99_ms", "total_p99_ms", "attributed_ms", "share_of_e2e_p99")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    P50_MS_FIELD_NUMBER: _ClassVar[int]
+    P90_MS_FIELD_NUMBER: _ClassVar[int]
+    P99_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFB_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTED_MS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_OF_E2E_P99_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    ttfb_p99_ms: float
+    total_p99_ms: float
+    attributed_ms: float
+    share_of_e2e_p99: float
+    def __init__(self, name: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., ttfb_p99_ms: _Optional[float] = ..., total_p99_ms: _Optional[float] = ..., attributed_ms: _Optional[float] = ..., share_of_e2e_p99: _Optional[float] = ...) -> None: ...
+
+class LatencyChain(_message.Message):
+    __slots__ = ("pipeline", "window", "chains", "incomplete", "e2e_p50_ms", "e2e_p99_ms", "stages", "bottleneck")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
+    E2E_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    E2E_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    BOTTLENECK_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    window: str
+    chains: int
+    incomplete: int
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+    stages: _containers.RepeatedCompositeFieldContainer[StageLatencyReport]
+    bottleneck: str
+    def __init__(self, pipeline: _Optional[str] = ..., window: _Optional[str] = ..., chains: _Optional[int] = ..., incomplete: _Optional[int] = ..., e2e_p50_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLatencyReport, _Mapping]]] = ..., bottleneck: _Optional[str] = ...) -> None: ...
+
+class StageLatency(_message.Message):
+    __slots__ = ("request_id", "pipeline", "stage", "start", "end", "first_byte")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BYTE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pipeline: str
+    stage: str
+    start: _timestamp_pb2.Timestamp
+    end: _timestamp_pb2.Timestamp
+    first_byte: _timestamp_pb2.Timestamp
+    def __init__(self, request_id: _Optional[str] = ..., pipeline: _Optional[str] = ..., stage: _Optional[str] = ..., start: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_byte: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ReportStageLatencyResponse(_message.Message):
+    __slots__ = ("accepted", "rejected")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    rejected: int
+    def __init__(self, accepted: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
 class Tenant(_message.Message):
     __slots__ = ("name", "models", "priority", "max_priority", "max_concurrency", "labels")
     class LabelsEntry(_message.Message):

@@ -94,6 +94,36 @@ class AdminStub:
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApiKey.FromString,
                 _registered_method=True)
+        self.ApplyPipeline = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/ApplyPipeline',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyPipelineRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Pipeline.FromString,
+                _registered_method=True)
+        self.GetPipeline = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/GetPipeline',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetPipelineRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Pipeline.FromString,
+                _registered_method=True)
+        self.ListPipelines = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/ListPipelines',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListPipelinesRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListPipelinesResponse.FromString,
+                _registered_method=True)
+        self.DeletePipeline = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/DeletePipeline',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeletePipelineRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeletePipelineResponse.FromString,
+                _registered_method=True)
+        self.GetLatencyChain = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/GetLatencyChain',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetLatencyChainRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.LatencyChain.FromString,
+                _registered_method=True)
+        self.ReportStageLatency = channel.stream_unary(
+                '/sitsmesh.admin.v1.Admin/ReportStageLatency',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.StageLatency.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ReportStageLatencyResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -179,6 +209,45 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyPipeline(self, request, context):
+        """Pipelines: the stages a request crosses and how access-log entries match them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPipeline(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPipelines(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeletePipeline(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLatencyChain(self, request, context):
+        """Per-stage latency of a pipeline over a window, and the stage that owns the tail.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportStageLatency(self, request_iterator, context):
+        """Stages behind no Envoy report their own timings; they join the same chains.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -241,6 +310,36 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.RevokeApiKey,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.FromString,
                     response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApiKey.SerializeToString,
+            ),
+            'ApplyPipeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyPipeline,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyPipelineRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Pipeline.SerializeToString,
+            ),
+            'GetPipeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPipeline,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetPipelineRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Pipeline.SerializeToString,
+            ),
+            'ListPipelines': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPipelines,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListPipelinesRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListPipelinesResponse.SerializeToString,
+            ),
+            'DeletePipeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeletePipeline,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeletePipelineRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeletePipelineResponse.SerializeToString,
+            ),
+            'GetLatencyChain': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLatencyChain,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetLatencyChainRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.LatencyChain.SerializeToString,
+            ),
+            'ReportStageLatency': grpc.stream_unary_rpc_method_handler(
+                    servicer.ReportStageLatency,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.StageLatency.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ReportStageLatencyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -567,6 +666,168 @@ class Admin:
             '/sitsmesh.admin.v1.Admin/RevokeApiKey',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApiKey.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyPipeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/ApplyPipeline',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyPipelineRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Pipeline.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPipeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/GetPipeline',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetPipelineRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Pipeline.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPipelines(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/ListPipelines',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListPipelinesRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListPipelinesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeletePipeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/DeletePipeline',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeletePipelineRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeletePipelineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLatencyChain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/GetLatencyChain',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetLatencyChainRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.LatencyChain.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportStageLatency(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/sitsmesh.admin.v1.Admin/ReportStageLatency',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.StageLatency.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ReportStageLatencyResponse.FromString,
             options,
             channel_credentials,
             insecure,

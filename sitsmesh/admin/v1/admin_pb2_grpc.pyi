@@ -55,6 +55,15 @@ class AdminStub:
     """API keys: the secret is returned once, by CreateApiKey; only a digest is stored."""
     ListApiKeys: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListApiKeysRequest, _admin_pb2.ListApiKeysResponse]
     RevokeApiKey: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeyRequest, _admin_pb2.ApiKey]
+    ApplyPipeline: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ApplyPipelineRequest, _admin_pb2.Pipeline]
+    """Pipelines: the stages a request crosses and how access-log entries match them."""
+    GetPipeline: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetPipelineRequest, _admin_pb2.Pipeline]
+    ListPipelines: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListPipelinesRequest, _admin_pb2.ListPipelinesResponse]
+    DeletePipeline: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeletePipelineRequest, _admin_pb2.DeletePipelineResponse]
+    GetLatencyChain: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetLatencyChainRequest, _admin_pb2.LatencyChain]
+    """Per-stage latency of a pipeline over a window, and the stage that owns the tail."""
+    ReportStageLatency: _grpc.StreamUnaryMultiCallable[_admin_pb2.StageLatency, _admin_pb2.ReportStageLatencyResponse]
+    """Stages behind no Envoy report their own timings; they join the same chains."""
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -81,6 +90,15 @@ class AdminAsyncStub(AdminStub):
     """API keys: the secret is returned once, by CreateApiKey; only a digest is stored."""
     ListApiKeys: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListApiKeysRequest, _admin_pb2.ListApiKeysResponse]  # type: ignore[assignment]
     RevokeApiKey: _aio.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeyRequest, _admin_pb2.ApiKey]  # type: ignore[assignment]
+    ApplyPipeline: _aio.UnaryUnaryMultiCallable[_admin_pb2.ApplyPipelineRequest, _admin_pb2.Pipeline]  # type: ignore[assignment]
+    """Pipelines: the stages a request crosses and how access-log entries match them."""
+    GetPipeline: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetPipelineRequest, _admin_pb2.Pipeline]  # type: ignore[assignment]
+    ListPipelines: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListPipelinesRequest, _admin_pb2.ListPipelinesResponse]  # type: ignore[assignment]
+    DeletePipeline: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeletePipelineRequest, _admin_pb2.DeletePipelineResponse]  # type: ignore[assignment]
+    GetLatencyChain: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetLatencyChainRequest, _admin_pb2.LatencyChain]  # type: ignore[assignment]
+    """Per-stage latency of a pipeline over a window, and the stage that owns the tail."""
+    ReportStageLatency: _aio.StreamUnaryMultiCallable[_admin_pb2.StageLatency, _admin_pb2.ReportStageLatencyResponse]  # type: ignore[assignment]
+    """Stages behind no Envoy report their own timings; they join the same chains."""
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -176,5 +194,50 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.RevokeApiKeyRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ApiKey, _abc.Awaitable[_admin_pb2.ApiKey]]: ...
+
+    @_abc_1.abstractmethod
+    def ApplyPipeline(
+        self,
+        request: _admin_pb2.ApplyPipelineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.Pipeline, _abc.Awaitable[_admin_pb2.Pipeline]]:
+        """Pipelines: the stages a request crosses and how access-log entries match them."""
+
+    @_abc_1.abstractmethod
+    def GetPipeline(
+        self,
+        request: _admin_pb2.GetPipelineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.Pipeline, _abc.Awaitable[_admin_pb2.Pipeline]]: ...
+
+    @_abc_1.abstractmethod
+    def ListPipelines(
+        self,
+        request: _admin_pb2.ListPipelinesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListPipelinesResponse, _abc.Awaitable[_admin_pb2.ListPipelinesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DeletePipeline(
+        self,
+        request: _admin_pb2.DeletePipelineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.DeletePipelineResponse, _abc.Awaitable[_admin_pb2.DeletePipelineResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetLatencyChain(
+        self,
+        request: _admin_pb2.GetLatencyChainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.LatencyChain, _abc.Awaitable[_admin_pb2.LatencyChain]]:
+        """Per-stage latency of a pipeline over a window, and the stage that owns the tail."""
+
+    @_abc_1.abstractmethod
+    def ReportStageLatency(
+        self,
+        request_iterator: _MaybeAsyncIterator[_admin_pb2.StageLatency],
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ReportStageLatencyResponse, _abc.Awaitable[_admin_pb2.ReportStageLatencyResponse]]:
+        """Stages behind no Envoy report their own timings; they join the same chains."""
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
