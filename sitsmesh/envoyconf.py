@@ -69,16 +69,23 @@ def render(bootstrap_path: Path, values: Mapping[str, object],
     bootstrap = cast(dict[str, Any], _substitute(bootstrap, values, bootstrap_path))
     fragment_dir = bootstrap_path.parent.parent / "fragments"
     http_filters: list[Any] = []
+    access_logs: list[Any] = []
     clusters = bootstrap.setdefault("static_resources", {}).setdefault("clusters", [])
     for name in names:
         path = fragment_dir / f"{name}.yaml"
         fragment = _load(path)
-        if not isinstance(fragment, dict) or "http_filter" not in fragment:
-            raise ConfigError(f"{path}: a fragment needs an 'http_filter' key")
+        if not isinstance(fragment, dict) or not {"http_filter", "access_log"} & set(fragment):
+            raise ConfigError(f"{path}: a fragment needs an 'http_filter' or 'access_log' key")
         fragment = _substitute(fragment, values, path)
-        http_filters.append(fragment["http_filter"])
+        if "http_filter" in fragment:
+            http_filters.append(fragment["http_filter"])
+        if "access_log" in fragment:
+            access_logs.append(fragment["access_log"])
         clusters.extend(fragment.get("clusters", []))
-    _hcm(bootstrap, bootstrap_path)["http_filters"] = http_filters
+    hcm = _hcm(bootstrap, bootstrap_path)
+    hcm["http_filters"] = http_filters
+    if access_logs:
+        hcm.setdefault("access_log", []).extend(access_logs)
     return bootstrap
 
 

@@ -69,5 +69,5 @@ def test_missing_fragment_is_an_error(tmp_path: Path) -> None:
 
 def test_fragment_without_http_filter_is_an_error(tmp_path: Path) -> None:
     path = _tree(tmp_path, BOOT, authz="clusters: []\n")
-    with pytest.raises(ConfigError, match="a fragment needs an 'http_filter' key"):
+    with pytest.raises(ConfigError, match="a fragment needs an 'http_filter' or 'access_log' key"):
         envoyconf.render(path, {"admin_port": 1, "zone": "z"})
