@@ -45,6 +45,7 @@ _FLAG_HELP = {
     "authz_jwt_tenant_claim": "JWT claim that names the tenant",
     "authz_priority_header": "header a caller uses to ask for a priority",
     "admission_hold_seconds": "how long a request counts against a concurrency cap at most",
+    "chain_ttl_seconds": "how long a latency chain waits for its missing hops",
 }
 
 
@@ -345,6 +346,70 @@ def cmd_apikeys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pipelines(args: argparse.Namespace) -> int:
+    from sitsmesh.admin.v1 import admin_pb2
+
+    action = args.pipelines_command
+    if action == "apply":
+        path = Path(args.file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            return _die(f"{path}: cannot read: {exc.strerror or exc}", EXIT_FAILED)
+        reply = _call_admin(args, "ApplyPipeline",
+                            admin_pb2.ApplyPipelineRequest(yaml=text, source=str(path)))
+        print(f"applied pipeline {reply.name}")
+    elif action == "get":
+        reply = _call_admin(args, "GetPipeline", admin_pb2.GetPipelineRequest(name=args.name))
+        if args.output == "json":
+            _print_json(reply)
+        else:
+            print(reply.yaml, end="")
+    elif action == "list":
+        reply = _call_admin(args, "ListPipelines", admin_pb2.ListPipelinesRequest())
+        if args.output == "json":
+            _print_json(reply)
+        else:
+            for pipeline in reply.pipelines:
+                print(pipeline.name)
+    else:
+        _call_admin(args, "DeletePipeline", admin_pb2.DeletePipelineRequest(name=args.name))
+        print(f"deleted pipeline {args.name}")
+    return 0
+
+
+def cmd_chain_show(args: argparse.Namespace) -> int:
+    from sitsmesh.admin.v1 import admin_pb2
+
+    reply = _call_admin(args, "GetLatencyChain", admin_pb2.GetLatencyChainRequest(
+        pipeline=args.pipeline, window=args.window))
+    stages = []
+    for s in reply.stages:
+        stage: dict[str, Any] = {"name": s.name, "p50_ms": s.p50_ms, "p90_ms": s.p90_ms,
+                                 "p99_ms": s.p99_ms, "attributed_ms": s.attributed_ms,
+                                 "share_of_e2e_p99": s.share_of_e2e_p99}
+        if s.HasField("ttfb_p99_ms"):
+            stage["ttfb_p99_ms"] = s.ttfb_p99_ms
+        if s.HasField("total_p99_ms"):
+            stage["total_p99_ms"] = s.total_p99_ms
+        stages.append(stage)
+    doc = {"pipeline": reply.pipeline, "window": reply.window, "chains": reply.chains,
+           "incomplete": reply.incomplete, "e2e_p50_ms": reply.e2e_p50_ms,
+           "e2e_p99_ms": reply.e2e_p99_ms, "bottleneck": reply.bottleneck, "stages": stages}
+    if args.output == "json":
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"pipeline {reply.pipeline}, last {reply.window}: {reply.chains} chains "
+          f"({reply.incomplete} incomplete); end to end p50 {reply.e2e_p50_ms:.1f} ms, "
+          f"p99 {reply.e2e_p99_ms:.1f} ms; bottleneck: {reply.bottleneck or '-'}")
+    print("STAGE             P50 ms   P90 ms   P99 ms  TTFB99 ms  SLOWEST-1% ms  SHARE")
+    for s in stages:
+        ttfb = f"{s['ttfb_p99_ms']:.1f}" if "ttfb_p99_ms" in s else "-"
+        print(f"{s['name']:<16} {s['p50_ms']:>7.1f}  {s['p90_ms']:>7.1f}  {s['p99_ms']:>7.1f}  "
+              f"{ttfb:>9}  {s['attributed_ms']:>13.1f}  {s['share_of_e2e_p99']:>5.0%}")
+    return 0
+
+
 def cmd_dev(args: argparse.Namespace) -> int:
     from sitsmesh import devstack
 
@@ -430,6 +495,31 @@ def _add_apikey_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.set_defaults(func=cmd_apikeys)
 
 
+def _add_chain_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    pipelines = sub.add_parser("pipelines", help="manage pipelines (admin API)").add_subparsers(
+        dest="pipelines_command", required=True)
+    p = pipelines.add_parser("apply", help="store a pipeline from a YAML file")
+    p.add_argument("file", metavar="FILE.yaml")
+    _add_common_admin(p)
+    p.set_defaults(func=cmd_pipelines)
+    for action in ("get", "delete"):
+        p = pipelines.add_parser(action, help=f"{action} a pipeline")
+        p.add_argument("name")
+        _add_common_admin(p)
+        p.set_defaults(func=cmd_pipelines)
+    p = pipelines.add_parser("list", help="list pipelines")
+    _add_common_admin(p)
+    p.set_defaults(func=cmd_pipelines)
+
+    chain = sub.add_parser("chain", help="latency chains (admin API)").add_subparsers(
+        dest="chain_command", required=True)
+    p = chain.add_parser("show", help="per-stage latency and the bottleneck of a pipeline")
+    p.add_argument("pipeline")
+    p.add_argument("--window", choices=("1m", "5m"), default="1m")
+    _add_common_admin(p)
+    p.set_defaults(func=cmd_chain_show)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sitsmesh", description=__doc__)
     parser.add_argument("--version", action="version", version=f"sitsmesh {__version__}")
@@ -457,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ratelimit_commands(sub)
     _add_tenant_commands(sub)
     _add_apikey_commands(sub)
+    _add_chain_commands(sub)
 
     dev = sub.add_parser("dev", help="run sitsmesh with a local Envoy and demo upstream")
     dev.add_argument("--run-dir", default=".run", help="state and logs (default .run)")

@@ -87,6 +87,7 @@ class Settings:
     authz_jwt_tenant_claim: str = "tenant"
     authz_priority_header: str = "x-priority"
     admission_hold_seconds: float = 60.0
+    chain_ttl_seconds: float = 30.0
     config_file: Path | None = None
 
     @property
@@ -239,6 +240,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "authz_jwt_tenant_claim": _string,
     "authz_priority_header": _header_name,
     "admission_hold_seconds": _seconds,
+    "chain_ttl_seconds": _seconds,
 }
 FILE_KEYS = tuple(PARSERS)
 

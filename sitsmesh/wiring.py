@@ -231,7 +231,7 @@ class ChainsComponent:
                     latency.labels(pipeline, stage).observe(seconds)
                 e2e.labels(pipeline).observe(total)
 
-            assembler = Assembler({}, on_chain=on_chain)
+            assembler = Assembler({}, on_chain=on_chain, ttl_s=settings.chain_ttl_seconds)
             self.pipelines.on_change(assembler.set_pipelines)
             self.assembler = assembler
 
