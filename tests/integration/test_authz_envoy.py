@@ -201,3 +201,22 @@ def test_tcp_check_without_http_attributes_is_answered_from_the_peer(
     assert check("spiffe://cluster.local/ns/a/sa/b") == code_pb2.OK
     assert check("spiffe://cluster.local/ns/x/sa/y") == code_pb2.UNAUTHENTICATED
     assert check("") == code_pb2.UNAUTHENTICATED
+
+
+def test_access_log_entry_ends_the_admission_hold(
+    tmp_path: Path, start_sitsmesh: Start, upstream: int
+) -> None:
+    # A 60 s hold would block the second request for a minute; the access log that
+    # Envoy sends when the first request ends releases the slot instead.
+    node = start_sitsmesh("--admission-hold-seconds", "60", "--reload-interval-seconds", "0.2",
+                          name="released")
+    key = _setup_tenant(node, "--max-concurrency", "1")
+    envoy = harness.start_envoy(tmp_path, node.data_addr, upstream,
+                                fragments=["ext_authz", "access_log"])
+    try:
+        assert _request(envoy, INFER, {"x-api-key": key}, b"{}").status == 200
+        harness.wait_until(lambda: _request(envoy, INFER, {"x-api-key": key},
+                                            b"{}").status == 200, 5,
+                           "the access-log entry to release the first request's slot")
+    finally:
+        envoy.kill()

@@ -78,6 +78,11 @@ def test_pipelines_apply_list_get_delete_and_chain_show(
     assert abs(doc["e2e_p99_ms"] - 100) / 100 < 0.06
     assert set(stages["model"]) >= {"name", "p50_ms", "p99_ms", "ttfb_p99_ms",
                                     "share_of_e2e_p99"}
+    metrics = node.metrics()
+    assert harness.metric_value(metrics, "sitsmesh_stage_latency_seconds_count",
+                                pipeline="demo", stage="model") == 20
+    assert harness.metric_value(metrics, "sitsmesh_pipeline_latency_seconds_count",
+                                pipeline="demo") == 20
     table = node.cli("chain", "show", "demo")
     assert "bottleneck: model" in table.stdout
 
