@@ -6,7 +6,8 @@ to sitsmesh's AccessLogService (the access_log fragment):
     client -> L1 --(cluster pre)--> P -> L2 --(cluster feat)--> F -> L3 --(cluster model)--> M
 
 P and F are small Python HTTP upstreams that call the next listener, forwarding
-x-request-id, and answer with its body. M answers at once; on /stream it sends
+x-request-id, and answer with its body (on /short P answers itself, so the
+chain misses the feat and model hops). M answers at once; on /stream it sends
 its first chunk at once and the rest STREAM_DELAY_S later (chunked encoding).
 L1 generates the request id; L2 and L3 keep the one they are given.
 """
@@ -46,6 +47,9 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes: without this, Nagle meets the
+    # peer's delayed ACK and each hop gains ~40 ms that belongs to no stage.
+    disable_nagle_algorithm = True
     server: _Server
 
     def _answer(self, body: bytes) -> None:
@@ -63,6 +67,9 @@ class _Forward(_Handler):
     """P and F: call the next listener with the same x-request-id, return its body."""
 
     def do_GET(self) -> None:
+        if self.path.startswith("/short"):
+            self._answer(b"short")
+            return
         conn = http.client.HTTPConnection("127.0.0.1", self.server.next_port, timeout=10)
         try:
             conn.request("GET", self.path,

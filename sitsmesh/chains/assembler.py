@@ -112,6 +112,9 @@ class Assembler:
         self._top_k = top_k
         self._on_chain = on_chain
         self._open: dict[str, _Chain] = {}
+        # Recently finished request ids: a hop that arrives after its chain closed (a
+        # resent entry) must not open a new chain that would expire as incomplete.
+        self._closed: dict[str, None] = {}
         self._sequence = 0
         self.duplicates = 0
         self.unmatched = 0
@@ -141,6 +144,9 @@ class Assembler:
             self.unmatched += 1
             return
         pipeline, stage = matched
+        if hop.request_id in self._closed:
+            self.duplicates += 1
+            return
         chain = self._open.get(hop.request_id)
         if chain is None:
             if len(self._open) >= self._max_open:
@@ -174,6 +180,9 @@ class Assembler:
 
     def _close(self, request_id: str, *, complete: bool) -> None:
         chain = self._open.pop(request_id)
+        if len(self._closed) >= self._max_open:
+            del self._closed[next(iter(self._closed))]
+        self._closed[request_id] = None
         slot = self._slot()
         if not complete:
             slot.incomplete += 1

@@ -131,3 +131,16 @@ def test_histogram_quantiles_are_within_bucket_error() -> None:
 def test_pipeline_validation(body: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidPipeline, match=message):
         pipeline_from("demo", body, "demo.yaml")
+
+
+def test_a_hop_resent_after_its_chain_closed_is_a_duplicate() -> None:
+    clock = Clock()
+    asm = Assembler({"demo": DEMO}, clock=clock, ttl_s=5)
+    hops = _hops("r", 0.0, 0.03, 0.02, 0.01)
+    for hop in hops:
+        asm.add(hop)
+    asm.add(hops[1])
+    clock.now += 10
+    assert asm.expire() == 0 and asm.duplicates == 1
+    report = asm.report("demo", 60)
+    assert report is not None and (report.chains, report.incomplete) == (1, 0)
