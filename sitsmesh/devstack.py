@@ -94,7 +94,7 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
         "sitsmesh_host": ports.data_addr.rpartition(":")[0],
         "sitsmesh_port": int(ports.data_addr.rpartition(":")[2]),
         "health_interval": "1s", "ratelimit_domain": "sitsmesh-local",
-    }, fragments=["ext_authz", "ratelimit"]), run_dir / "envoy.yaml")
+    }, fragments=["ext_authz", "ratelimit", "access_log"]), run_dir / "envoy.yaml")
 
     # Embedded defaults: SQLite state in the default state dir, memory stores.
     sitsmesh = subprocess.Popen([str(bin_dir / "sitsmesh"), "serve",
