@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -111,10 +112,12 @@ class Assembler:
         self._max_open = max_open
         self._top_k = top_k
         self._on_chain = on_chain
-        self._open: dict[str, _Chain] = {}
+        # OrderedDict, not dict: both are trimmed from the oldest end, and a plain dict
+        # scans its deleted slots from the front on every such trim.
+        self._open: OrderedDict[str, _Chain] = OrderedDict()
         # Recently finished request ids: a hop that arrives after its chain closed (a
         # resent entry) must not open a new chain that would expire as incomplete.
-        self._closed: dict[str, None] = {}
+        self._closed: OrderedDict[str, None] = OrderedDict()
         self._sequence = 0
         self.duplicates = 0
         self.unmatched = 0
@@ -162,7 +165,11 @@ class Assembler:
     def expire(self) -> int:
         """Close chains older than the TTL as incomplete. Returns how many."""
         deadline = self._clock() - self._ttl_s
-        expired = [rid for rid, chain in self._open.items() if chain.opened <= deadline]
+        expired = []
+        for rid, chain in self._open.items():
+            if chain.opened > deadline:
+                break  # opened in order: the rest are younger
+            expired.append(rid)
         for rid in expired:
             self._close(rid, complete=False)
         return len(expired)
@@ -181,7 +188,7 @@ class Assembler:
     def _close(self, request_id: str, *, complete: bool) -> None:
         chain = self._open.pop(request_id)
         if len(self._closed) >= self._max_open:
-            del self._closed[next(iter(self._closed))]
+            self._closed.popitem(last=False)
         self._closed[request_id] = None
         slot = self._slot()
         if not complete:
@@ -191,11 +198,11 @@ class Assembler:
         slot.chains += 1
         slot.e2e.add(e2e)
         for name, seconds in own.items():
-            slot.own.setdefault(name, Histogram()).add(seconds)
             hop = chain.hops[name]
-            slot.total.setdefault(name, Histogram()).add(hop.duration)
+            _hist(slot.own, name).add(seconds)
+            _hist(slot.total, name).add(hop.duration)
             if hop.ttfb is not None:
-                slot.ttfb.setdefault(name, Histogram()).add(hop.ttfb)
+                _hist(slot.ttfb, name).add(hop.ttfb)
         self._sequence += 1
         entry = (e2e, self._sequence, own)
         if len(slot.slowest) < self._top_k:
@@ -245,6 +252,13 @@ class Assembler:
         bottleneck = max(stages, key=lambda s: s.attributed_ms).name if chains else ""
         return ChainReport(pipeline_name, window_s, chains, incomplete, _ms(e2e.quantile(0.5)),
                            _ms(e2e.quantile(0.99)), tuple(stages), bottleneck)
+
+
+def _hist(table: dict[str, Histogram], name: str) -> Histogram:
+    hist = table.get(name)
+    if hist is None:
+        hist = table[name] = Histogram()
+    return hist
 
 
 def _ms(seconds: float) -> float:
