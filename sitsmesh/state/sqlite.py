@@ -18,6 +18,7 @@ from sitsmesh.errors import ConflictError, StartupError
 from sitsmesh.state.contract import Record
 
 SCHEMA_VERSION = 1
+BUSY_TIMEOUT_S = 10.0
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS objects (
     kind TEXT NOT NULL,
@@ -42,18 +43,24 @@ class SqliteStore:
 
     def _open(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
+            # The timeout (busy_timeout) comes first: worker processes open the same
+            # database while the supervisor may be writing, and every statement below
+            # may need a lock for a moment.
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                   timeout=BUSY_TIMEOUT_S)
+            if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                conn.execute("PRAGMA journal_mode=WAL")
             # FULL: a commit is on disk before it is acknowledged, even across power loss.
             conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("PRAGMA busy_timeout=5000")
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 raise StartupError(
                     f"{self.path}: state schema version {version} is newer than this "
                     f"sitsmesh supports ({SCHEMA_VERSION}); upgrade sitsmesh"
                 )
-            conn.executescript(f"BEGIN;{_SCHEMA}PRAGMA user_version={SCHEMA_VERSION};COMMIT;")
+            if version < SCHEMA_VERSION:  # only the first opener writes the schema
+                conn.executescript(
+                    f"BEGIN IMMEDIATE;{_SCHEMA}PRAGMA user_version={SCHEMA_VERSION};COMMIT;")
         except sqlite3.Error as exc:
             raise StartupError(f"{self.path}: cannot open state database: {exc}") from None
         return conn

@@ -6,6 +6,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -116,3 +117,21 @@ def test_kill_9_loses_no_acknowledged_write(tmp_path: Path) -> None:
         names = {row[0] for row in conn.execute("SELECT name FROM objects WHERE kind='item'")}
     missing = [i for i in range(acked + 1) if f"k{i}" not in names]
     assert missing == []
+
+
+def test_opening_waits_for_another_process_writing(tmp_path: Path) -> None:
+    """Workers open the database while the supervisor writes: they wait, not fail."""
+    path = tmp_path / "state.db"
+    first = SqliteStore(path)
+    first._executor.submit(first._conn.execute, "BEGIN IMMEDIATE").result()
+    release = threading.Timer(0.5, lambda: first._executor.submit(
+        first._conn.execute, "COMMIT").result())
+    release.start()
+    try:
+        second = SqliteStore(path)  # needs the write lock to set WAL/schema if new
+        second._executor.submit(second._conn.close).result()
+        second._executor.shutdown()
+    finally:
+        release.join()
+        first._executor.submit(first._conn.close).result()
+        first._executor.shutdown()
