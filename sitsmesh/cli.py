@@ -392,9 +392,12 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
             stage["ttfb_p99_ms"] = s.ttfb_p99_ms
         if s.HasField("total_p99_ms"):
             stage["total_p99_ms"] = s.total_p99_ms
+        if s.HasField("queue_p99_ms"):
+            stage["queue_p99_ms"] = s.queue_p99_ms
         stages.append(stage)
     doc = {"pipeline": reply.pipeline, "window": reply.window, "chains": reply.chains,
-           "incomplete": reply.incomplete, "e2e_p50_ms": reply.e2e_p50_ms,
+           "incomplete": reply.incomplete, "failed": reply.failed,
+           "e2e_p50_ms": reply.e2e_p50_ms,
            "e2e_p99_ms": reply.e2e_p99_ms, "bottleneck": reply.bottleneck, "stages": stages}
     if args.output == "json":
         print(json.dumps(doc, indent=2))

@@ -33,6 +33,7 @@ class Hop:
     stage_header: str = ""       # x-sits-stage, for stages matched by header
     pipeline: str = ""           # set by stage reports, which name their stage
     stage: str = ""
+    failed: bool = False         # a 5xx answer, or Envoy response flags (reset, timeout...)
 
     @property
     def end(self) -> float:
@@ -51,7 +52,9 @@ class _Slot:
     index: int
     chains: int = 0
     incomplete: int = 0
+    failed: int = 0
     e2e: Histogram = field(default_factory=Histogram)
+    queue: dict[str, Histogram] = field(default_factory=dict)
     own: dict[str, Histogram] = field(default_factory=dict)
     ttfb: dict[str, Histogram] = field(default_factory=dict)
     total: dict[str, Histogram] = field(default_factory=dict)
@@ -67,6 +70,7 @@ class StageReport:
     p99_ms: float
     ttfb_p99_ms: float | None
     total_p99_ms: float | None
+    queue_p99_ms: float | None  # before the hop's first byte went upstream, where known
     attributed_ms: float       # mean own time in the slowest 1 % of chains
     share_of_e2e_p99: float    # attributed_ms / mean end-to-end time of those chains
 
@@ -77,6 +81,7 @@ class ChainReport:
     window_s: int
     chains: int
     incomplete: int
+    failed: int                # finished chains with a failed hop
     e2e_p50_ms: float
     e2e_p99_ms: float
     stages: tuple[StageReport, ...]
@@ -196,6 +201,8 @@ class Assembler:
             return
         own, e2e = own_times(chain.hops)
         slot.chains += 1
+        if any(hop.failed for hop in chain.hops.values()):
+            slot.failed += 1
         slot.e2e.add(e2e)
         for name, seconds in own.items():
             hop = chain.hops[name]
@@ -203,6 +210,8 @@ class Assembler:
             _hist(slot.total, name).add(hop.duration)
             if hop.ttfb is not None:
                 _hist(slot.ttfb, name).add(hop.ttfb)
+            if hop.queue is not None:
+                _hist(slot.queue, name).add(hop.queue)
         self._sequence += 1
         entry = (e2e, self._sequence, own)
         if len(slot.slowest) < self._top_k:
@@ -220,16 +229,19 @@ class Assembler:
         oldest = newest - max(1, window_s // self._slot_s) + 1
         slots = [s for s in self._slots if s is not None and oldest <= s.index <= newest]
         e2e = Histogram()
-        chains = incomplete = 0
+        chains = incomplete = failed = 0
         own: dict[str, Histogram] = {}
         ttfb: dict[str, Histogram] = {}
         total: dict[str, Histogram] = {}
+        queue: dict[str, Histogram] = {}
         slowest: list[tuple[float, int, dict[str, float]]] = []
         for slot in slots:
             chains += slot.chains
             incomplete += slot.incomplete
+            failed += slot.failed
             e2e.merge(slot.e2e)
-            for target, source in ((own, slot.own), (ttfb, slot.ttfb), (total, slot.total)):
+            for target, source in ((own, slot.own), (ttfb, slot.ttfb), (total, slot.total),
+                                   (queue, slot.queue)):
                 for name, hist in source.items():
                     target.setdefault(name, Histogram()).merge(hist)
             slowest.extend(slot.slowest)
@@ -242,15 +254,18 @@ class Assembler:
             attributed = sum(c[2].get(stage.name, 0.0) for c in slow) / len(slow) if slow else 0.0
             stage_ttfb = ttfb.get(stage.name)
             stage_total = total.get(stage.name)
+            stage_queue = queue.get(stage.name)
             stages.append(StageReport(
                 stage.name, _ms(hist.quantile(0.5)), _ms(hist.quantile(0.9)),
                 _ms(hist.quantile(0.99)),
                 _ms(stage_ttfb.quantile(0.99)) if stage_ttfb and stage_ttfb.total else None,
                 _ms(stage_total.quantile(0.99)) if stage_total and stage_total.total else None,
+                _ms(stage_queue.quantile(0.99)) if stage_queue and stage_queue.total else None,
                 round(attributed * 1000, 3),
                 round(attributed / slow_e2e, 4) if slow_e2e else 0.0))
         bottleneck = max(stages, key=lambda s: s.attributed_ms).name if chains else ""
-        return ChainReport(pipeline_name, window_s, chains, incomplete, _ms(e2e.quantile(0.5)),
+        return ChainReport(pipeline_name, window_s, chains, incomplete, failed,
+                           _ms(e2e.quantile(0.5)),
                            _ms(e2e.quantile(0.99)), tuple(stages), bottleneck)
 
 

@@ -33,11 +33,14 @@ def hop_from_entry(entry: Any) -> Hop | None:
     if duration is None or not common.HasField("start_time"):
         return None
     start = common.start_time.seconds + common.start_time.nanos / 1e9
+    code = entry.response.response_code.value if entry.response.HasField("response_code") else 0
+    flags = common.response_flags
+    failed = code >= 500 or flags.ByteSize() > 0
     return Hop(request.request_id, start, duration,
                ttfb=_seconds(common, "time_to_first_downstream_tx_byte"),
                queue=_seconds(common, "time_to_first_upstream_tx_byte"),
                upstream_cluster=common.upstream_cluster, route_name=common.route_name,
-               stage_header=request.request_headers.get(STAGE_HEADER, ""))
+               stage_header=request.request_headers.get(STAGE_HEADER, ""), failed=failed)
 
 
 class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]

@@ -92,7 +92,7 @@ class ChainAdmin:
             raise AssertionError("unreachable")
         reply = admin_pb2.LatencyChain(
             pipeline=report.pipeline, window=window, chains=report.chains,
-            incomplete=report.incomplete, e2e_p50_ms=report.e2e_p50_ms,
+            incomplete=report.incomplete, failed=report.failed, e2e_p50_ms=report.e2e_p50_ms,
             e2e_p99_ms=report.e2e_p99_ms, bottleneck=report.bottleneck)
         for stage in report.stages:
             entry = reply.stages.add(name=stage.name, p50_ms=stage.p50_ms, p90_ms=stage.p90_ms,
@@ -102,6 +102,8 @@ class ChainAdmin:
                 entry.ttfb_p99_ms = stage.ttfb_p99_ms
             if stage.total_p99_ms is not None:
                 entry.total_p99_ms = stage.total_p99_ms
+            if stage.queue_p99_ms is not None:
+                entry.queue_p99_ms = stage.queue_p99_ms
         return reply
 
     async def ReportStageLatency(self, request_iterator: AsyncIterator[admin_pb2.StageLatency],

@@ -144,3 +144,18 @@ def test_a_hop_resent_after_its_chain_closed_is_a_duplicate() -> None:
     assert asm.expire() == 0 and asm.duplicates == 1
     report = asm.report("demo", 60)
     assert report is not None and (report.chains, report.incomplete) == (1, 0)
+
+
+def test_failed_hops_and_queue_times_are_reported() -> None:
+    asm = Assembler({"demo": DEMO}, clock=Clock())
+    for i in range(10):
+        hops = _hops(f"r{i}", 0.0, 0.03, 0.02, 0.01)
+        hops[2].queue = 0.004
+        hops[2].failed = i < 3
+        for hop in hops:
+            asm.add(hop)
+    report = asm.report("demo", 60)
+    assert report is not None and report.failed == 3 and report.chains == 10
+    model = next(s for s in report.stages if s.name == "model")
+    assert model.queue_p99_ms == pytest.approx(4, rel=0.05)
+    assert next(s for s in report.stages if s.name == "pre").queue_p99_ms is None

@@ -72,7 +72,7 @@ class GetLatencyChainRequest(_message.Message):
     def __init__(self, pipeline: _Optional[str] = ..., window: _Optional[str] = ...) -> None: ...
 
 class StageLatencyReport(_message.Message):
-    __slots__ = ("name", "p50_ms", "p90_ms", "p99_ms", "ttfb_p99_ms", "total_p99_ms", "attributed_ms", "share_of_e2e_p99")
+    __slots__ = ("name", "p50_ms", "p90_ms", "p99_ms", "ttfb_p99_ms", "total_p99_ms", "attributed_ms", "share_of_e2e_p99", "queue_p99_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     P50_MS_FIELD_NUMBER: _ClassVar[int]
     P90_MS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class StageLatencyReport(_message.Message):
     TOTAL_P99_MS_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTED_MS_FIELD_NUMBER: _ClassVar[int]
     SHARE_OF_E2E_P99_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_P99_MS_FIELD_NUMBER: _ClassVar[int]
     name: str
     p50_ms: float
     p90_ms: float
@@ -89,10 +90,11 @@ class StageLatencyReport(_message.Message):
     total_p99_ms: float
     attributed_ms: float
     share_of_e2e_p99: float
-    def __init__(self, name: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., ttfb_p99_ms: _Optional[float] = ..., total_p99_ms: _Optional[float] = ..., attributed_ms: _Optional[float] = ..., share_of_e2e_p99: _Optional[float] = ...) -> None: ...
+    queue_p99_ms: float
+    def __init__(self, name: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., ttfb_p99_ms: _Optional[float] = ..., total_p99_ms: _Optional[float] = ..., attributed_ms: _Optional[float] = ..., share_of_e2e_p99: _Optional[float] = ..., queue_p99_ms: _Optional[float] = ...) -> None: ...
 
 class LatencyChain(_message.Message):
-    __slots__ = ("pipeline", "window", "chains", "incomplete", "e2e_p50_ms", "e2e_p99_ms", "stages", "bottleneck")
+    __slots__ = ("pipeline", "window", "chains", "incomplete", "e2e_p50_ms", "e2e_p99_ms", "stages", "bottleneck", "failed")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +103,7 @@ class LatencyChain(_message.Message):
     E2E_P99_MS_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     BOTTLENECK_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     pipeline: str
     window: str
     chains: int
@@ -109,7 +112,8 @@ class LatencyChain(_message.Message):
     e2e_p99_ms: float
     stages: _containers.RepeatedCompositeFieldContainer[StageLatencyReport]
     bottleneck: str
-    def __init__(self, pipeline: _Optional[str] = ..., window: _Optional[str] = ..., chains: _Optional[int] = ..., incomplete: _Optional[int] = ..., e2e_p50_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLatencyReport, _Mapping]]] = ..., bottleneck: _Optional[str] = ...) -> None: ...
+    failed: int
+    def __init__(self, pipeline: _Optional[str] = ..., window: _Optional[str] = ..., chains: _Optional[int] = ..., incomplete: _Optional[int] = ..., e2e_p50_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLatencyReport, _Mapping]]] = ..., bottleneck: _Optional[str] = ..., failed: _Optional[int] = ...) -> None: ...
 
 class StageLatency(_message.Message):
     __slots__ = ("request_id", "pipeline", "stage", "start", "end", "first_byte")
