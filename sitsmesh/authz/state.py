@@ -7,7 +7,6 @@ change within the watch interval.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,23 +27,22 @@ from sitsmesh.authz.model import (
 )
 from sitsmesh.errors import ConflictError, NotFoundError
 from sitsmesh.state import StateStore
+from sitsmesh.state.watch import RevisionFollower
 
 _log = logs.get("sitsmesh.authz.state")
 
 
-class AuthzState:
+class AuthzState(RevisionFollower):
     def __init__(self, state: StateStore, clock: Callable[[], float] = time.time) -> None:
-        self._state = state
+        super().__init__(state)
         self._clock = clock
         self.snapshot = AuthzSnapshot()
         self._listeners: list[Callable[[AuthzSnapshot, AdmissionPolicy], None]] = []
-        self._revision = -1
 
     def on_change(self, listener: Callable[[AuthzSnapshot, AdmissionPolicy], None]) -> None:
         self._listeners.append(listener)
 
-    async def refresh(self) -> None:
-        revision = await self._state.revision()
+    async def _rebuild(self) -> None:
         tenants: dict[str, Tenant] = {}
         for record in await self._state.list(TENANT_KIND):
             try:
@@ -54,18 +52,8 @@ class AuthzState:
         keys = {r.name: apikey_from(r.name, r.body) for r in await self._state.list(APIKEY_KIND)}
         self.snapshot = AuthzSnapshot(tenants, keys)
         policy = AdmissionPolicy({t.name: t.max_concurrency for t in tenants.values()})
-        self._revision = revision
         for listener in self._listeners:
             listener(self.snapshot, policy)
-
-    async def watch(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                if await self._state.revision() != self._revision:
-                    await self.refresh()
-            except Exception as exc:  # a transient store error must not end the watch
-                _log.warning("authz state watch failed", error=str(exc))
 
     # --- admin operations -------------------------------------------------
 
