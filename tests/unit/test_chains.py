@@ -159,3 +159,17 @@ def test_failed_hops_and_queue_times_are_reported() -> None:
     model = next(s for s in report.stages if s.name == "model")
     assert model.queue_p99_ms == pytest.approx(4, rel=0.05)
     assert next(s for s in report.stages if s.name == "pre").queue_p99_ms is None
+
+
+def test_stages_match_by_route_name_and_stage_header() -> None:
+    pipeline = pipeline_from("p", {"stages": [
+        {"name": "edge", "match": {"route_name": "ingress"}},
+        {"name": "worker", "match": {"header": "embed"}},
+    ]})
+    asm = Assembler({"p": pipeline}, clock=Clock())
+    asm.add(Hop("r", 0.0, 0.05, route_name="ingress"))
+    asm.add(Hop("r", 0.01, 0.02, stage_header="embed"))
+    report = asm.report("p", 60)
+    assert report is not None and report.chains == 1
+    assert {s.name: s.p50_ms for s in report.stages} == pytest.approx(
+        {"edge": 30, "worker": 20}, rel=0.05)
