@@ -82,7 +82,6 @@ import benchlib as bl
 import ratelimit_envoy as rle
 
 from sitsmesh import envoyconf
-from sitsmesh.errors import ConfigError
 
 AUTHZ_FILTER = "envoy.filters.http.ext_authz"
 UPSTREAM_PREFIX = "bench_upstream"
@@ -119,26 +118,10 @@ def upstream_listener(port: int, require_tenant: bool) -> dict[str, Any]:
 def bootstrap(variant: str, sitsmesh_addr: str, listen: int, admin: int,
               upstream: int) -> tuple[dict[str, Any], str]:
     """The variant's bootstrap, and the stat prefix of its ingress listener."""
-    host, _, port = sitsmesh_addr.rpartition(":")
-    # The same values as tests/harness.py::envoy_values; the upstream is our own listener.
-    values = {"envoy_admin_port": admin, "listen_port": listen,
-              "upstream_host": "127.0.0.1", "upstream_port": upstream,
-              "sitsmesh_host": host, "sitsmesh_port": int(port), "health_interval": "1s",
-              "ratelimit_domain": "sitsmesh-local"}
-    try:
-        config = envoyconf.render(rle.BOOTSTRAP, values, fragments=["ext_authz"])
-    except ConfigError as exc:
-        raise bl.BenchError(f"cannot render the Envoy bootstrap: {exc}") from exc
-    hcm = rle._hcm(config)
-    filters: list[dict[str, Any]] = hcm["http_filters"]
-    names = [f.get("name") for f in filters]
-    if AUTHZ_FILTER not in names:
-        raise bl.BenchError(f"the ext_authz fragment has no {AUTHZ_FILTER}: {names}")
-    if variant == RAW:
-        del filters[names.index(AUTHZ_FILTER)]
-        resources = config["static_resources"]
-        resources["clusters"] = [c for c in resources["clusters"]
-                                 if c.get("name") != "sitsmesh_data"]
+    # The upstream is our own direct-response listener.
+    values = envoyconf.local_values(sitsmesh_addr=sitsmesh_addr, upstream_port=upstream,
+                                    listen_port=listen, envoy_admin_port=admin)
+    config, hcm = rle.render_variant("ext_authz", AUTHZ_FILTER, values, keep=variant != RAW)
     config["static_resources"]["listeners"].append(
         upstream_listener(upstream, require_tenant=variant == AUTHZ))
     return config, str(hcm["stat_prefix"])

@@ -107,43 +107,45 @@ def local_ratelimit_filter() -> dict[str, Any]:
         "filter_enforced": {"runtime_key": "bench_local_enforced", **ALL_REQUESTS}}}
 
 
-def _hcm(bootstrap: dict[str, Any]) -> dict[str, Any]:
-    for listener in bootstrap["static_resources"]["listeners"]:
-        for chain in listener.get("filter_chains", []):
-            for flt in chain.get("filters", []):
-                if flt.get("name") == "envoy.filters.network.http_connection_manager":
-                    hcm: dict[str, Any] = flt["typed_config"]
-                    return hcm
-    raise bl.BenchError(f"{BOOTSTRAP}: no http_connection_manager")
+def render_variant(fragment: str, filter_name: str, values: dict[str, object], *,
+                   keep: bool, replacement: dict[str, Any] | None = None
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The local bootstrap with one fragment, and its HTTP connection manager.
+
+    keep=False swaps the fragment's filter for `replacement` (or drops it) and
+    drops the sitsmesh cluster, so the baselines differ only in that filter.
+    """
+    try:
+        config = envoyconf.render(BOOTSTRAP, values, fragments=[fragment])
+        hcm = envoyconf.http_connection_manager(config, BOOTSTRAP)
+    except ConfigError as exc:
+        raise bl.BenchError(f"cannot render the Envoy bootstrap: {exc}") from exc
+    filters: list[dict[str, Any]] = hcm["http_filters"]
+    names = [f.get("name") for f in filters]
+    if filter_name not in names:
+        raise bl.BenchError(f"the {fragment} fragment has no {filter_name}: {names}")
+    if not keep:
+        index = names.index(filter_name)
+        if replacement is None:
+            del filters[index]
+        else:
+            filters[index] = replacement
+        resources = config["static_resources"]
+        resources["clusters"] = [c for c in resources["clusters"]
+                                 if c.get("name") != "sitsmesh_data"]
+    return config, hcm
 
 
 def bootstrap(variant: str, sitsmesh_addr: str, listen: int, admin: int,
               upstream: int) -> tuple[dict[str, Any], str]:
     """The variant's bootstrap, and the stat prefix of its ingress listener."""
-    host, _, port = sitsmesh_addr.rpartition(":")
-    # The same values as tests/harness.py::envoy_values; the upstream is our own listener.
-    values = {"envoy_admin_port": admin, "listen_port": listen,
-              "upstream_host": "127.0.0.1", "upstream_port": upstream,
-              "sitsmesh_host": host, "sitsmesh_port": int(port), "health_interval": "1s",
-              "ratelimit_domain": RL_DOMAIN}
-    try:
-        config = envoyconf.render(BOOTSTRAP, values, fragments=["ratelimit"])
-    except ConfigError as exc:
-        raise bl.BenchError(f"cannot render the Envoy bootstrap: {exc}") from exc
-    hcm = _hcm(config)
-    filters: list[dict[str, Any]] = hcm["http_filters"]
-    names = [f.get("name") for f in filters]
-    if RL_FILTER not in names:
-        raise bl.BenchError(f"the ratelimit fragment has no {RL_FILTER}: {names}")
-    index = names.index(RL_FILTER)
-    if variant != GLOBAL:
-        if variant == LOCAL:
-            filters[index] = local_ratelimit_filter()
-        else:
-            del filters[index]
-        resources = config["static_resources"]
-        resources["clusters"] = [c for c in resources["clusters"]
-                                 if c.get("name") != "sitsmesh_data"]
+    # The upstream is our own direct-response listener.
+    values = envoyconf.local_values(sitsmesh_addr=sitsmesh_addr, upstream_port=upstream,
+                                    listen_port=listen, envoy_admin_port=admin,
+                                    ratelimit_domain=RL_DOMAIN)
+    config, hcm = render_variant(
+        "ratelimit", RL_FILTER, values, keep=variant == GLOBAL,
+        replacement=local_ratelimit_filter() if variant == LOCAL else None)
     config["static_resources"]["listeners"].append(upstream_listener(upstream))
     return config, str(hcm["stat_prefix"])
 

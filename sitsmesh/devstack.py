@@ -88,13 +88,11 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
     upstream = ThreadingHTTPServer(("127.0.0.1", ports.upstream), _DemoUpstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
 
-    config = envoyconf.write(envoyconf.render(filters_dir / "local" / "bootstrap.yaml", {
-        "envoy_admin_port": ports.envoy_admin, "listen_port": ports.listen,
-        "upstream_host": "127.0.0.1", "upstream_port": ports.upstream,
-        "sitsmesh_host": ports.data_addr.rpartition(":")[0],
-        "sitsmesh_port": int(ports.data_addr.rpartition(":")[2]),
-        "health_interval": "1s", "ratelimit_domain": "sitsmesh-local",
-    }, fragments=["ext_authz", "ratelimit", "access_log"]), run_dir / "envoy.yaml")
+    values = envoyconf.local_values(sitsmesh_addr=ports.data_addr, upstream_port=ports.upstream,
+                                    listen_port=ports.listen, envoy_admin_port=ports.envoy_admin)
+    config = envoyconf.write(envoyconf.render(
+        filters_dir / "local" / "bootstrap.yaml", values,
+        fragments=["ext_authz", "ratelimit", "access_log"]), run_dir / "envoy.yaml")
 
     # Embedded defaults: SQLite state in the default state dir, memory stores.
     sitsmesh = subprocess.Popen([str(bin_dir / "sitsmesh"), "serve",

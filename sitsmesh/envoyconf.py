@@ -44,7 +44,21 @@ def _load(path: Path) -> Any:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
 
 
-def _hcm(bootstrap: dict[str, Any], source: Path) -> dict[str, Any]:
+def local_values(*, sitsmesh_addr: str, upstream_port: int, listen_port: int,
+                 envoy_admin_port: int, health_interval: str = "1s",
+                 ratelimit_domain: str = "sitsmesh-local",
+                 upstream_host: str = "127.0.0.1") -> dict[str, object]:
+    """The placeholder values of filters/local/bootstrap.yaml and its fragments."""
+    host, _, port = sitsmesh_addr.rpartition(":")
+    return {"envoy_admin_port": envoy_admin_port, "listen_port": listen_port,
+            "upstream_host": upstream_host, "upstream_port": upstream_port,
+            "sitsmesh_host": host, "sitsmesh_port": int(port),
+            "health_interval": health_interval, "ratelimit_domain": ratelimit_domain}
+
+
+def http_connection_manager(bootstrap: dict[str, Any], source: Path | str = "bootstrap"
+                            ) -> dict[str, Any]:
+    """The typed config of the first HTTP connection manager, to edit in place."""
     for listener in bootstrap.get("static_resources", {}).get("listeners", []):
         for chain in listener.get("filter_chains", []):
             for flt in chain.get("filters", []):
@@ -82,7 +96,7 @@ def render(bootstrap_path: Path, values: Mapping[str, object],
         if "access_log" in fragment:
             access_logs.append(fragment["access_log"])
         clusters.extend(fragment.get("clusters", []))
-    hcm = _hcm(bootstrap, bootstrap_path)
+    hcm = http_connection_manager(bootstrap, bootstrap_path)
     hcm["http_filters"] = http_filters
     if access_logs:
         hcm.setdefault("access_log", []).extend(access_logs)

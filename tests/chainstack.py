@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import http.client
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -108,13 +107,8 @@ class _Model(_Handler):
 def _serve(handler: type[_Handler], next_port: int = 0) -> Iterator[int]:
     server = _Server(("127.0.0.1", 0), handler)
     server.next_port = next_port
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
+    with harness.serving(server) as port:
+        yield port
 
 
 def bootstrap(sitsmesh_addr: str, listen: dict[str, int], upstream: dict[str, int],

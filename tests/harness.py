@@ -181,11 +181,10 @@ class Envoy(Proc):
 
 def envoy_values(sitsmesh_addr: str, upstream_port: int, listen_port: int,
                  admin_port: int) -> dict[str, object]:
-    host, _, port = sitsmesh_addr.rpartition(":")
-    return {"envoy_admin_port": admin_port, "listen_port": listen_port,
-            "upstream_host": "127.0.0.1", "upstream_port": upstream_port,
-            "sitsmesh_host": host, "sitsmesh_port": int(port), "health_interval": "0.25s",
-            "ratelimit_domain": "sitsmesh-local"}
+    # A fast health interval: tests watch Envoy notice sitsmesh draining.
+    return envoyconf.local_values(sitsmesh_addr=sitsmesh_addr, upstream_port=upstream_port,
+                                  listen_port=listen_port, envoy_admin_port=admin_port,
+                                  health_interval="0.25s")
 
 
 def start_envoy(tmp: Path, sitsmesh_addr: str, upstream_port: int,
@@ -236,9 +235,8 @@ class _EchoHandler(BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def echo_upstream() -> Iterator[int]:
-    """A real HTTP/1.1 server on loopback that echoes each request as JSON."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _EchoHandler)
+def serving(server: ThreadingHTTPServer) -> Iterator[int]:
+    """Serve from a thread until the block ends; yields the bound port."""
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -247,6 +245,13 @@ def echo_upstream() -> Iterator[int]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextlib.contextmanager
+def echo_upstream() -> Iterator[int]:
+    """A real HTTP/1.1 server on loopback that echoes each request as JSON."""
+    with serving(ThreadingHTTPServer(("127.0.0.1", 0), _EchoHandler)) as port:
+        yield port
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
