@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -28,13 +29,19 @@ def test_request_over_the_limit_gets_429_with_headers_and_envoy_fails_open(
     node = start_sitsmesh("--ratelimit-config", str(CONFIG))
     envoy = harness.start_envoy(tmp_path, node.data_addr, upstream, fragments=["ratelimit"])
     try:
+        # The limit is per minute window: start well inside one, so the six requests
+        # share it and the reset header is predictable.
+        if time.time() % 60 > 55:
+            time.sleep(61 - time.time() % 60)
         results = [_get(envoy, "alice") for _ in range(6)]
+        until_reset = 60 - time.time() % 60
         codes = [code for code, _ in results]
         assert codes == [200, 200, 200, 200, 200, 429], codes
         _, headers = results[-1]
         assert headers["x-ratelimit-limit"].startswith("5, 5;w=60")
         assert headers["x-ratelimit-remaining"] == "0"
-        assert 0 < int(headers["x-ratelimit-reset"]) <= 60
+        # Envoy rounds duration_until_reset down to whole seconds.
+        assert abs(int(headers["x-ratelimit-reset"]) - until_reset) <= 1.5
         first_headers = results[0][1]
         assert first_headers["x-ratelimit-remaining"] == "4"
         # Another user has a budget of its own.

@@ -22,7 +22,8 @@ FILE_CONFIG = """
 domain: files
 descriptors:
   - key: user
-    rate_limit: {unit: minute, requests_per_unit: 2}
+    # Hour windows: a window rolling over mid-test (a minute boundary) would reset counts.
+    rate_limit: {unit: hour, requests_per_unit: 2}
 """
 API_CONFIG = """
 domain: api
@@ -69,8 +70,10 @@ def test_response_fields_for_envoy_headers(node: harness.Sitsmesh) -> None:
     (status,) = first.statuses
     assert (status.code, status.limit_remaining) == (OK, 1)
     assert status.current_limit.requests_per_unit == 2
-    assert status.current_limit.unit == rls_pb2.RateLimitResponse.RateLimit.MINUTE
-    assert 0 < status.duration_until_reset.seconds <= 60
+    assert status.current_limit.unit == rls_pb2.RateLimitResponse.RateLimit.HOUR
+    until_reset = 3600 - time.time() % 3600
+    reset = status.duration_until_reset.seconds + status.duration_until_reset.nanos / 1e9
+    assert abs(reset - until_reset) < 2
     _ask(node, "files", _desc("user", "a"))
     third = _ask(node, "files", _desc("user", "a"), _desc("nomatch", "x"))
     assert third.overall_code == OVER
