@@ -226,10 +226,21 @@ class ChainsComponent:
                             "End-to-end time of each finished chain.", ["pipeline"],
                             registry=registry, buckets=STAGE_BUCKETS)
 
+            # labels() costs more than observe(); pipelines and stages are few, so the
+            # children are looked up once and kept.
+            stage_children: dict[tuple[str, str], Any] = {}
+            e2e_children: dict[str, Any] = {}
+
             def on_chain(pipeline: str, own: dict[str, float], total: float) -> None:
                 for stage, seconds in own.items():
-                    latency.labels(pipeline, stage).observe(seconds)
-                e2e.labels(pipeline).observe(total)
+                    child = stage_children.get((pipeline, stage))
+                    if child is None:
+                        child = stage_children[pipeline, stage] = latency.labels(pipeline, stage)
+                    child.observe(seconds)
+                child = e2e_children.get(pipeline)
+                if child is None:
+                    child = e2e_children[pipeline] = e2e.labels(pipeline)
+                child.observe(total)
 
             assembler = Assembler({}, on_chain=on_chain, ttl_s=settings.chain_ttl_seconds)
             self.pipelines.on_change(assembler.set_pipelines)
