@@ -46,6 +46,10 @@ _FLAG_HELP = {
     "authz_priority_header": "header a caller uses to ask for a priority",
     "admission_hold_seconds": "how long a request counts against a concurrency cap at most",
     "chain_ttl_seconds": "how long a latency chain waits for its missing hops",
+    "triton": "Triton endpoints as a JSON list of {name, url, metrics_url, preflight_url}",
+    "triton_url": "gRPC HOST:PORT of the one Triton server (endpoint 'default')",
+    "triton_metrics_url": "its http://HOST:PORT/metrics",
+    "triton_preflight_url": "gRPC HOST:PORT of a sandbox Triton that vets candidates first",
 }
 
 
@@ -562,6 +566,10 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("serve_args", nargs=argparse.REMAINDER,
                      help="after --: more `sitsmesh serve` flags")
     dev.set_defaults(func=cmd_dev)
+
+    from sitsmesh import modelscli
+
+    modelscli.add_commands(sub)
     return parser
 
 

@@ -55,6 +55,16 @@ def parse_address(text: str) -> Address:
     return Address(host, int(port_text))
 
 
+@dataclass(frozen=True, slots=True)
+class TritonEndpoint:
+    """One production Triton server, and the sandbox that vets candidates for it."""
+
+    name: str
+    url: str                  # gRPC HOST:PORT
+    metrics_url: str = ""     # http://HOST:PORT/metrics; pressure and drain read it
+    preflight_url: str = ""   # gRPC HOST:PORT of a sandbox serving the same repository
+
+
 def default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "sitsmesh"
@@ -88,7 +98,19 @@ class Settings:
     authz_priority_header: str = "x-priority"
     admission_hold_seconds: float = 60.0
     chain_ttl_seconds: float = 30.0
+    triton: tuple[TritonEndpoint, ...] = ()
+    triton_url: str = ""
+    triton_metrics_url: str = ""
+    triton_preflight_url: str = ""
     config_file: Path | None = None
+
+    @property
+    def triton_endpoints(self) -> tuple[TritonEndpoint, ...]:
+        """The `triton` list, or the one endpoint the triton_* flags describe (they win)."""
+        if self.triton_url:
+            return (TritonEndpoint("default", self.triton_url, self.triton_metrics_url,
+                                   self.triton_preflight_url),)
+        return self.triton
 
     @property
     def token_path(self) -> Path:
@@ -214,6 +236,60 @@ def _path(raw: Any) -> Path:
     return Path(raw).expanduser()
 
 
+def _grpc_target(raw: Any) -> str:
+    """HOST:PORT, as tritonclient takes it; a grpc:// prefix is dropped."""
+    if not isinstance(raw, str) or not raw:
+        raise ValueError(f"expected a gRPC HOST:PORT, got {raw!r}")
+    text = raw.removeprefix("grpc://")
+    parse_address(text)
+    return text
+
+
+def _http_url(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw.startswith(("http://", "https://")):
+        raise ValueError(f"expected an http:// URL, got {raw!r}")
+    return raw
+
+
+_ENDPOINT_KEYS = {"name": _string, "url": _grpc_target, "metrics_url": _http_url,
+                  "preflight_url": _grpc_target}
+
+
+def _triton(raw: Any) -> tuple[TritonEndpoint, ...]:
+    """A YAML list of endpoints, or the same list as JSON (environment, flag)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            raise ValueError("expected a list of endpoints (JSON from a flag or the "
+                             "environment)") from None
+    if not isinstance(raw, list):
+        raise ValueError(f"expected a list of endpoints, got {type(raw).__name__}")
+    endpoints: list[TritonEndpoint] = []
+    for i, item in enumerate(raw):
+        where = f"endpoint {i + 1}"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: expected a mapping, got {type(item).__name__}")
+        for key in item:
+            if key not in _ENDPOINT_KEYS:
+                raise ValueError(f"{where}: unknown key '{key}' (allowed: "
+                                 f"{', '.join(_ENDPOINT_KEYS)})")
+        for key in ("name", "url"):
+            if key not in item:
+                raise ValueError(f"{where}: '{key}' is required")
+        values: dict[str, str] = {}
+        for key, parse in _ENDPOINT_KEYS.items():
+            if key in item:
+                try:
+                    values[key] = parse(item[key])
+                except ValueError as exc:
+                    raise ValueError(f"{where}: '{key}': {exc}") from None
+        if any(e.name == values["name"] for e in endpoints):
+            raise ValueError(f"{where}: name '{values['name']}' is used twice")
+        endpoints.append(TritonEndpoint(**values))
+    return tuple(endpoints)
+
+
 PARSERS: dict[str, Callable[[Any], Any]] = {
     "data_addr": _address,
     "admin_addr": _address,
@@ -241,6 +317,10 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "authz_priority_header": _header_name,
     "admission_hold_seconds": _seconds,
     "chain_ttl_seconds": _seconds,
+    "triton": _triton,
+    "triton_url": _grpc_target,
+    "triton_metrics_url": _http_url,
+    "triton_preflight_url": _grpc_target,
 }
 FILE_KEYS = tuple(PARSERS)
 

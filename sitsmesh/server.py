@@ -88,7 +88,8 @@ async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetric
 
 async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMetrics,
                        store: SqliteStore, ratelimit: ConfigManager, authz: AuthzState,
-                       chains: wiring.ChainsComponent, auth: BearerTokenInterceptor,
+                       chains: wiring.ChainsComponent, swaps: wiring.SwapsComponent,
+                       auth: BearerTokenInterceptor,
                        bound: dict[str, str]) -> tuple[aio.Server, str]:
     # Auth runs first: the metrics interceptor caches handlers per method.
     server = aio.server(
@@ -97,7 +98,8 @@ async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMe
     )
     admin_pb2_grpc.add_AdminServicer_to_server(
         AdminServicer(settings, board, store, bound, ratelimit=ratelimit, authz=authz,
-                      pipelines=chains.pipelines, assembler=chains.assembler), server)
+                      pipelines=chains.pipelines, assembler=chains.assembler,
+                      swaps=swaps.manager), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     board.add_listener(_health_listener(health, "admin"))
@@ -253,6 +255,7 @@ async def run(settings: Settings) -> int:
 
     store = SqliteStore(settings.state_dir / "state.db")
     component, authz, chains = _components(settings, store, metric_registry, board)
+    swaps = wiring.SwapsComponent(settings, store, metric_registry)
     pools: list[WorkerPool] = []
     stop = _stop_event(_reload_everywhere(component, pools))
     token = _admin_token(settings)
@@ -262,7 +265,7 @@ async def run(settings: Settings) -> int:
     pool: WorkerPool | None = None
     httpd = None
     try:
-        for part in (component, authz, chains):
+        for part in (component, authz, chains, swaps):
             await part.start()
         if settings.workers == 1:
             data_server, bound["data"] = await _start_data(
@@ -274,7 +277,7 @@ async def run(settings: Settings) -> int:
             board.register("", "data")
         admin_server, bound["admin"] = await _start_admin(
             settings, board, metrics=rpc_metrics, store=store, ratelimit=component.config,
-            authz=authz.state, chains=chains,
+            authz=authz.state, chains=chains, swaps=swaps,
             auth=BearerTokenInterceptor(token, on_reject=auth_failures.inc), bound=bound)
         servers.append(admin_server)
         httpd, bound["metrics"] = _start_metrics(settings, registry)
@@ -303,7 +306,7 @@ async def run(settings: Settings) -> int:
         if httpd is not None:
             httpd.shutdown()
             httpd.server_close()
-        for part in (component, authz, chains):
+        for part in (component, authz, chains, swaps):
             await part.stop()
         await store.close()
     _log.info("stopped", clean=clean)

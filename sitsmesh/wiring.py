@@ -29,6 +29,8 @@ from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.ratelimit.store import CounterStore, Hit
 from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
+from sitsmesh.swap.manager import SwapManager
+from sitsmesh.swap.record import SwapHistory
 from sitsmesh.transport.accesslog import SERVICE_NAME as ACCESSLOG_SERVICE
 from sitsmesh.transport.accesslog import AccessLogServicer
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
@@ -272,6 +274,24 @@ class ChainsComponent:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+class SwapsComponent:
+    """Model hot swaps against the configured Triton endpoints (admin process only)."""
+
+    def __init__(self, settings: Settings, state: StateStore,
+                 registry: CollectorRegistry | None) -> None:
+        # Imported here: tritonclient and numpy load only where swaps are wired.
+        from sitsmesh.triton.client import TritonServer
+
+        self.manager = SwapManager(settings.triton_endpoints, SwapHistory(state),
+                                   TritonServer, registry)
+
+    async def start(self) -> None:
+        await self.manager.start()
+
+    async def stop(self) -> None:
+        await self.manager.stop()
 
 
 STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

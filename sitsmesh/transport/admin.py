@@ -22,7 +22,9 @@ from sitsmesh.errors import SitsmeshError
 from sitsmesh.ratelimit.reload import ConfigManager, version_of
 from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
+from sitsmesh.swap.manager import SwapManager
 from sitsmesh.transport.errors import grpc_status
+from sitsmesh.transport.swapadmin import SwapAdmin
 
 _log = logs.get("sitsmesh.admin")
 
@@ -126,12 +128,13 @@ class ChainAdmin:
 
 
 
-class AdminServicer(ChainAdmin, admin_pb2_grpc.AdminServicer):
+class AdminServicer(ChainAdmin, SwapAdmin, admin_pb2_grpc.AdminServicer):
     def __init__(self, settings: Settings, board: StatusBoard, store: StateStore,
                  bound: dict[str, str], *, ratelimit: ConfigManager,
                  authz: AuthzState, pipelines: PipelineState,
-                 assembler: Assembler | None) -> None:
+                 assembler: Assembler | None, swaps: SwapManager) -> None:
         self._settings = settings
+        self._swaps = swaps
         self._pipelines = pipelines
         self._assembler = assembler
         self._authz = authz

@@ -21,6 +21,176 @@ SERVING: ServingState
 NOT_SERVING: ServingState
 DRAINING: ServingState
 
+class ListModelsRequest(_message.Message):
+    __slots__ = ("endpoint",)
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    def __init__(self, endpoint: _Optional[str] = ...) -> None: ...
+
+class ModelVersion(_message.Message):
+    __slots__ = ("endpoint", "model", "version", "state", "reason")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    model: str
+    version: int
+    state: str
+    reason: str
+    def __init__(self, endpoint: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EndpointError(_message.Message):
+    __slots__ = ("endpoint", "error")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    error: str
+    def __init__(self, endpoint: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("versions", "errors")
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[ModelVersion]
+    errors: _containers.RepeatedCompositeFieldContainer[EndpointError]
+    def __init__(self, versions: _Optional[_Iterable[_Union[ModelVersion, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[EndpointError, _Mapping]]] = ...) -> None: ...
+
+class SampleValues(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SwapOptions(_message.Message):
+    __slots__ = ("warmup_count", "warmup_data", "sample", "verify_probes", "max_latency_ratio", "latency_slack_ms", "drain_timeout_s", "load_timeout_s", "max_pending")
+    class SampleEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: SampleValues
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SampleValues, _Mapping]] = ...) -> None: ...
+    WARMUP_COUNT_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_DATA_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_PROBES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LATENCY_RATIO_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_SLACK_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENDING_FIELD_NUMBER: _ClassVar[int]
+    warmup_count: int
+    warmup_data: str
+    sample: _containers.MessageMap[str, SampleValues]
+    verify_probes: int
+    max_latency_ratio: float
+    latency_slack_ms: float
+    drain_timeout_s: float
+    load_timeout_s: float
+    max_pending: int
+    def __init__(self, warmup_count: _Optional[int] = ..., warmup_data: _Optional[str] = ..., sample: _Optional[_Mapping[str, SampleValues]] = ..., verify_probes: _Optional[int] = ..., max_latency_ratio: _Optional[float] = ..., latency_slack_ms: _Optional[float] = ..., drain_timeout_s: _Optional[float] = ..., load_timeout_s: _Optional[float] = ..., max_pending: _Optional[int] = ...) -> None: ...
+
+class SwapModelRequest(_message.Message):
+    __slots__ = ("model", "target_version", "endpoint", "options")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    target_version: int
+    endpoint: str
+    options: SwapOptions
+    def __init__(self, model: _Optional[str] = ..., target_version: _Optional[int] = ..., endpoint: _Optional[str] = ..., options: _Optional[_Union[SwapOptions, _Mapping]] = ...) -> None: ...
+
+class SwapStep(_message.Message):
+    __slots__ = ("phase", "state", "started_at", "ended_at", "message", "detail")
+    class DetailEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    state: str
+    started_at: _timestamp_pb2.Timestamp
+    ended_at: _timestamp_pb2.Timestamp
+    message: str
+    detail: _containers.ScalarMap[str, str]
+    def __init__(self, phase: _Optional[str] = ..., state: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., message: _Optional[str] = ..., detail: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SwapRecord(_message.Message):
+    __slots__ = ("id", "model", "endpoint", "from_version", "to_version", "state", "phase", "error", "started_at", "ended_at", "steps")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    model: str
+    endpoint: str
+    from_version: int
+    to_version: int
+    state: str
+    phase: str
+    error: str
+    started_at: _timestamp_pb2.Timestamp
+    ended_at: _timestamp_pb2.Timestamp
+    steps: _containers.RepeatedCompositeFieldContainer[SwapStep]
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., endpoint: _Optional[str] = ..., from_version: _Optional[int] = ..., to_version: _Optional[int] = ..., state: _Optional[str] = ..., phase: _Optional[str] = ..., error: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[SwapStep, _Mapping]]] = ...) -> None: ...
+
+class SwapEvent(_message.Message):
+    __slots__ = ("swap_id", "phase", "state", "message", "progress", "at", "swap")
+    SWAP_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_FIELD_NUMBER: _ClassVar[int]
+    swap_id: str
+    phase: str
+    state: str
+    message: str
+    progress: float
+    at: _timestamp_pb2.Timestamp
+    swap: SwapRecord
+    def __init__(self, swap_id: _Optional[str] = ..., phase: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., progress: _Optional[float] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., swap: _Optional[_Union[SwapRecord, _Mapping]] = ...) -> None: ...
+
+class GetSwapRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class ListSwapsRequest(_message.Message):
+    __slots__ = ("model", "limit")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    limit: int
+    def __init__(self, model: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListSwapsResponse(_message.Message):
+    __slots__ = ("swaps",)
+    SWAPS_FIELD_NUMBER: _ClassVar[int]
+    swaps: _containers.RepeatedCompositeFieldContainer[SwapRecord]
+    def __init__(self, swaps: _Optional[_Iterable[_Union[SwapRecord, _Mapping]]] = ...) -> None: ...
+
 class Pipeline(_message.Message):
     __slots__ = ("name", "yaml")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -124,6 +124,26 @@ class AdminStub:
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.StageLatency.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ReportStageLatencyResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/ListModels',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.SwapModel = channel.unary_stream(
+                '/sitsmesh.admin.v1.Admin/SwapModel',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapModelRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapEvent.FromString,
+                _registered_method=True)
+        self.GetSwap = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/GetSwap',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetSwapRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapRecord.FromString,
+                _registered_method=True)
+        self.ListSwaps = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/ListSwaps',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -248,6 +268,35 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """Triton: every configured endpoint's models and the state of each version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SwapModel(self, request, context):
+        """Hot-swap a model to another version: precheck, preflight, load + warm, verify,
+        promote, drain, retire (rollback on failure). Streams progress; the last event
+        carries the finished record. The swap goes on if the caller goes away.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSwap(self, request, context):
+        """The persisted history of swaps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSwaps(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -340,6 +389,26 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ReportStageLatency,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.StageLatency.FromString,
                     response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ReportStageLatencyResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListModelsRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'SwapModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.SwapModel,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapModelRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapEvent.SerializeToString,
+            ),
+            'GetSwap': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSwap,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetSwapRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapRecord.SerializeToString,
+            ),
+            'ListSwaps': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSwaps,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -828,6 +897,114 @@ class Admin:
             '/sitsmesh.admin.v1.Admin/ReportStageLatency',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.StageLatency.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ReportStageLatencyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/ListModels',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListModelsRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwapModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/SwapModel',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapModelRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSwap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/GetSwap',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetSwapRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapRecord.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSwaps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/ListSwaps',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,16 @@ class AdminStub:
     """Per-stage latency of a pipeline over a window, and the stage that owns the tail."""
     ReportStageLatency: _grpc.StreamUnaryMultiCallable[_admin_pb2.StageLatency, _admin_pb2.ReportStageLatencyResponse]
     """Stages behind no Envoy report their own timings; they join the same chains."""
+    ListModels: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListModelsRequest, _admin_pb2.ListModelsResponse]
+    """Triton: every configured endpoint's models and the state of each version."""
+    SwapModel: _grpc.UnaryStreamMultiCallable[_admin_pb2.SwapModelRequest, _admin_pb2.SwapEvent]
+    """Hot-swap a model to another version: precheck, preflight, load + warm, verify,
+    promote, drain, retire (rollback on failure). Streams progress; the last event
+    carries the finished record. The swap goes on if the caller goes away.
+    """
+    GetSwap: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetSwapRequest, _admin_pb2.SwapRecord]
+    """The persisted history of swaps."""
+    ListSwaps: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListSwapsRequest, _admin_pb2.ListSwapsResponse]
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -99,6 +109,16 @@ class AdminAsyncStub(AdminStub):
     """Per-stage latency of a pipeline over a window, and the stage that owns the tail."""
     ReportStageLatency: _aio.StreamUnaryMultiCallable[_admin_pb2.StageLatency, _admin_pb2.ReportStageLatencyResponse]  # type: ignore[assignment]
     """Stages behind no Envoy report their own timings; they join the same chains."""
+    ListModels: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListModelsRequest, _admin_pb2.ListModelsResponse]  # type: ignore[assignment]
+    """Triton: every configured endpoint's models and the state of each version."""
+    SwapModel: _aio.UnaryStreamMultiCallable[_admin_pb2.SwapModelRequest, _admin_pb2.SwapEvent]  # type: ignore[assignment]
+    """Hot-swap a model to another version: precheck, preflight, load + warm, verify,
+    promote, drain, retire (rollback on failure). Streams progress; the last event
+    carries the finished record. The swap goes on if the caller goes away.
+    """
+    GetSwap: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetSwapRequest, _admin_pb2.SwapRecord]  # type: ignore[assignment]
+    """The persisted history of swaps."""
+    ListSwaps: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListSwapsRequest, _admin_pb2.ListSwapsResponse]  # type: ignore[assignment]
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -239,5 +259,39 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ReportStageLatencyResponse, _abc.Awaitable[_admin_pb2.ReportStageLatencyResponse]]:
         """Stages behind no Envoy report their own timings; they join the same chains."""
+
+    @_abc_1.abstractmethod
+    def ListModels(
+        self,
+        request: _admin_pb2.ListModelsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListModelsResponse, _abc.Awaitable[_admin_pb2.ListModelsResponse]]:
+        """Triton: every configured endpoint's models and the state of each version."""
+
+    @_abc_1.abstractmethod
+    def SwapModel(
+        self,
+        request: _admin_pb2.SwapModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_admin_pb2.SwapEvent], _abc.AsyncIterator[_admin_pb2.SwapEvent]]:
+        """Hot-swap a model to another version: precheck, preflight, load + warm, verify,
+        promote, drain, retire (rollback on failure). Streams progress; the last event
+        carries the finished record. The swap goes on if the caller goes away.
+        """
+
+    @_abc_1.abstractmethod
+    def GetSwap(
+        self,
+        request: _admin_pb2.GetSwapRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.SwapRecord, _abc.Awaitable[_admin_pb2.SwapRecord]]:
+        """The persisted history of swaps."""
+
+    @_abc_1.abstractmethod
+    def ListSwaps(
+        self,
+        request: _admin_pb2.ListSwapsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListSwapsResponse, _abc.Awaitable[_admin_pb2.ListSwapsResponse]]: ...
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,205 @@
+"""`sitsmesh models ...` and `sitsmesh swaps ...`: Triton models and hot swaps (admin API)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from sitsmesh import cli
+
+SWAP_TIMEOUT_S = 1800.0  # a whole swap: loads, drain and all
+BAR_WIDTH = 30
+
+
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    models = sub.add_parser("models", help="Triton models and hot swaps (admin API)"
+                            ).add_subparsers(dest="models_command", required=True)
+    p = models.add_parser("list", help="every endpoint's models and version states")
+    p.add_argument("--endpoint", default="", help="only this Triton endpoint")
+    cli._add_common_admin(p)
+    p.set_defaults(func=cmd_models_list)
+
+    p = models.add_parser("swap", help="hot-swap a model to another version; exit 1 unless "
+                          "it succeeds")
+    p.add_argument("model")
+    p.add_argument("--to", dest="target", type=int, required=True, metavar="VERSION")
+    p.add_argument("--endpoint", default="", help="Triton endpoint (needed when several)")
+    p.add_argument("--warmup-count", type=int, default=0, help="warmup runs per instance")
+    p.add_argument("--warmup-data", choices=("zero", "random"), default="")
+    p.add_argument("--sample", metavar="FILE.json",
+                   help='probe values: {"INPUT0": [1, 2, 3, 4]} (flattened)')
+    p.add_argument("--probes", type=int, default=0, help="verify probes (default 20)")
+    p.add_argument("--max-latency-ratio", type=float, default=0.0)
+    p.add_argument("--drain-timeout", type=float, default=0.0, help="seconds (default 30)")
+    p.add_argument("--load-timeout", type=float, default=0.0, help="seconds (default 300)")
+    cli._add_common_admin(p)
+    p.set_defaults(func=cmd_models_swap, timeout=SWAP_TIMEOUT_S)
+
+    swaps = sub.add_parser("swaps", help="the history of model swaps (admin API)"
+                           ).add_subparsers(dest="swaps_command", required=True)
+    p = swaps.add_parser("list", help="recent swaps, newest first")
+    p.add_argument("--model", default="")
+    p.add_argument("--limit", type=int, default=20)
+    cli._add_common_admin(p)
+    p.set_defaults(func=cmd_swaps_list)
+    p = swaps.add_parser("get", help="one swap, step by step")
+    p.add_argument("id")
+    cli._add_common_admin(p)
+    p.set_defaults(func=cmd_swaps_get)
+
+
+def _doc(message: Any) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+
+    doc: dict[str, Any] = MessageToDict(message, preserving_proto_field_name=True)
+    return doc
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from sitsmesh.admin.v1 import admin_pb2
+
+    reply = cli._call_admin(args, "ListModels",
+                            admin_pb2.ListModelsRequest(endpoint=args.endpoint))
+    if args.output == "json":
+        print(json.dumps(_doc(reply), indent=2))
+    else:
+        rows = [("ENDPOINT", "MODEL", "VERSION", "STATE", "REASON")]
+        rows += [(v.endpoint, v.model, str(v.version or "-"), v.state, v.reason)
+                 for v in reply.versions]
+        _table(rows)
+        for error in reply.errors:
+            print(f"endpoint {error.endpoint}: {error.error}", file=sys.stderr)
+    return cli.EXIT_FAILED if reply.errors else 0
+
+
+def _options(args: argparse.Namespace) -> Any:
+    from sitsmesh.admin.v1 import admin_pb2
+
+    options = admin_pb2.SwapOptions(
+        warmup_count=max(0, args.warmup_count), warmup_data=args.warmup_data,
+        verify_probes=max(0, args.probes), max_latency_ratio=args.max_latency_ratio,
+        drain_timeout_s=args.drain_timeout, load_timeout_s=args.load_timeout)
+    if args.sample:
+        try:
+            sample = json.loads(Path(args.sample).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise cli._Usage(f"{args.sample}: cannot read sample: {exc}") from None
+        if not isinstance(sample, dict) or not all(
+                isinstance(v, list) and all(isinstance(x, int | float) for x in v)
+                for v in sample.values()):
+            raise cli._Usage(f"{args.sample}: expected {{input name: [numbers]}}")
+        for name, values in sample.items():
+            options.sample[name].values.extend(float(x) for x in values)
+    return options
+
+
+def cmd_models_swap(args: argparse.Namespace) -> int:
+    import grpc
+
+    from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+
+    request = admin_pb2.SwapModelRequest(model=args.model, target_version=args.target,
+                                         endpoint=args.endpoint, options=_options(args))
+    settings = cli._settings_from(args, ["admin_addr", "state_dir", "admin_token_file"])
+    token = cli._admin_token(args, settings)
+    progress = _Progress(sys.stderr, live=sys.stderr.isatty())
+    final = None
+    with grpc.insecure_channel(str(settings.admin_addr)) as channel:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        try:
+            for event in stub.SwapModel(request, timeout=args.timeout,
+                                        metadata=(("authorization", f"Bearer {token}"),)):
+                progress.show(event)
+                if event.HasField("swap"):
+                    final = event.swap
+        except grpc.RpcError as exc:
+            progress.close()
+            code = exc.code().name if exc.code() else "UNKNOWN"
+            raise cli._RpcFailed(f"SwapModel on {settings.admin_addr}: {code}: "
+                                 f"{exc.details()}") from None
+    progress.close()
+    if final is None:
+        raise cli._RpcFailed("SwapModel ended without the swap's record")
+    if args.output == "json":
+        print(json.dumps(_doc(final), indent=2))
+    else:
+        _summary(final)
+    return 0 if final.state == "succeeded" else cli.EXIT_FAILED
+
+
+class _Progress:
+    """A bar redrawn in place on a terminal; one line per event otherwise."""
+
+    def __init__(self, out: TextIO, *, live: bool) -> None:
+        self._out = out
+        self._live = live
+
+    def show(self, event: Any) -> None:
+        filled = round(event.progress * BAR_WIDTH)
+        bar = "#" * filled + "." * (BAR_WIDTH - filled)
+        text = f"[{bar}] {event.progress:4.0%} {event.phase:<9} {event.state:<8} {event.message}"
+        if self._live:
+            self._out.write("\r\x1b[2K" + text[:160])
+        else:
+            self._out.write(text + "\n")
+        self._out.flush()
+
+    def close(self) -> None:
+        if self._live:
+            self._out.write("\n")
+            self._out.flush()
+
+
+def _seconds(step: Any) -> str:
+    if not step.HasField("ended_at"):
+        return "-"
+    started = step.started_at.ToNanoseconds()
+    return f"{(step.ended_at.ToNanoseconds() - started) / 1e9:.2f}"
+
+
+def _summary(record: Any) -> None:
+    source = f"v{record.from_version}" if record.HasField("from_version") else "?"
+    print(f"swap {record.id}: {record.model} {source} -> v{record.to_version} on "
+          f"{record.endpoint}: {record.state.upper()}")
+    if record.error:
+        print(f"error: {record.error}")
+    rows = [("PHASE", "RESULT", "SECONDS", "MESSAGE")]
+    rows += [(s.phase, s.state, _seconds(s), s.message) for s in record.steps]
+    _table(rows)
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        cells = [f"{c:<{w}}" for c, w in zip(row, widths, strict=False)]
+        print("  ".join([*cells, row[-1]]).rstrip())
+
+
+def cmd_swaps_list(args: argparse.Namespace) -> int:
+    from sitsmesh.admin.v1 import admin_pb2
+
+    reply = cli._call_admin(args, "ListSwaps", admin_pb2.ListSwapsRequest(
+        model=args.model, limit=max(0, args.limit)))
+    if args.output == "json":
+        print(json.dumps(_doc(reply), indent=2))
+        return 0
+    rows = [("ID", "MODEL", "FROM", "TO", "STATE", "PHASE", "ERROR")]
+    rows += [(r.id, r.model, str(r.from_version) if r.HasField("from_version") else "-",
+              str(r.to_version), r.state, r.phase, r.error) for r in reply.swaps]
+    _table(rows)
+    return 0
+
+
+def cmd_swaps_get(args: argparse.Namespace) -> int:
+    from sitsmesh.admin.v1 import admin_pb2
+
+    record = cli._call_admin(args, "GetSwap", admin_pb2.GetSwapRequest(id=args.id))
+    if args.output == "json":
+        print(json.dumps(_doc(record), indent=2))
+    else:
+        _summary(record)
+    return 0

@@ -1,0 +1,1 @@
+"""Triton model hot swaps: load, warm, verify, promote, drain, retire; rollback on failure."""

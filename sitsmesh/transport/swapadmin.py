@@ -1,0 +1,116 @@
+"""Model hot swaps on the admin API: protobuf in, SwapManager calls, protobuf out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from grpc import aio
+
+from sitsmesh.admin.v1 import admin_pb2
+from sitsmesh.swap.machine import SwapEvent
+from sitsmesh.swap.manager import SwapManager
+from sitsmesh.swap.override import SwapOptions
+from sitsmesh.swap.record import SwapRecord
+
+_DEFAULTS = SwapOptions()
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def options_from(message: admin_pb2.SwapOptions) -> SwapOptions:
+    """Zero or unset means the default, as the proto documents."""
+    return SwapOptions(
+        warmup_count=message.warmup_count or _DEFAULTS.warmup_count,
+        warmup_data=message.warmup_data or _DEFAULTS.warmup_data,
+        sample={name: tuple(values.values) for name, values in message.sample.items()},
+        verify_probes=message.verify_probes or _DEFAULTS.verify_probes,
+        max_latency_ratio=message.max_latency_ratio or _DEFAULTS.max_latency_ratio,
+        latency_slack_ms=(message.latency_slack_ms if message.HasField("latency_slack_ms")
+                          else _DEFAULTS.latency_slack_ms),
+        drain_timeout_s=message.drain_timeout_s or _DEFAULTS.drain_timeout_s,
+        load_timeout_s=message.load_timeout_s or _DEFAULTS.load_timeout_s,
+        max_pending=(message.max_pending if message.HasField("max_pending")
+                     else _DEFAULTS.max_pending))
+
+
+def record_pb(record: SwapRecord) -> admin_pb2.SwapRecord:
+    message = admin_pb2.SwapRecord(
+        id=record.id, model=record.model, endpoint=record.endpoint,
+        to_version=record.to_version, state=record.state, phase=record.phase,
+        error=record.error, started_at=_timestamp(record.started_at))
+    if record.from_version is not None:
+        message.from_version = record.from_version
+    if record.ended_at is not None:
+        message.ended_at.CopyFrom(_timestamp(record.ended_at))
+    for step in record.steps:
+        item = message.steps.add(phase=step.phase, state=step.state, message=step.message,
+                                 started_at=_timestamp(step.started_at),
+                                 detail={k: str(v) for k, v in step.detail.items()})
+        if step.ended_at is not None:
+            item.ended_at.CopyFrom(_timestamp(step.ended_at))
+    return message
+
+
+def _event_pb(event: SwapEvent) -> admin_pb2.SwapEvent:
+    return admin_pb2.SwapEvent(swap_id=event.swap_id, phase=event.phase, state=event.state,
+                               message=event.message, progress=event.fraction,
+                               at=_timestamp(event.at))
+
+
+class SwapAdmin:
+    """Mixed into AdminServicer; `_guard` maps domain errors to gRPC status in one place."""
+
+    _swaps: SwapManager
+    _guard: Any
+
+    async def ListModels(self, request: admin_pb2.ListModelsRequest,
+                         context: aio.ServicerContext[Any, Any]
+                         ) -> admin_pb2.ListModelsResponse:
+        endpoints = await self._guard(context, self._swaps.list_models(request.endpoint))
+        reply = admin_pb2.ListModelsResponse()
+        for item in endpoints:
+            if item.error:
+                reply.errors.add(endpoint=item.endpoint, error=item.error)
+            for v in sorted(item.versions, key=lambda v: (v.model, v.version)):
+                reply.versions.add(endpoint=item.endpoint, model=v.model, version=v.version,
+                                   state=v.state, reason=v.reason)
+        return reply
+
+    async def SwapModel(self, request: admin_pb2.SwapModelRequest,
+                        context: aio.ServicerContext[Any, Any]
+                        ) -> AsyncIterator[admin_pb2.SwapEvent]:
+        async def begin() -> Any:
+            return self._swaps.begin(request.model, request.target_version, request.endpoint,
+                                     options_from(request.options))
+
+        handle = await self._guard(context, begin())
+        last: admin_pb2.SwapEvent | None = None
+        async for event in handle.stream():
+            if last is not None:
+                yield last
+            last = _event_pb(event)
+        assert handle.task is not None
+        # A caller that goes away cancels this stream, never the swap: shield the task.
+        record = await asyncio.shield(handle.task)
+        if last is None:
+            last = admin_pb2.SwapEvent(swap_id=record.id, phase=record.phase,
+                                       state=record.state, progress=1.0)
+        last.swap.CopyFrom(record_pb(record))
+        yield last
+
+    async def GetSwap(self, request: admin_pb2.GetSwapRequest,
+                      context: aio.ServicerContext[Any, Any]) -> admin_pb2.SwapRecord:
+        return record_pb(await self._guard(context, self._swaps.get(request.id)))
+
+    async def ListSwaps(self, request: admin_pb2.ListSwapsRequest,
+                        context: aio.ServicerContext[Any, Any]) -> admin_pb2.ListSwapsResponse:
+        records = await self._guard(context, self._swaps.recent(request.model,
+                                                                request.limit or 50))
+        return admin_pb2.ListSwapsResponse(swaps=[record_pb(r) for r in records])
