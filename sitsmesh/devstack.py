@@ -1,6 +1,8 @@
-"""`sitsmesh dev` (what `make run` starts): sitsmesh, a demo upstream and Envoy in front.
+"""`sitsmesh dev` (what `make run` starts): sitsmesh, a demo upstream and Envoy in front,
+and a Triton server with the lazy demo model for hot swaps.
 
-Everything binds to 127.0.0.1. Ctrl-C stops Envoy first, then sitsmesh drains.
+Everything binds to 127.0.0.1. Ctrl-C stops Envoy first, then sitsmesh drains,
+then Triton stops.
 """
 
 from __future__ import annotations
@@ -26,6 +28,51 @@ class DevPorts:
     envoy_admin: int = 9901
     upstream: int = 18080
     data_addr: str = "127.0.0.1:50051"
+    triton_http: int = 18000
+    triton_grpc: int = 18001
+    triton_metrics: int = 18002
+
+
+DEMO_MODEL = "lazy"
+
+
+def _start_triton(run_dir: Path, ports: DevPorts) -> subprocess.Popen[bytes] | None:
+    """Triton (explicit model control) serving v1 of the demo model; None if not installed."""
+    from sitsmesh.triton import demo_model, launcher
+
+    try:
+        install = launcher.find_tritonserver()
+    except RuntimeError as exc:
+        print(f"sitsmesh dev: no Triton ({exc}); model swaps are off", file=sys.stderr)
+        return None
+    repo = run_dir / "models"
+    demo_model.write_lazy_model(repo, DEMO_MODEL, [1, 2, 3], context_ms=400, service_ms=2)
+    backends = launcher.prepare_backend_dir(install, run_dir / "triton")
+    argv = launcher.triton_argv(install, backends, repo, http_port=ports.triton_http,
+                                grpc_port=ports.triton_grpc, metrics_port=ports.triton_metrics)
+    log = (run_dir / "triton.log").open("wb")
+    triton = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                              env=launcher.triton_env(install), start_new_session=True)
+    log.close()
+    import tritonclient.grpc as triton_grpc
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        _wait_ready(f"http://127.0.0.1:{ports.triton_http}/v2/health/live", triton,
+                    "tritonserver")
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{ports.triton_grpc}")
+        try:
+            client.load_model(DEMO_MODEL)  # its config.pbtxt serves v1; swaps move it on
+        finally:
+            client.close()
+    except (SystemExit, InferenceServerException) as exc:
+        # The rest of the stack is still worth running; say why swaps are off.
+        triton.kill()
+        triton.wait(10)
+        print(f"sitsmesh dev: Triton did not start ({exc}); see {run_dir}/triton.log. "
+              "Model swaps are off", file=sys.stderr)
+        return None
+    return triton
 
 
 class _DemoUpstream(BaseHTTPRequestHandler):
@@ -94,11 +141,16 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
         filters_dir / "local" / "bootstrap.yaml", values,
         fragments=["ext_authz", "ratelimit", "access_log"]), run_dir / "envoy.yaml")
 
+    triton = _start_triton(run_dir, ports)
+    triton_args = ([] if triton is None else [
+        "--triton-url", f"127.0.0.1:{ports.triton_grpc}",
+        "--triton-metrics-url", f"http://127.0.0.1:{ports.triton_metrics}/metrics"])
     # Embedded defaults: SQLite state in the default state dir, memory stores.
     sitsmesh = subprocess.Popen([str(bin_dir / "sitsmesh"), "serve",
                                  "--data-addr", ports.data_addr, "--log-format", "console",
                                  "--drain-seconds", "1", "--ratelimit-config",
-                                 str(filters_dir / "local" / "ratelimit"), *serve_args],
+                                 str(filters_dir / "local" / "ratelimit"), *triton_args,
+                                 *serve_args],
                                 # Own session: Ctrl-C reaches only us, and we stop
                                 # the children in order.
                                 start_new_session=True)
@@ -133,6 +185,16 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
             (f"curl -s http://127.0.0.1:{ports.envoy_admin}/clusters | grep sitsmesh_data",
              "Envoy's view of sitsmesh"),
         ]
+        if triton is not None:
+            hints += [
+                (".venv/bin/sitsmesh models list", "Triton's models and versions"),
+                (f".venv/bin/sitsmesh models swap {DEMO_MODEL} --to 2",
+                 "hot swap: load, warm, verify, promote, drain, retire"),
+                (f"curl -s -X POST http://127.0.0.1:{ports.triton_http}/v2/models/"
+                 f"{DEMO_MODEL}/infer -d '{{\"inputs\":[{{\"name\":\"INPUT0\","
+                 f"\"shape\":[4],\"datatype\":\"FP32\",\"data\":[1,2,3,4]}}]}}'",
+                 "Triton directly"),
+            ]
         width = max(len(cmd) for cmd, _ in hints)
         print(f"\nsitsmesh is running with Envoy in front (Envoy log: {run_dir}/envoy.log). Try:")
         for cmd, what in hints:
@@ -141,7 +203,8 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
         while not stopping and sitsmesh.poll() is None and envoy.poll() is None:
             time.sleep(0.2)
     finally:
-        for proc in (envoy, sitsmesh):  # Envoy first: no new traffic while sitsmesh drains
+        # Envoy first: no new traffic while sitsmesh drains; Triton last: swaps end first.
+        for proc in (envoy, sitsmesh, *([triton] if triton is not None else [])):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
             try:

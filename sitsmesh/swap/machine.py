@@ -229,7 +229,12 @@ class Swap:
     async def _run_preflight(self, step: Step) -> str:
         sandbox = self._preflight
         if sandbox is None:
-            return "skipped: no preflight endpoint configured"
+            # Triton 2.51 can die (SIGSEGV) when a warmup fails: without a sandbox, the
+            # candidate's first run is on production.
+            _log.warning("swap without preflight: the candidate is unvetted",
+                         swap_id=self.record.id, model=self.record.model)
+            return ("skipped: no preflight endpoint configured; the candidate warms up "
+                    "on production first")
         record, options = self.record, self._options
         model, target = record.model, record.to_version
         started = self._clock()

@@ -10,14 +10,17 @@ from pathlib import Path
 from tests import harness
 
 
-def test_dev_stack_serves_through_envoy_and_status_is_serving(tmp_path: Path) -> None:
+def test_dev_stack_serves_through_envoy_and_status_is_serving_and_swaps(
+        tmp_path: Path) -> None:
     listen, envoy_admin, upstream = harness.free_port(), harness.free_port(), harness.free_port()
     data, admin, metrics = (f"127.0.0.1:{harness.free_port()}" for _ in range(3))
     state = tmp_path / "state"
+    triton_ports = [harness.free_port() for _ in range(3)]
     node = harness.spawn(
         [harness.SITSMESH, "dev", "--run-dir", str(tmp_path / "run"),
          "--listen-port", str(listen), "--envoy-admin-port", str(envoy_admin),
          "--upstream-port", str(upstream), "--data-addr", data,
+         "--triton-ports", ",".join(map(str, triton_ports)),
          "--", "--admin-addr", admin, "--metrics-addr", metrics, "--state-dir", str(state)],
         tmp_path / "dev.log")
     try:
@@ -32,6 +35,14 @@ def test_dev_stack_serves_through_envoy_and_status_is_serving(tmp_path: Path) ->
         status = harness.run_cli("status", "--admin", admin, "--state-dir", str(state))
         assert status.returncode == 0, status.stderr
         assert "SERVING" in status.stdout
+        # The demo Triton is wired in: its model is listed and swaps to v2 with warmup.
+        models = harness.run_cli("models", "list", "--admin", admin, "--state-dir", str(state))
+        assert models.returncode == 0, models.stderr
+        assert models.stdout.split("\n")[1].split() == ["default", "lazy", "1", "READY"]
+        swap = harness.run_cli("models", "swap", "lazy", "--to", "2", "--admin", admin,
+                               "--state-dir", str(state), timeout=120)
+        assert swap.returncode == 0, swap.stdout + swap.stderr
+        assert "lazy v1 -> v2 on default: SUCCEEDED" in swap.stdout
         assert node.stop(signal.SIGINT) == 0
         assert "stopped" in node.output()
     finally:

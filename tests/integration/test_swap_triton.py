@@ -151,6 +151,26 @@ def test_swap_under_load_fails_nothing_and_the_new_version_starts_warm(
                                 phase="load") == 1
 
 
+def test_a_rollback_release_to_a_lower_version_moves_traffic_without_failures(
+        node: harness.Sitsmesh, triton: TritonServer) -> None:
+    code, doc, _ = _swap_cli(node, 2)
+    assert code == 0, doc
+    with BackgroundLoad(triton.grpc_url, MODEL) as load:
+        _warm_up(load)
+        code, doc, stderr = _swap_cli(node, 1)
+        load.wait_for(len(load.outcomes) + 50)
+    assert code == 0, (doc, stderr)
+    steps = {s["phase"]: s for s in doc["steps"]}
+    # The highest READY version takes unversioned traffic: v2 has to go for v1 to serve.
+    assert "v2 unloaded" in steps["promote"]["message"]
+    assert steps["retire"]["state"] == "skipped"
+    assert load.failures() == []
+    assert _ready(triton) == [1]
+    after = [o for o in load.outcomes if o.version == 1]
+    assert after and load.outcomes[-1].version == 1
+    assert max(o.seconds for o in after[:5]) * 1000 < CONTEXT_MS / 4
+
+
 def test_a_version_that_fails_to_load_is_rolled_back_without_failures(
         node: harness.Sitsmesh, triton: TritonServer) -> None:
     with BackgroundLoad(triton.grpc_url, MODEL) as load:

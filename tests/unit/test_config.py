@@ -106,3 +106,46 @@ def test_config_version_tracks_effective_settings() -> None:
     c = load_settings({"workers": "2"}, env={})
     assert a.config_version == b.config_version
     assert a.config_version != c.config_version
+
+
+def test_triton_endpoints_from_file_and_from_flags(tmp_path: Path) -> None:
+    from sitsmesh.config import TritonEndpoint
+
+    path = tmp_path / "c.yaml"
+    path.write_text("triton:\n"
+                    "  - name: gpu-a\n    url: 10.0.0.5:8001\n"
+                    "    metrics_url: http://10.0.0.5:8002/metrics\n"
+                    "    preflight_url: grpc://127.0.0.1:9001\n"
+                    "  - name: gpu-b\n    url: 10.0.0.6:8001\n")
+    settings = load_settings({"config": str(path)}, env={})
+    assert settings.triton_endpoints == (
+        TritonEndpoint("gpu-a", "10.0.0.5:8001", "http://10.0.0.5:8002/metrics",
+                       "127.0.0.1:9001"),
+        TritonEndpoint("gpu-b", "10.0.0.6:8001"))
+    # The simple case: flags describe one endpoint, and win over the file's list.
+    flagged = load_settings({"config": str(path), "triton_url": "127.0.0.1:8001",
+                             "triton_preflight_url": "127.0.0.1:9001"}, env={})
+    assert flagged.triton_endpoints == (
+        TritonEndpoint("default", "127.0.0.1:8001", "", "127.0.0.1:9001"),)
+    assert load_settings({}, env={}).triton_endpoints == ()
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ("triton: {url: x}", "key 'triton': expected a list of endpoints, got dict"),
+    ("triton:\n  - url: 127.0.0.1:1", "key 'triton': endpoint 1: 'name' is required"),
+    ("triton:\n  - {name: a, url: 127.0.0.1:1, urls: x}",
+     "key 'triton': endpoint 1: unknown key 'urls' (allowed: name, url, metrics_url, "
+     "preflight_url)"),
+    ("triton:\n  - {name: a, url: nowhere}",
+     "key 'triton': endpoint 1: 'url': expected HOST:PORT, got 'nowhere'"),
+    ("triton:\n  - {name: a, url: 127.0.0.1:1, metrics_url: 127.0.0.1:2}",
+     "endpoint 1: 'metrics_url': expected an http:// URL, got '127.0.0.1:2'"),
+    ("triton:\n  - {name: a, url: 127.0.0.1:1}\n  - {name: a, url: 127.0.0.1:2}",
+     "key 'triton': endpoint 2: name 'a' is used twice"),
+])
+def test_bad_triton_sections_name_file_key_and_endpoint(tmp_path: Path, body: str,
+                                                         message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(body + "\n")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_settings({"config": str(path)}, env={})
