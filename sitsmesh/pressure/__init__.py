@@ -1,0 +1,1 @@
+"""Backpressure: per-stage pressure from real signals, admission decisions at the entry."""

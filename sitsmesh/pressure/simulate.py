@@ -1,0 +1,288 @@
+"""Offline: the controller against a queueing model of the pipeline, on a simulated clock.
+
+Stages are queues in series with `parallelism` servers each and fixed or
+exponential service times. Arrivals are Poisson at a rate that follows the
+load profile, with priorities drawn from its mix. Every arrival meets the same
+shedding rule Check applies; the controller ticks on the simulated clock and
+reads signals fed exactly as the access logs and the Triton scrape feed them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sitsmesh.chains.histogram import Histogram
+from sitsmesh.chains.pipeline import Pipeline
+from sitsmesh.errors import Code, SitsmeshError
+from sitsmesh.pressure.admit import shed_reason
+from sitsmesh.pressure.controller import Controller, Decision
+from sitsmesh.pressure.signals import Signals, TritonSample
+from sitsmesh.pressure.thresholds import PRIORITIES, Thresholds
+
+SCRAPE_S = 0.25
+
+
+class InvalidProfile(SitsmeshError):
+    code = Code.INVALID_ARGUMENT
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProfile:
+    duration_s: float
+    steps: tuple[tuple[float, float], ...]          # (at_s, rps), linear in between
+    priorities: tuple[tuple[int, float], ...]        # (priority, weight)
+    service_ms: Mapping[str, float]
+    service: str = "fixed"                           # fixed or exp
+    sla_ms: float = 0.0                              # end to end; 0 = sum of stage SLAs
+    seed: int = 1
+
+    def rate(self, t: float) -> float:
+        steps = self.steps
+        if t <= steps[0][0]:
+            return steps[0][1]
+        for (t0, r0), (t1, r1) in itertools.pairwise(steps):
+            if t0 <= t <= t1:
+                return r0 + (r1 - r0) * ((t - t0) / (t1 - t0) if t1 > t0 else 1.0)
+        return steps[-1][1]
+
+
+def profile_from(body: Mapping[str, Any], pipeline: Pipeline,
+                 source: str = "profile") -> LoadProfile:
+    def number(key: str, raw: Any, low: float, high: float) -> float:
+        if isinstance(raw, bool) or not isinstance(raw, int | float) or not low <= raw <= high:
+            raise InvalidProfile(f"{source}: {key} must be a number from {low:g} to {high:g}, "
+                                 f"got {raw!r}")
+        return float(raw)
+
+    if not isinstance(body, Mapping):
+        raise InvalidProfile(f"{source}: expected a mapping")
+    unknown = set(body) - {"duration_s", "steps", "priorities", "service_ms", "service",
+                           "sla_ms", "seed"}
+    if unknown:
+        raise InvalidProfile(f"{source}: unknown key '{sorted(unknown)[0]}'")
+    duration = number("duration_s", body.get("duration_s", 30), 1, 3600)
+    raw_steps = body.get("steps")
+    if not isinstance(raw_steps, list) or not raw_steps:
+        raise InvalidProfile(f"{source}: steps must be a list of {{at_s, rps}}")
+    steps = []
+    for i, step in enumerate(raw_steps):
+        if not isinstance(step, Mapping) or set(step) != {"at_s", "rps"}:
+            raise InvalidProfile(f"{source}: steps[{i}] must be {{at_s, rps}}")
+        steps.append((number(f"steps[{i}].at_s", step["at_s"], 0, 3600),
+                      number(f"steps[{i}].rps", step["rps"], 0, 100_000)))
+    if [s[0] for s in steps] != sorted(s[0] for s in steps):
+        raise InvalidProfile(f"{source}: steps must be in time order")
+    raw_mix = body.get("priorities", {0: 1.0})
+    if not isinstance(raw_mix, Mapping) or not raw_mix:
+        raise InvalidProfile(f"{source}: priorities must map priority to weight")
+    mix = []
+    for key, weight in raw_mix.items():
+        if not isinstance(key, int) or not 0 <= key < PRIORITIES:
+            raise InvalidProfile(f"{source}: priority {key!r} is not 0-{PRIORITIES - 1}")
+        mix.append((key, number(f"priorities.{key}", weight, 0, 1e9)))
+    raw_service = body.get("service_ms")
+    names = [s.name for s in pipeline.stages]
+    if not isinstance(raw_service, Mapping) or set(raw_service) != set(names):
+        raise InvalidProfile(f"{source}: service_ms must give a time for each stage: "
+                             f"{', '.join(names)}")
+    service = {k: number(f"service_ms.{k}", v, 0.001, 600_000) for k, v in raw_service.items()}
+    kind = body.get("service", "fixed")
+    if kind not in ("fixed", "exp"):
+        raise InvalidProfile(f"{source}: service must be fixed or exp, got {kind!r}")
+    seed = body.get("seed", 1)
+    if not isinstance(seed, int):
+        raise InvalidProfile(f"{source}: seed must be an integer")
+    return LoadProfile(duration, tuple(steps), tuple(mix), service, kind,
+                       number("sla_ms", body.get("sla_ms", 0), 0, 3_600_000), seed)
+
+
+@dataclass(slots=True)
+class Second:
+    """What happened in one simulated second."""
+
+    at: int
+    offered: int = 0
+    admitted: int = 0
+    shed: int = 0
+    good: int = 0             # of the requests that arrived this second, finished in SLA
+    late: int = 0             # finished, too late to count
+    latency: Histogram = field(default_factory=Histogram)
+    fraction: float = 1.0
+    cutoff: float = 0.0
+    by_priority: dict[int, list[int]] = field(default_factory=dict)  # p -> [offered, good]
+
+    @property
+    def p99_ms(self) -> float:
+        return self.latency.quantile(0.99) * 1000 if self.latency.total else 0.0
+
+
+@dataclass(slots=True)
+class _Request:
+    id: int
+    priority: int
+    arrived: float
+    stage: int = 0
+    entered: float = 0.0
+    started: float = 0.0
+
+
+class _Stage:
+    def __init__(self, name: str, servers: int, service_s: float) -> None:
+        self.name = name
+        self.free = servers
+        self.service_s = service_s
+        self.queue: list[_Request] = []
+
+
+def simulate(pipeline: Pipeline, thresholds: Thresholds, profile: LoadProfile) -> list[Second]:
+    return _Simulation(pipeline, thresholds, profile).run()
+
+
+class _Simulation:
+    def __init__(self, pipeline: Pipeline, thresholds: Thresholds,
+                 profile: LoadProfile) -> None:
+        # A seeded generator on purpose: a simulation must be repeatable.
+        self.rng = random.Random(profile.seed)  # noqa: S311
+        self.now = 0.0
+        self.pipeline, self.thresholds, self.profile = pipeline, thresholds, profile
+        self.signals = Signals()
+        self.controller = Controller(self.signals, lambda: self.now)
+        self.controller.configure({pipeline.name: pipeline}, {pipeline.name: thresholds})
+        self.stages = [_Stage(s.name, thresholds.stage(s.name).parallelism,
+                              profile.service_ms[s.name] / 1000) for s in pipeline.stages]
+        sla_ms = profile.sla_ms or sum(s.sla_p99_ms or 0 for s in pipeline.stages)
+        self.sla_s = sla_ms / 1000 if sla_ms else math.inf
+        self.entry = self.signals.pipeline(pipeline.name)
+        self.seconds = [Second(i) for i in range(math.ceil(profile.duration_s))]
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.sequence = 0
+        self.next_id = 0
+        self.decision: Decision | None = None
+
+    def run(self) -> list[Second]:
+        self.push(0.0, "tick")
+        self.push(0.0, "scrape")
+        self.push(_next_arrival(self.rng, self.profile, 0.0), "arrive")
+        handlers = {"tick": self.tick, "scrape": self.scrape, "arrive": self.arrive,
+                    "done": self.done}
+        # Arrivals stop at the end; the requests already in flight are followed until they
+        # finish (or for as long again), so each one counts by the second it arrived in.
+        end = self.profile.duration_s
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            if now >= 2 * end:
+                break
+            if now >= end and kind != "done":
+                continue
+            self.now = now
+            second = self.seconds[min(int(now), len(self.seconds) - 1)]
+            handlers[kind](second, payload)
+            if self.decision is not None:
+                second.fraction, second.cutoff = self.decision.fraction, self.decision.cutoff
+        return self.seconds
+
+    def push(self, at: float, kind: str, payload: Any = None) -> None:
+        self.sequence += 1
+        heapq.heappush(self.events, (at, self.sequence, kind, payload))
+
+    def tick(self, second: Second, payload: Any) -> None:
+        self.decision = self.controller.tick().decisions[self.pipeline.name]
+        self.push(self.now + self.thresholds.tick_ms / 1000, "tick")
+
+    def scrape(self, second: Second, payload: Any) -> None:
+        for stage in self.stages:
+            self.signals.stage(self.pipeline.name, stage.name).scraped(
+                TritonSample(self.now, len(stage.queue), 0, 0, 0))
+        self.push(self.now + SCRAPE_S, "scrape")
+
+    def arrive(self, second: Second, payload: Any) -> None:
+        rng, entry = self.rng, self.entry
+        self.push(_next_arrival(rng, self.profile, self.now), "arrive")
+        priority = rng.choices([p for p, _ in self.profile.priorities],
+                               [w for _, w in self.profile.priorities])[0]
+        second.offered += 1
+        second.by_priority.setdefault(priority, [0, 0])[0] += 1
+        entry.arrive(priority)
+        if shed_reason(self.decision, priority, rng.random(), entry.in_flight):
+            second.shed += 1
+            entry.shed += 1
+            return
+        entry.admitted += 1
+        entry.in_flight += 1
+        second.admitted += 1
+        self.next_id += 1
+        self.enter(_Request(self.next_id, priority, self.now), 0)
+
+    def enter(self, request: _Request, index: int) -> None:
+        stage = self.stages[index]
+        request.stage, request.entered, request.started = index, self.now, self.now
+        if stage.free > 0:
+            stage.free -= 1
+            self.push(self.now + self.service(stage), "done", request)
+        else:
+            stage.queue.append(request)
+
+    def start(self, stage: _Stage) -> None:
+        """A server of the stage freed up: the next queued request starts."""
+        if stage.queue:
+            waiting = stage.queue.pop(0)
+            waiting.started = self.now
+            self.push(self.now + self.service(stage), "done", waiting)
+        else:
+            stage.free += 1
+
+    def service(self, stage: _Stage) -> float:
+        if self.profile.service == "exp":
+            return self.rng.expovariate(1 / stage.service_s)
+        return stage.service_s
+
+    def done(self, second: Second, request: _Request) -> None:
+        stage = self.stages[request.stage]
+        self.signals.stage(self.pipeline.name, stage.name).complete(
+            self.now, self.now - request.entered, request.started - request.entered,
+            failed=False)
+        self.start(stage)
+        if request.stage + 1 < len(self.stages):
+            self.enter(request, request.stage + 1)
+            return
+        self.entry.in_flight -= 1
+        took = self.now - request.arrived
+        arrived = self.seconds[int(request.arrived)]
+        arrived.latency.add(took)
+        if took <= self.sla_s:
+            arrived.good += 1
+            arrived.by_priority.setdefault(request.priority, [0, 0])[1] += 1
+        else:
+            arrived.late += 1
+
+
+def _next_arrival(rng: random.Random, profile: LoadProfile, now: float) -> float:
+    rate = profile.rate(now)
+    if rate <= 0:
+        return now + 0.01
+    return now + rng.expovariate(rate)
+
+
+def summary(seconds: list[Second]) -> dict[str, Any]:
+    offered = sum(s.offered for s in seconds)
+    good = sum(s.good for s in seconds)
+    latency = Histogram()
+    for s in seconds:
+        latency.merge(s.latency)
+    per_priority: dict[int, list[int]] = {}
+    for s in seconds:
+        for p, (o, g) in s.by_priority.items():
+            tally = per_priority.setdefault(p, [0, 0])
+            tally[0] += o
+            tally[1] += g
+    return {"offered": offered, "goodput_rps": good / max(1, len(seconds)),
+            "shed_fraction": sum(s.shed for s in seconds) / offered if offered else 0.0,
+            "p99_ms": latency.quantile(0.99) * 1000 if latency.total else 0.0,
+            "success_by_priority": {p: (g / o if o else 0.0)
+                                    for p, (o, g) in sorted(per_priority.items())}}

@@ -1,0 +1,158 @@
+"""SRE-tunable thresholds per pipeline, with per-stage overrides: parsed, validated, frozen.
+
+A document looks like:
+
+    policy: sitsmesh            # sitsmesh, seed or off
+    tick_ms: 100
+    hysteresis_ticks: 3
+    sla_multiplier: 1.0
+    queue_fill_high: 0.7
+    queue_fill_low: 0.3
+    min_concurrency: 1
+    max_concurrency: 1000
+    shed_priorities: [0, 1, 2, 3, 4]
+    stages:
+      model: {sla_multiplier: 1.2, queue_capacity: 32, parallelism: 1, fanout: 1}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from sitsmesh.errors import Code, SitsmeshError
+
+THRESHOLDS_KIND = "thresholds"
+AUDIT_KIND = "thresholds-audit"
+POLICIES = ("sitsmesh", "seed", "off")
+PRIORITIES = 10  # 0 (lowest) .. 9, as ext_authz assigns them
+
+
+class InvalidThresholds(SitsmeshError):
+    code = Code.INVALID_ARGUMENT
+
+
+@dataclass(frozen=True, slots=True)
+class StageThresholds:
+    sla_multiplier: float = 1.0
+    queue_fill_high: float = 0.7
+    queue_fill_low: float = 0.3
+    queue_capacity: int = 64       # requests the stage may queue before it counts as full
+    parallelism: int = 1           # requests it serves at once (Triton instances x batch)
+    fanout: float = 1.0            # calls to this stage per pipeline request
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    policy: str = "sitsmesh"
+    tick_ms: int = 100
+    hysteresis_ticks: int = 3
+    min_concurrency: int = 1
+    max_concurrency: int = 1000
+    shed_priorities: tuple[int, ...] = (0, 1, 2, 3, 4)
+    defaults: StageThresholds = field(default_factory=StageThresholds)
+    stages: Mapping[str, StageThresholds] = field(default_factory=dict)
+
+    def stage(self, name: str) -> StageThresholds:
+        return self.stages.get(name, self.defaults)
+
+    @property
+    def protected_from(self) -> int:
+        """The lowest priority that is never shed (PRIORITIES when every one may be)."""
+        return min((p for p in range(PRIORITIES) if p not in self.shed_priorities),
+                   default=PRIORITIES)
+
+    def to_body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "policy": self.policy, "tick_ms": self.tick_ms,
+            "hysteresis_ticks": self.hysteresis_ticks,
+            "min_concurrency": self.min_concurrency, "max_concurrency": self.max_concurrency,
+            "shed_priorities": list(self.shed_priorities), **asdict(self.defaults)}
+        if self.stages:
+            body["stages"] = {name: _stage_diff(s, self.defaults)
+                              for name, s in sorted(self.stages.items())}
+        return body
+
+
+def _stage_diff(stage: StageThresholds, defaults: StageThresholds) -> dict[str, Any]:
+    mine, base = asdict(stage), asdict(defaults)
+    return {k: v for k, v in mine.items() if v != base[k]}
+
+
+_STAGE_KEYS = {f for f in StageThresholds.__dataclass_fields__}
+_TOP_KEYS = {"policy", "tick_ms", "hysteresis_ticks", "min_concurrency", "max_concurrency",
+             "shed_priorities", "stages"} | _STAGE_KEYS
+
+
+def _num(raw: Any, where: str, low: float, high: float, integer: bool = False) -> Any:
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or math.isnan(raw):
+        raise InvalidThresholds(f"{where} must be a number, got {raw!r}")
+    if integer and int(raw) != raw:
+        raise InvalidThresholds(f"{where} must be a whole number, got {raw!r}")
+    if not low <= raw <= high:
+        raise InvalidThresholds(f"{where} must be between {low:g} and {high:g}, got {raw!r}")
+    return int(raw) if integer else float(raw)
+
+
+_STAGE_RANGES: dict[str, tuple[float, float, bool]] = {
+    "sla_multiplier": (0.1, 100.0, False),
+    "queue_fill_high": (0.0, 1.0, False),
+    "queue_fill_low": (0.0, 1.0, False),
+    "queue_capacity": (1, 1_000_000, True),
+    "parallelism": (1, 100_000, True),
+    "fanout": (0.01, 1000.0, False),
+}
+
+
+def _stage(raw: Any, base: StageThresholds, where: str) -> StageThresholds:
+    if not isinstance(raw, Mapping):
+        raise InvalidThresholds(f"{where} must be a mapping")
+    unknown = set(raw) - _STAGE_KEYS
+    if unknown:
+        raise InvalidThresholds(f"{where}: unknown key '{sorted(unknown)[0]}'")
+    values = {k: _num(v, f"{where}.{k}", *_STAGE_RANGES[k]) for k, v in raw.items()}
+    stage = replace(base, **values)
+    if stage.queue_fill_low >= stage.queue_fill_high:
+        raise InvalidThresholds(f"{where}: queue_fill_low ({stage.queue_fill_low:g}) must be "
+                                f"below queue_fill_high ({stage.queue_fill_high:g})")
+    return stage
+
+
+def thresholds_from(body: Mapping[str, Any], source: str = "thresholds") -> Thresholds:
+    """Validate a thresholds document; errors name the source and the key."""
+    if not isinstance(body, Mapping):
+        raise InvalidThresholds(f"{source}: expected a mapping of keys")
+    unknown = set(body) - _TOP_KEYS
+    if unknown:
+        raise InvalidThresholds(f"{source}: unknown key '{sorted(unknown)[0]}'")
+    policy = body.get("policy", "sitsmesh")
+    if policy not in POLICIES:
+        raise InvalidThresholds(f"{source}: policy must be one of {', '.join(POLICIES)}, "
+                                f"got {policy!r}")
+    tick_ms = _num(body.get("tick_ms", 100), f"{source}: tick_ms", 10, 10_000, True)
+    hysteresis = _num(body.get("hysteresis_ticks", 3), f"{source}: hysteresis_ticks", 0, 1000,
+                      True)
+    low = _num(body.get("min_concurrency", 1), f"{source}: min_concurrency", 1, 1_000_000, True)
+    high = _num(body.get("max_concurrency", 1000), f"{source}: max_concurrency", 1, 1_000_000,
+                True)
+    if low > high:
+        raise InvalidThresholds(f"{source}: min_concurrency ({low}) is above max_concurrency "
+                                f"({high})")
+    shed = body.get("shed_priorities", [0, 1, 2, 3, 4])
+    if not isinstance(shed, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 <= p < PRIORITIES
+            for p in shed):
+        raise InvalidThresholds(f"{source}: shed_priorities must be a list of priorities "
+                                f"0-{PRIORITIES - 1}, got {shed!r}")
+    defaults = _stage({k: v for k, v in body.items() if k in _STAGE_KEYS},
+                      StageThresholds(), source)
+    stages_raw = body.get("stages", {}) or {}
+    if not isinstance(stages_raw, Mapping):
+        raise InvalidThresholds(f"{source}: stages must be a mapping of stage name to "
+                                "overrides")
+    stages = {str(name): _stage(raw, defaults, f"{source}: stages.{name}")
+              for name, raw in stages_raw.items()}
+    return Thresholds(policy, tick_ms, hysteresis, low, high, tuple(sorted(set(shed))),
+                      defaults, stages)
