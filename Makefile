@@ -54,6 +54,8 @@ bench: sysdeps $(STAMP)
 	$(PY) bench/ratelimit_envoy.py
 	$(PY) bench/authz_throughput.py
 	$(PY) bench/authz_envoy.py
+	$(PY) bench/accesslog_throughput.py
+	$(PY) bench/swap_triton.py
 
 clean:
 	rm -rf $(VENV) .run .pytest_cache .mypy_cache .ruff_cache
