@@ -46,6 +46,8 @@ _FLAG_HELP = {
     "authz_priority_header": "header a caller uses to ask for a priority",
     "admission_hold_seconds": "how long a request counts against a concurrency cap at most",
     "chain_ttl_seconds": "how long a latency chain waits for its missing hops",
+    "pressure_scrape_seconds": "how often Triton's /metrics is scraped (default 0.25)",
+    "pressure_stale_seconds": "a stage signal older than this counts as saturated (default 1)",
     "triton": "Triton endpoints as a JSON list of {name, url, metrics_url, preflight_url}",
     "triton_url": "gRPC HOST:PORT of the one Triton server (endpoint 'default')",
     "triton_metrics_url": "its http://HOST:PORT/metrics",
@@ -95,7 +97,8 @@ def _admin_token(args: argparse.Namespace, settings: Settings) -> str:
     return read_token(settings.token_path)
 
 
-def _call_admin(args: argparse.Namespace, method: str, request: Any) -> Any:
+def _call_admin(args: argparse.Namespace, method: str, request: Any,
+                extra_metadata: Sequence[tuple[str, str]] = ()) -> Any:
     import grpc
 
     from sitsmesh.admin.v1 import admin_pb2_grpc
@@ -106,7 +109,8 @@ def _call_admin(args: argparse.Namespace, method: str, request: Any) -> Any:
         stub = admin_pb2_grpc.AdminStub(channel)
         try:
             return getattr(stub, method)(request, timeout=args.timeout,
-                                         metadata=[("authorization", f"Bearer {token}")])
+                                         metadata=[("authorization", f"Bearer {token}"),
+                                                   *extra_metadata])
         except grpc.RpcError as exc:
             code = exc.code().name if exc.code() else "UNKNOWN"
             raise _RpcFailed(f"{method} on {settings.admin_addr}: {code}: {exc.details()}"
@@ -574,9 +578,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after --: more `sitsmesh serve` flags")
     dev.set_defaults(func=cmd_dev)
 
-    from sitsmesh import modelscli
+    from sitsmesh import modelscli, pressurecli
 
     modelscli.add_commands(sub)
+    pressurecli.add_commands(sub)
     return parser
 
 

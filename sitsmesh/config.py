@@ -98,6 +98,8 @@ class Settings:
     authz_priority_header: str = "x-priority"
     admission_hold_seconds: float = 60.0
     chain_ttl_seconds: float = 30.0
+    pressure_scrape_seconds: float = 0.25
+    pressure_stale_seconds: float = 1.0
     triton: tuple[TritonEndpoint, ...] = ()
     triton_url: str = ""
     triton_metrics_url: str = ""
@@ -317,6 +319,8 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "authz_priority_header": _header_name,
     "admission_hold_seconds": _seconds,
     "chain_ttl_seconds": _seconds,
+    "pressure_scrape_seconds": _seconds,
+    "pressure_stale_seconds": _seconds,
     "triton": _triton,
     "triton_url": _grpc_target,
     "triton_metrics_url": _http_url,

@@ -89,6 +89,7 @@ async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetric
 async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMetrics,
                        store: SqliteStore, ratelimit: ConfigManager, authz: AuthzState,
                        chains: wiring.ChainsComponent, swaps: wiring.SwapsComponent,
+                       pressure: wiring.PressureComponent,
                        auth: BearerTokenInterceptor,
                        bound: dict[str, str]) -> tuple[aio.Server, str]:
     # Auth runs first: the metrics interceptor caches handlers per method.
@@ -99,7 +100,8 @@ async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMe
     admin_pb2_grpc.add_AdminServicer_to_server(
         AdminServicer(settings, board, store, bound, ratelimit=ratelimit, authz=authz,
                       pipelines=chains.pipelines, assembler=chains.assembler,
-                      swaps=swaps.manager), server)
+                      swaps=swaps.manager, thresholds=pressure.thresholds,
+                      pressure=pressure.runtime), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     board.add_listener(_health_listener(health, "admin"))
@@ -220,12 +222,16 @@ def _admin_token(settings: Settings) -> str:
 
 def _components(settings: Settings, store: SqliteStore, registry: CollectorRegistry | None,
                 board: StatusBoard) -> tuple[wiring.RateLimitComponent, wiring.AuthzComponent,
-                                             wiring.ChainsComponent]:
+                                             wiring.ChainsComponent, wiring.PressureComponent]:
     """The supervisor's parts: with workers, only config and admin, no request serving."""
     serve = settings.workers == 1
-    component = wiring.RateLimitComponent(settings, store, registry, board, serve=serve)
-    authz = wiring.AuthzComponent(settings, store, serve=serve)
-    return component, authz, _chains(settings, store, registry, authz, serve=serve)
+    pressure = wiring.PressureComponent(settings, store, registry, serve=serve)
+    component = wiring.RateLimitComponent(settings, store, registry, board, serve=serve,
+                                          gate=pressure.gate)
+    authz = wiring.AuthzComponent(settings, store, serve=serve, gate=pressure.gate)
+    chains = _chains(settings, store, registry, authz, serve=serve)
+    pressure.attach(chains)
+    return component, authz, chains, pressure
 
 
 def _chains(settings: Settings, state: SqliteStore, registry: CollectorRegistry | None,
@@ -254,7 +260,7 @@ async def run(settings: Settings) -> int:
                             registry=metric_registry)
 
     store = SqliteStore(settings.state_dir / "state.db")
-    component, authz, chains = _components(settings, store, metric_registry, board)
+    component, authz, chains, pressure = _components(settings, store, metric_registry, board)
     swaps = wiring.SwapsComponent(settings, store, metric_registry)
     pools: list[WorkerPool] = []
     stop = _stop_event(_reload_everywhere(component, pools))
@@ -265,7 +271,7 @@ async def run(settings: Settings) -> int:
     pool: WorkerPool | None = None
     httpd = None
     try:
-        for part in (component, authz, chains, swaps):
+        for part in (component, authz, chains, pressure, swaps):
             await part.start()
         if settings.workers == 1:
             data_server, bound["data"] = await _start_data(
@@ -277,7 +283,7 @@ async def run(settings: Settings) -> int:
             board.register("", "data")
         admin_server, bound["admin"] = await _start_admin(
             settings, board, metrics=rpc_metrics, store=store, ratelimit=component.config,
-            authz=authz.state, chains=chains, swaps=swaps,
+            authz=authz.state, chains=chains, swaps=swaps, pressure=pressure,
             auth=BearerTokenInterceptor(token, on_reject=auth_failures.inc), bound=bound)
         servers.append(admin_server)
         httpd, bound["metrics"] = _start_metrics(settings, registry)
@@ -306,7 +312,7 @@ async def run(settings: Settings) -> int:
         if httpd is not None:
             httpd.shutdown()
             httpd.server_close()
-        for part in (component, authz, chains, swaps):
+        for part in (component, authz, chains, pressure, swaps):
             await part.stop()
         await store.close()
     _log.info("stopped", clean=clean)

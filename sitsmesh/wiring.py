@@ -21,6 +21,9 @@ from sitsmesh.authz.state import AuthzState
 from sitsmesh.chains.assembler import Assembler
 from sitsmesh.chains.state import PipelineState
 from sitsmesh.config import Settings
+from sitsmesh.pressure.gate import PressureGate
+from sitsmesh.pressure.runtime import PressureRuntime
+from sitsmesh.pressure.state import ThresholdsState
 from sitsmesh.ratelimit.config import Algorithm
 from sitsmesh.ratelimit.limiter import RateLimiter
 from sitsmesh.ratelimit.memory import MemoryStore
@@ -100,7 +103,7 @@ class RateLimitComponent:
 
     def __init__(self, settings: Settings, state: StateStore,
                  registry: CollectorRegistry | None, board: StatusBoard, *,
-                 serve: bool) -> None:
+                 serve: bool, gate: PressureGate | None = None) -> None:
         self._settings = settings
         self.config = ConfigManager(settings.ratelimit_config, state, registry)
         self.store: CounterStore | None = None
@@ -114,7 +117,7 @@ class RateLimitComponent:
             self.limiter = RateLimiter(
                 self.config.holder, self.store, self._metrics,
                 global_shadow=settings.ratelimit_shadow_mode,
-                max_descriptors=settings.ratelimit_max_descriptors)
+                max_descriptors=settings.ratelimit_max_descriptors, gate=gate)
 
     def services(self) -> list[DataService]:
         if self.limiter is None:
@@ -157,16 +160,63 @@ class RateLimitComponent:
             await self.store.close()
 
 
+class PressureComponent:
+    """Thresholds everywhere; the controller, its tick and the Triton scrape where the data
+    plane runs (it needs the Check and access-log signals of that process)."""
+
+    def __init__(self, settings: Settings, state: StateStore,
+                 registry: CollectorRegistry | None, *, serve: bool) -> None:
+        self._settings = settings
+        self.thresholds = ThresholdsState(state)
+        self.runtime: PressureRuntime | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        if serve:
+            self.runtime = PressureRuntime(
+                registry, scrape_interval_s=settings.pressure_scrape_seconds,
+                stale_after_s=settings.pressure_stale_seconds)
+            self.thresholds.on_change(self.runtime.set_thresholds)
+
+    @property
+    def gate(self) -> PressureGate | None:
+        return self.runtime.gate if self.runtime is not None else None
+
+    def attach(self, chains: ChainsComponent) -> None:
+        if self.runtime is None:
+            return
+        chains.pipelines.on_change(self.runtime.set_pipelines)
+        if chains.assembler is not None:
+            chains.assembler.on_hop = self.runtime.on_hop
+
+    async def start(self) -> None:
+        await self.thresholds.refresh()
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(
+            self.thresholds.watch(self._settings.reload_interval_seconds)))
+        if self.runtime is not None:
+            self._tasks.append(loop.create_task(self.runtime.run()))
+            urls = [e.metrics_url for e in self._settings.triton_endpoints if e.metrics_url]
+            if urls:
+                self._tasks.append(loop.create_task(self.runtime.scrape(urls)))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
 class AuthzComponent:
     """Tenants and keys for every process; the Check service where the data plane runs."""
 
-    def __init__(self, settings: Settings, state: StateStore, *, serve: bool) -> None:
+    def __init__(self, settings: Settings, state: StateStore, *, serve: bool,
+                 gate: PressureGate | None = None) -> None:
         self._settings = settings
         self.state = AuthzState(state)
         self.authorizer: Authorizer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         if serve:
-            admission = Admission(AdmissionPolicy(), hold_s=settings.admission_hold_seconds)
+            admission = Admission(AdmissionPolicy(), hold_s=settings.admission_hold_seconds,
+                                  gate=gate)
             authorizer = Authorizer(AuthzSnapshot(), AuthzSettings(
                 api_key_headers=settings.authz_api_key_headers,
                 peer_tenants=dict(settings.authz_peer_tenants),

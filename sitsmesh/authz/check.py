@@ -110,7 +110,7 @@ class Authorizer:
         verdict = self.admission.admit(tenant.name, model, priority, pipeline,
                                        request.request_id)
         if not verdict.admit:
-            return Denied(429, "over_capacity", verdict.reason, verdict.retry_after_s)
+            return Denied(429, verdict.code, verdict.reason, verdict.retry_after_s)
         set_headers = (("x-sits-tenant", tenant.name), ("x-sits-priority", str(priority)),
                        ("x-sits-model", model), ("x-sits-request-class", request_class))
         ours = {name for name, _ in set_headers}

@@ -124,6 +124,8 @@ class Assembler:
         # resent entry) must not open a new chain that would expire as incomplete.
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._sequence = 0
+        # Backpressure reads every first hop of a stage as a completion of that stage.
+        self.on_hop: Callable[[str, str, Hop], None] | None = None
         self.duplicates = 0
         self.unmatched = 0
         self.set_pipelines(pipelines)
@@ -164,6 +166,8 @@ class Assembler:
             self.duplicates += 1  # a retried hop or a resent entry: the first one stands
             return
         chain.hops[stage.name] = hop
+        if self.on_hop is not None:
+            self.on_hop(pipeline.name, stage.name, hop)
         if len(chain.hops) == len(pipeline.stages):
             self._close(hop.request_id, complete=True)
 

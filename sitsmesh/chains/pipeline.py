@@ -25,19 +25,27 @@ class Stage:
     match_value: str
     sla_p99_ms: float | None = None
     ttfb_p99_ms: float | None = None
+    triton_model: str = ""      # the Triton model behind the stage: its queue is scraped
 
 
 @dataclass(frozen=True, slots=True)
 class Pipeline:
     name: str
     stages: tuple[Stage, ...]
+    # Glob patterns (fnmatch) of the models whose requests enter this pipeline, for
+    # Check to find the pipeline when no x-sits-pipeline-hint header names it.
+    models: tuple[str, ...] = ()
 
     def to_body(self) -> dict[str, Any]:
-        return {"stages": [
+        body: dict[str, Any] = {"stages": [
             {"name": s.name, "match": {s.match_key: s.match_value},
              **({"sla_p99_ms": s.sla_p99_ms} if s.sla_p99_ms is not None else {}),
-             **({"ttfb_p99_ms": s.ttfb_p99_ms} if s.ttfb_p99_ms is not None else {})}
+             **({"ttfb_p99_ms": s.ttfb_p99_ms} if s.ttfb_p99_ms is not None else {}),
+             **({"triton_model": s.triton_model} if s.triton_model else {})}
             for s in self.stages]}
+        if self.models:
+            body["models"] = list(self.models)
+        return body
 
 
 def _number(value: Any, where: str) -> float | None:
@@ -53,7 +61,7 @@ def pipeline_from(name: str, body: Mapping[str, Any], source: str = "pipeline") 
     if not isinstance(name, str) or not _NAME.match(name):
         raise InvalidPipeline(f"{source}: name {name!r}: use 1-63 lowercase letters, digits, "
                               "'.', '_' or '-'")
-    unknown = set(body) - {"name", "stages"}
+    unknown = set(body) - {"name", "stages", "models"}
     if unknown:
         raise InvalidPipeline(f"{source}: unknown key '{sorted(unknown)[0]}'")
     stages_raw = body.get("stages")
@@ -65,7 +73,7 @@ def pipeline_from(name: str, body: Mapping[str, Any], source: str = "pipeline") 
         where = f"{source}: stages[{i}]"
         if not isinstance(raw, dict):
             raise InvalidPipeline(f"{where} must be a mapping")
-        extra = set(raw) - {"name", "match", "sla_p99_ms", "ttfb_p99_ms"}
+        extra = set(raw) - {"name", "match", "sla_p99_ms", "ttfb_p99_ms", "triton_model"}
         if extra:
             raise InvalidPipeline(f"{where}: unknown key '{sorted(extra)[0]}'")
         stage_name = raw.get("name")
@@ -82,7 +90,14 @@ def pipeline_from(name: str, body: Mapping[str, Any], source: str = "pipeline") 
         if key not in MATCH_KEYS or not isinstance(value, str) or not value:
             raise InvalidPipeline(f"{where}: match must have exactly one of "
                                   f"{', '.join(MATCH_KEYS)} with a non-empty string")
+        triton_model = raw.get("triton_model", "")
+        if not isinstance(triton_model, str):
+            raise InvalidPipeline(f"{where}: triton_model must be a model name")
         stages.append(Stage(stage_name, key, value,
                             _number(raw.get("sla_p99_ms"), f"{where}.sla_p99_ms"),
-                            _number(raw.get("ttfb_p99_ms"), f"{where}.ttfb_p99_ms")))
-    return Pipeline(name, tuple(stages))
+                            _number(raw.get("ttfb_p99_ms"), f"{where}.ttfb_p99_ms"),
+                            triton_model))
+    models = body.get("models", [])
+    if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+        raise InvalidPipeline(f"{source}: models must be a list of model name patterns")
+    return Pipeline(name, tuple(stages), tuple(models))

@@ -85,6 +85,7 @@ class _PipelineState:
     fraction: float = 1.0
     calm_ticks: int = 0
     arrivals: int = 0
+    rl_arrivals: int = 0
     admitted: int = 0
     lam: float = 0.0
     admitted_rate: float = 0.0
@@ -163,7 +164,9 @@ class Controller:
         dt = (now - state.last) if state.last is not None else 0.0
         state.last = now
         if dt > 0:
-            state.lam = ewma(state.lam, (signals.arrivals - state.arrivals) / dt, dt, TAU_S)
+            arrived = max(signals.arrivals - state.arrivals,
+                          signals.rl_arrivals - state.rl_arrivals)
+            state.lam = ewma(state.lam, arrived / dt, dt, TAU_S)
             state.admitted_rate = ewma(state.admitted_rate,
                                        (signals.admitted - state.admitted) / dt, dt, TAU_S)
             for p in range(PRIORITIES):
@@ -171,6 +174,7 @@ class Controller:
                                        (signals.by_priority[p] - state.by_priority[p]) / dt,
                                        dt, TAU_S)
         state.arrivals, state.admitted = signals.arrivals, signals.admitted
+        state.rl_arrivals = signals.rl_arrivals
         state.by_priority = list(signals.by_priority)
 
         tick = _Tick(pipeline, thresholds, state, now, dt, signals.in_flight)

@@ -16,10 +16,13 @@ from sitsmesh.pressure.thresholds import PRIORITIES
 class PipelineSignals:
     """Arrivals at a pipeline's entry, by priority, and what is in flight inside it."""
 
-    __slots__ = ("admitted", "arrivals", "by_priority", "in_flight", "shed")
+    __slots__ = ("admitted", "arrivals", "by_priority", "in_flight", "rl_arrivals", "shed")
 
     def __init__(self) -> None:
         self.arrivals = 0
+        # Seen by ShouldRateLimit: the same stream when both filters run, so the
+        # controller takes the larger of the two rates.
+        self.rl_arrivals = 0
         self.admitted = 0
         self.shed = 0
         self.by_priority = [0] * PRIORITIES

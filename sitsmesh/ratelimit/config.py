@@ -45,7 +45,7 @@ DESCRIPTOR_KEYS = frozenset({"key", "value", "rate_limit", "rate_limits", "descr
                              "shadow_mode", "detailed_metric", "quota_mode",
                              "share_threshold", "metadata"})
 RATE_LIMIT_KEYS = frozenset({"unit", "requests_per_unit", "unlimited", "name", "replaces",
-                             "algorithm", "unit_multiplier"})
+                             "algorithm", "unit_multiplier", "adaptive", "pipeline"})
 ROOT_KEYS = frozenset({"domain", "descriptors"})
 MAX_REQUESTS_PER_UNIT = 2**32 - 1
 
@@ -66,6 +66,8 @@ class Rule:
     quota_mode: bool = False
     detailed_metric: bool = False
     index: int = 0
+    # adaptive: the limit scales by this pipeline's admitted fraction (backpressure).
+    adaptive_pipeline: str = ""
 
 
 @dataclass(slots=True)
@@ -171,9 +173,19 @@ class _Loader:
                                 f"(at {where})")
             replaces.append(str(target))
         window = UNIT_SECONDS[unit] * multiplier if unit is not None else 0
+        adaptive = data.get("adaptive", False)
+        pipeline = data.get("pipeline", "")
+        if not isinstance(adaptive, bool):
+            raise self.fail(f"adaptive must be true or false (at {where})")
+        if adaptive and (not isinstance(pipeline, str) or not pipeline):
+            raise self.fail(f"an adaptive rate limit needs the pipeline whose admitted "
+                            f"fraction scales it (at {where})")
+        if pipeline and not adaptive:
+            raise self.fail(f"pipeline is only used with adaptive: true (at {where})")
         return Rule(stats_key=stats_key, requests_per_unit=int(rpu or 0), unit=unit,
                     window_s=window, algorithm=algorithm, unlimited=unlimited, name=name,
-                    replaces=tuple(replaces), index=index, **flags)
+                    replaces=tuple(replaces), index=index,
+                    adaptive_pipeline=pipeline if adaptive else "", **flags)
 
     def descriptors(self, parent: Node, items: Any, parent_key: str, where: str) -> None:
         if items is None:

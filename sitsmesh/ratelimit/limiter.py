@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sitsmesh.errors import Code, SitsmeshError
+from sitsmesh.pressure.gate import PressureGate
 from sitsmesh.ratelimit.config import UNIT_SECONDS, Algorithm, Node, RateLimitConfig, Rule, Unit
 from sitsmesh.ratelimit.metrics import RuleMetrics
 from sitsmesh.ratelimit.store import Count, CounterStore, Hit
@@ -94,13 +95,14 @@ MATCH_CACHE_SIZE = 65_536
 
 
 class RateLimiter:
-    __slots__ = ("_cache", "_cache_config", "_clock", "_global_shadow", "_holder",
+    __slots__ = ("_cache", "_cache_config", "_clock", "_gate", "_global_shadow", "_holder",
                  "_max_descriptors", "_metrics", "_store")
 
     def __init__(self, holder: ConfigHolder, store: CounterStore, metrics: RuleMetrics,
                  *, clock: Callable[[], float] = time.time, global_shadow: bool = False,
-                 max_descriptors: int = 64) -> None:
+                 max_descriptors: int = 64, gate: PressureGate | None = None) -> None:
         self._holder = holder
+        self._gate = gate
         self._store = store
         self._metrics = metrics
         self._clock = clock
@@ -159,8 +161,10 @@ class RateLimiter:
                 # for everyone else in the window.
                 oversized[len(counted)] = Count(True, 0, float(rule.window_s), addend)
             else:
-                hits.append(Hit(key, rule.algorithm, rule.requests_per_unit, rule.window_s,
-                                addend))
+                limit = rule.requests_per_unit
+                if rule.adaptive_pipeline:
+                    limit = self._adaptive(rule, limit)
+                hits.append(Hit(key, rule.algorithm, limit, rule.window_s, addend))
             counted.append((i, rule, addend))
         counts = await self._store.hit(hits, self._clock()) if hits else []
         if oversized:
@@ -176,6 +180,14 @@ class RateLimiter:
             self._metrics.global_shadow()
             over_any = False
         return Decision(over_any, statuses, metadata)
+
+    def _adaptive(self, rule: Rule, limit: int) -> int:
+        """The rule's limit scaled by its pipeline's admitted fraction (at least 1)."""
+        gate = self._gate
+        if gate is None:
+            return limit
+        gate.rate_limited(rule.adaptive_pipeline)
+        return max(1 if limit else 0, int(limit * gate.fraction(rule.adaptive_pipeline)))
 
     def _collect(self, domain: str, descriptors: Sequence[Descriptor], default_addend: int
                  ) -> tuple[list[tuple[int, Rule, str, int]], dict[str, Any] | None]:

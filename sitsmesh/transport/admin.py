@@ -19,11 +19,14 @@ from sitsmesh.chains.pipeline import Pipeline
 from sitsmesh.chains.state import PipelineState
 from sitsmesh.config import Settings
 from sitsmesh.errors import SitsmeshError
+from sitsmesh.pressure.runtime import PressureRuntime
+from sitsmesh.pressure.state import ThresholdsState
 from sitsmesh.ratelimit.reload import ConfigManager, version_of
 from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
 from sitsmesh.swap.manager import SwapManager
 from sitsmesh.transport.errors import grpc_status
+from sitsmesh.transport.pressureadmin import PressureAdmin
 from sitsmesh.transport.swapadmin import SwapAdmin
 
 _log = logs.get("sitsmesh.admin")
@@ -128,13 +131,16 @@ class ChainAdmin:
 
 
 
-class AdminServicer(ChainAdmin, SwapAdmin, admin_pb2_grpc.AdminServicer):
+class AdminServicer(ChainAdmin, SwapAdmin, PressureAdmin, admin_pb2_grpc.AdminServicer):
     def __init__(self, settings: Settings, board: StatusBoard, store: StateStore,
                  bound: dict[str, str], *, ratelimit: ConfigManager,
                  authz: AuthzState, pipelines: PipelineState,
-                 assembler: Assembler | None, swaps: SwapManager) -> None:
+                 assembler: Assembler | None, swaps: SwapManager,
+                 thresholds: ThresholdsState, pressure: PressureRuntime | None) -> None:
         self._settings = settings
         self._swaps = swaps
+        self._thresholds = thresholds
+        self._pressure = pressure
         self._pipelines = pipelines
         self._assembler = assembler
         self._authz = authz

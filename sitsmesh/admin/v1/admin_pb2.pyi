@@ -21,6 +21,140 @@ SERVING: ServingState
 NOT_SERVING: ServingState
 DRAINING: ServingState
 
+class GetThresholdsRequest(_message.Message):
+    __slots__ = ("pipeline",)
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    def __init__(self, pipeline: _Optional[str] = ...) -> None: ...
+
+class PipelineThresholds(_message.Message):
+    __slots__ = ("pipeline", "yaml", "is_default")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    YAML_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    yaml: str
+    is_default: bool
+    def __init__(self, pipeline: _Optional[str] = ..., yaml: _Optional[str] = ..., is_default: _Optional[bool] = ...) -> None: ...
+
+class SetThresholdsRequest(_message.Message):
+    __slots__ = ("pipeline", "yaml", "source", "dry_run")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    YAML_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    yaml: str
+    source: str
+    dry_run: bool
+    def __init__(self, pipeline: _Optional[str] = ..., yaml: _Optional[str] = ..., source: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class ThresholdChange(_message.Message):
+    __slots__ = ("pipeline", "actor", "peer", "at", "before", "after")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    actor: str
+    peer: str
+    at: _timestamp_pb2.Timestamp
+    before: str
+    after: str
+    def __init__(self, pipeline: _Optional[str] = ..., actor: _Optional[str] = ..., peer: _Optional[str] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., before: _Optional[str] = ..., after: _Optional[str] = ...) -> None: ...
+
+class ListThresholdChangesRequest(_message.Message):
+    __slots__ = ("pipeline", "limit")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    limit: int
+    def __init__(self, pipeline: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListThresholdChangesResponse(_message.Message):
+    __slots__ = ("changes",)
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    changes: _containers.RepeatedCompositeFieldContainer[ThresholdChange]
+    def __init__(self, changes: _Optional[_Iterable[_Union[ThresholdChange, _Mapping]]] = ...) -> None: ...
+
+class WatchPressureRequest(_message.Message):
+    __slots__ = ("pipeline", "interval_ms", "count")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    interval_ms: int
+    count: int
+    def __init__(self, pipeline: _Optional[str] = ..., interval_ms: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class StagePressure(_message.Message):
+    __slots__ = ("name", "level", "pressure", "arrival_rate", "capacity", "utilisation", "queue", "queue_fill", "rt99_ms", "predicted_p99_ms", "headroom_rps", "stale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_RATE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FILL_FIELD_NUMBER: _ClassVar[int]
+    RT99_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    HEADROOM_RPS_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    level: str
+    pressure: float
+    arrival_rate: float
+    capacity: float
+    utilisation: float
+    queue: float
+    queue_fill: float
+    rt99_ms: float
+    predicted_p99_ms: float
+    headroom_rps: float
+    stale: bool
+    def __init__(self, name: _Optional[str] = ..., level: _Optional[str] = ..., pressure: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., capacity: _Optional[float] = ..., utilisation: _Optional[float] = ..., queue: _Optional[float] = ..., queue_fill: _Optional[float] = ..., rt99_ms: _Optional[float] = ..., predicted_p99_ms: _Optional[float] = ..., headroom_rps: _Optional[float] = ..., stale: _Optional[bool] = ...) -> None: ...
+
+class PipelinePressure(_message.Message):
+    __slots__ = ("pipeline", "policy", "fraction", "cutoff", "concurrency", "protected_from", "retry_after_s", "bottleneck", "level", "arrival_rate", "in_flight", "shed_total", "stages")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    FRACTION_FIELD_NUMBER: _ClassVar[int]
+    CUTOFF_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    PROTECTED_FROM_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    BOTTLENECK_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_RATE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    policy: str
+    fraction: float
+    cutoff: float
+    concurrency: int
+    protected_from: int
+    retry_after_s: int
+    bottleneck: str
+    level: str
+    arrival_rate: float
+    in_flight: int
+    shed_total: int
+    stages: _containers.RepeatedCompositeFieldContainer[StagePressure]
+    def __init__(self, pipeline: _Optional[str] = ..., policy: _Optional[str] = ..., fraction: _Optional[float] = ..., cutoff: _Optional[float] = ..., concurrency: _Optional[int] = ..., protected_from: _Optional[int] = ..., retry_after_s: _Optional[int] = ..., bottleneck: _Optional[str] = ..., level: _Optional[str] = ..., arrival_rate: _Optional[float] = ..., in_flight: _Optional[int] = ..., shed_total: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StagePressure, _Mapping]]] = ...) -> None: ...
+
+class PressureSnapshot(_message.Message):
+    __slots__ = ("at", "pipelines")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    at: _timestamp_pb2.Timestamp
+    pipelines: _containers.RepeatedCompositeFieldContainer[PipelinePressure]
+    def __init__(self, at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., pipelines: _Optional[_Iterable[_Union[PipelinePressure, _Mapping]]] = ...) -> None: ...
+
 class ListModelsRequest(_message.Message):
     __slots__ = ("endpoint",)
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]

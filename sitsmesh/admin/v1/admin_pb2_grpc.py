@@ -144,6 +144,26 @@ class AdminStub:
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsResponse.FromString,
                 _registered_method=True)
+        self.GetThresholds = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/GetThresholds',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetThresholdsRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PipelineThresholds.FromString,
+                _registered_method=True)
+        self.SetThresholds = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/SetThresholds',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetThresholdsRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PipelineThresholds.FromString,
+                _registered_method=True)
+        self.ListThresholdChanges = channel.unary_unary(
+                '/sitsmesh.admin.v1.Admin/ListThresholdChanges',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListThresholdChangesRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListThresholdChangesResponse.FromString,
+                _registered_method=True)
+        self.WatchPressure = channel.unary_stream(
+                '/sitsmesh.admin.v1.Admin/WatchPressure',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PressureSnapshot.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -297,6 +317,35 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetThresholds(self, request, context):
+        """Backpressure thresholds of a pipeline (the defaults until some are set).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetThresholds(self, request, context):
+        """Validate; unless dry_run, persist and audit (actor from `x-sitsmesh-actor`
+        metadata, and the caller's address).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListThresholdChanges(self, request, context):
+        """Who changed which thresholds, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchPressure(self, request, context):
+        """The controller's decisions, each tick (or every interval_ms), as they are published.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -409,6 +458,26 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListSwaps,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsRequest.FromString,
                     response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsResponse.SerializeToString,
+            ),
+            'GetThresholds': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetThresholds,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetThresholdsRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PipelineThresholds.SerializeToString,
+            ),
+            'SetThresholds': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetThresholds,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetThresholdsRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PipelineThresholds.SerializeToString,
+            ),
+            'ListThresholdChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListThresholdChanges,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListThresholdChangesRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListThresholdChangesResponse.SerializeToString,
+            ),
+            'WatchPressure': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPressure,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PressureSnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1005,6 +1074,114 @@ class Admin:
             '/sitsmesh.admin.v1.Admin/ListSwaps',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetThresholds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/GetThresholds',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetThresholdsRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PipelineThresholds.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetThresholds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/SetThresholds',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetThresholdsRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PipelineThresholds.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListThresholdChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/ListThresholdChanges',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListThresholdChangesRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListThresholdChangesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchPressure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sitsmesh.admin.v1.Admin/WatchPressure',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PressureSnapshot.FromString,
             options,
             channel_credentials,
             insecure,

@@ -74,6 +74,16 @@ class AdminStub:
     GetSwap: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetSwapRequest, _admin_pb2.SwapRecord]
     """The persisted history of swaps."""
     ListSwaps: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListSwapsRequest, _admin_pb2.ListSwapsResponse]
+    GetThresholds: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetThresholdsRequest, _admin_pb2.PipelineThresholds]
+    """Backpressure thresholds of a pipeline (the defaults until some are set)."""
+    SetThresholds: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetThresholdsRequest, _admin_pb2.PipelineThresholds]
+    """Validate; unless dry_run, persist and audit (actor from `x-sitsmesh-actor`
+    metadata, and the caller's address).
+    """
+    ListThresholdChanges: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListThresholdChangesRequest, _admin_pb2.ListThresholdChangesResponse]
+    """Who changed which thresholds, newest first."""
+    WatchPressure: _grpc.UnaryStreamMultiCallable[_admin_pb2.WatchPressureRequest, _admin_pb2.PressureSnapshot]
+    """The controller's decisions, each tick (or every interval_ms), as they are published."""
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -119,6 +129,16 @@ class AdminAsyncStub(AdminStub):
     GetSwap: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetSwapRequest, _admin_pb2.SwapRecord]  # type: ignore[assignment]
     """The persisted history of swaps."""
     ListSwaps: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListSwapsRequest, _admin_pb2.ListSwapsResponse]  # type: ignore[assignment]
+    GetThresholds: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetThresholdsRequest, _admin_pb2.PipelineThresholds]  # type: ignore[assignment]
+    """Backpressure thresholds of a pipeline (the defaults until some are set)."""
+    SetThresholds: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetThresholdsRequest, _admin_pb2.PipelineThresholds]  # type: ignore[assignment]
+    """Validate; unless dry_run, persist and audit (actor from `x-sitsmesh-actor`
+    metadata, and the caller's address).
+    """
+    ListThresholdChanges: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListThresholdChangesRequest, _admin_pb2.ListThresholdChangesResponse]  # type: ignore[assignment]
+    """Who changed which thresholds, newest first."""
+    WatchPressure: _aio.UnaryStreamMultiCallable[_admin_pb2.WatchPressureRequest, _admin_pb2.PressureSnapshot]  # type: ignore[assignment]
+    """The controller's decisions, each tick (or every interval_ms), as they are published."""
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -293,5 +313,39 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.ListSwapsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ListSwapsResponse, _abc.Awaitable[_admin_pb2.ListSwapsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetThresholds(
+        self,
+        request: _admin_pb2.GetThresholdsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.PipelineThresholds, _abc.Awaitable[_admin_pb2.PipelineThresholds]]:
+        """Backpressure thresholds of a pipeline (the defaults until some are set)."""
+
+    @_abc_1.abstractmethod
+    def SetThresholds(
+        self,
+        request: _admin_pb2.SetThresholdsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.PipelineThresholds, _abc.Awaitable[_admin_pb2.PipelineThresholds]]:
+        """Validate; unless dry_run, persist and audit (actor from `x-sitsmesh-actor`
+        metadata, and the caller's address).
+        """
+
+    @_abc_1.abstractmethod
+    def ListThresholdChanges(
+        self,
+        request: _admin_pb2.ListThresholdChangesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListThresholdChangesResponse, _abc.Awaitable[_admin_pb2.ListThresholdChangesResponse]]:
+        """Who changed which thresholds, newest first."""
+
+    @_abc_1.abstractmethod
+    def WatchPressure(
+        self,
+        request: _admin_pb2.WatchPressureRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_admin_pb2.PressureSnapshot], _abc.AsyncIterator[_admin_pb2.PressureSnapshot]]:
+        """The controller's decisions, each tick (or every interval_ms), as they are published."""
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,133 @@
+"""The controller's loop in a serving process: tick, publish, scrape Triton, flush sheds.
+
+Everything here runs beside the request path, never on it: the tick swaps a
+new snapshot into the gate, and shed tallies the gate kept become Prometheus
+counters and a sampled log line once per tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from sitsmesh import logs
+from sitsmesh.chains.assembler import Hop
+from sitsmesh.chains.pipeline import Pipeline
+from sitsmesh.pressure import scrape
+from sitsmesh.pressure.controller import Controller, Snapshot
+from sitsmesh.pressure.gate import PressureGate
+from sitsmesh.pressure.signals import Signals, TritonSample
+from sitsmesh.pressure.thresholds import Thresholds
+
+_log = logs.get("sitsmesh.pressure")
+MIN_TICK_S = 0.01
+LOG_EVERY_S = 5.0
+
+
+class PressureRuntime:
+    def __init__(self, registry: CollectorRegistry | None, *, scrape_interval_s: float = 0.25,
+                 stale_after_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.signals = Signals()
+        self.gate = PressureGate(self.signals)
+        self.controller = Controller(self.signals, clock, stale_after_s=stale_after_s)
+        self._clock = clock
+        self._scrape_interval = scrape_interval_s
+        self._pipelines: Mapping[str, Pipeline] = {}
+        self._thresholds: Mapping[str, Thresholds] = {}
+        self._models: dict[str, list[tuple[str, str]]] = {}  # triton model -> stages
+        self._watchers: set[asyncio.Queue[Snapshot]] = set()
+        self._logged: dict[tuple[str, str], float] = {}
+        self._sheds = Counter("sitsmesh_shed_total",
+                              "Requests shed at a pipeline's entry, by the stage that caused "
+                              "it, priority and reason.",
+                              ["pipeline", "stage", "priority", "reason"], registry=registry)
+        self._fraction = Gauge("sitsmesh_pipeline_admitted_fraction",
+                               "Fraction of arrivals the controller admits.", ["pipeline"],
+                               registry=registry)
+        self._pressure = Gauge("sitsmesh_stage_pressure",
+                               "Stage pressure (1 = overloaded): max of queue fill over its "
+                               "high mark, p99 over SLA, and utilisation.",
+                               ["pipeline", "stage"], registry=registry)
+
+    # --- configuration -----------------------------------------------------
+
+    def set_pipelines(self, pipelines: Mapping[str, Pipeline]) -> None:
+        self._pipelines = dict(pipelines)
+        self.gate.set_pipelines(pipelines)
+        self._models = {}
+        for pipeline in pipelines.values():
+            for stage in pipeline.stages:
+                if stage.triton_model:
+                    self._models.setdefault(stage.triton_model, []).append(
+                        (pipeline.name, stage.name))
+        self.controller.configure(self._pipelines, self._thresholds)
+
+    def set_thresholds(self, thresholds: Mapping[str, Thresholds]) -> None:
+        self._thresholds = dict(thresholds)
+        self.controller.configure(self._pipelines, self._thresholds)
+
+    def on_hop(self, pipeline: str, stage: str, hop: Hop) -> None:
+        self.signals.stage(pipeline, stage).complete(self._clock(), hop.duration, hop.queue,
+                                                     hop.failed)
+
+    def on_triton(self, model: str, sample: TritonSample) -> None:
+        for pipeline, stage in self._models.get(model, ()):
+            self.signals.stage(pipeline, stage).scraped(sample)
+
+    # --- loops ---------------------------------------------------------------
+
+    def tick_seconds(self) -> float:
+        ticks = [t.tick_ms for name, t in self._thresholds.items() if name in self._pipelines]
+        return max(MIN_TICK_S, min(ticks, default=100) / 1000)
+
+    def tick(self) -> Snapshot:
+        snapshot = self.controller.tick()
+        self.gate.snapshot = snapshot
+        self._flush(snapshot)
+        for queue in list(self._watchers):
+            if queue.qsize() < 100:  # a slow watcher loses ticks, never blocks the loop
+                queue.put_nowait(snapshot)
+        return snapshot
+
+    async def run(self) -> None:
+        while True:
+            self.tick()
+            await asyncio.sleep(self.tick_seconds())
+
+    async def scrape(self, urls: Sequence[str]) -> None:
+        await scrape.scrape_forever(urls, self.on_triton, self._scrape_interval, self._clock)
+
+    async def watch(self) -> AsyncIterator[Snapshot]:
+        queue: asyncio.Queue[Snapshot] = asyncio.Queue()
+        self._watchers.add(queue)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._watchers.discard(queue)
+
+    def _flush(self, snapshot: Snapshot) -> None:
+        gate = self.gate
+        if gate.sheds:
+            sheds, gate.sheds = gate.sheds, {}
+            for (pipeline, stage, priority, reason), count in sheds.items():
+                self._sheds.labels(pipeline, stage or "-", str(priority), reason).inc(count)
+            now = self._clock()
+            for (pipeline, reason), (request_id, tenant, priority) in gate.samples.items():
+                if now - self._logged.get((pipeline, reason), -LOG_EVERY_S) >= LOG_EVERY_S:
+                    self._logged[pipeline, reason] = now
+                    decision = snapshot.decisions.get(pipeline)
+                    _log.info("shedding", pipeline=pipeline, reason=reason,
+                              stage=decision.bottleneck if decision else "",
+                              fraction=decision.fraction if decision else 1.0,
+                              cutoff=decision.cutoff if decision else 0.0,
+                              request_id=request_id, tenant=tenant, priority=priority)
+            gate.samples.clear()
+        for name, decision in snapshot.decisions.items():
+            self._fraction.labels(name).set(decision.fraction)
+            for view in decision.stages:
+                self._pressure.labels(name, view.name).set(view.pressure)

@@ -1,0 +1,217 @@
+"""`sitsmesh thresholds ...`, `sitsmesh pressure watch` and `sitsmesh simulate`."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sitsmesh import cli
+
+WATCH_TIMEOUT_S = 24 * 3600.0
+
+
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    thresholds = sub.add_parser("thresholds", help="backpressure thresholds (admin API)"
+                                ).add_subparsers(dest="thresholds_command", required=True)
+    p = thresholds.add_parser("get", help="a pipeline's thresholds (defaults until set)")
+    p.add_argument("pipeline")
+    cli._add_common_admin(p)
+    p.set_defaults(func=cmd_thresholds_get)
+    p = thresholds.add_parser("set", help="validate, persist and audit a thresholds file")
+    p.add_argument("pipeline")
+    p.add_argument("file", metavar="FILE.yaml")
+    p.add_argument("--dry-run", action="store_true", help="validate only")
+    cli._add_common_admin(p)
+    p.set_defaults(func=cmd_thresholds_set)
+    p = thresholds.add_parser("history", help="who changed which thresholds, newest first")
+    p.add_argument("pipeline", nargs="?", default="")
+    p.add_argument("--limit", type=int, default=20)
+    cli._add_common_admin(p)
+    p.set_defaults(func=cmd_thresholds_history)
+
+    pressure = sub.add_parser("pressure", help="live backpressure (admin API)"
+                              ).add_subparsers(dest="pressure_command", required=True)
+    p = pressure.add_parser("watch", help="a live table of the controller's decisions")
+    p.add_argument("pipeline", nargs="?", default="")
+    p.add_argument("--interval-ms", type=int, default=500)
+    p.add_argument("--count", type=int, default=0, help="stop after N snapshots")
+    cli._add_common_admin(p)
+    p.set_defaults(func=cmd_pressure_watch, timeout=WATCH_TIMEOUT_S)
+
+    p = sub.add_parser("simulate", help="try thresholds offline against a queueing model")
+    p.add_argument("--pipeline", required=True, metavar="FILE.yaml")
+    p.add_argument("--thresholds", metavar="FILE.yaml", help="default thresholds if absent")
+    p.add_argument("--load", required=True, metavar="PROFILE.yaml")
+    p.add_argument("--compare", action="store_true",
+                   help="also run the seed and off policies, and print all three")
+    p.add_argument("--output", "-o", choices=("table", "json"), default="table")
+    p.set_defaults(func=cmd_simulate)
+
+
+def _actor() -> tuple[tuple[str, str], ...]:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return (("x-sitsmesh-actor", f"{user}@{socket.gethostname()}"),)
+
+
+def cmd_thresholds_get(args: argparse.Namespace) -> int:
+    from sitsmesh.admin.v1 import admin_pb2
+
+    reply = cli._call_admin(args, "GetThresholds",
+                            admin_pb2.GetThresholdsRequest(pipeline=args.pipeline))
+    if args.output == "json":
+        print(json.dumps({"pipeline": reply.pipeline, "is_default": reply.is_default,
+                          "thresholds": yaml.safe_load(reply.yaml)}, indent=2))
+    else:
+        if reply.is_default:
+            print(f"# {reply.pipeline}: none set, these are the defaults")
+        print(reply.yaml, end="")
+    return 0
+
+
+def cmd_thresholds_set(args: argparse.Namespace) -> int:
+    from sitsmesh.admin.v1 import admin_pb2
+
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise cli._Usage(f"{args.file}: {exc.strerror or exc}") from None
+    reply = cli._call_admin(args, "SetThresholds", admin_pb2.SetThresholdsRequest(
+        pipeline=args.pipeline, yaml=text, source=args.file, dry_run=args.dry_run), _actor())
+    verb = "valid (dry run, nothing changed)" if args.dry_run else "applied"
+    print(f"thresholds for {reply.pipeline} {verb}", file=sys.stderr)
+    print(reply.yaml, end="")
+    return 0
+
+
+def cmd_thresholds_history(args: argparse.Namespace) -> int:
+    from sitsmesh.admin.v1 import admin_pb2
+
+    reply = cli._call_admin(args, "ListThresholdChanges", admin_pb2.ListThresholdChangesRequest(
+        pipeline=args.pipeline, limit=max(0, args.limit)))
+    if args.output == "json":
+        print(json.dumps([{"pipeline": c.pipeline, "actor": c.actor, "peer": c.peer,
+                           "at": c.at.ToJsonString(), "before": yaml.safe_load(c.before),
+                           "after": yaml.safe_load(c.after)} for c in reply.changes],
+                         indent=2))
+        return 0
+    for change in reply.changes:
+        print(f"{change.at.ToJsonString()}  {change.pipeline}  by {change.actor} "
+              f"from {change.peer}")
+    return 0
+
+
+def _pressure_rows(snapshot: Any) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = [
+        ("PIPELINE", "STAGE", "LEVEL", "PRESSURE", "LAMBDA/S", "MU/S", "QUEUE", "RT99 MS",
+         "ADMIT", "CUTOFF", "CONC", "SHED")]
+    for p in snapshot.pipelines:
+        rows.append((p.pipeline, f"[{p.bottleneck or '-'}]", p.level, "",
+                     f"{p.arrival_rate:.1f}", "", str(p.in_flight), "", f"{p.fraction:.0%}",
+                     f"{p.cutoff:.2f}", str(p.concurrency or "-"), str(p.shed_total)))
+        for s in p.stages:
+            rows.append(("", s.name, s.level, f"{s.pressure:.2f}", f"{s.arrival_rate:.1f}",
+                         f"{s.capacity:.1f}", f"{s.queue:.0f}", f"{s.rt99_ms:.1f}", "", "", "",
+                         ""))
+    return rows
+
+
+def _render(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
+
+
+def cmd_pressure_watch(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+
+    settings = cli._settings_from(args, ["admin_addr", "state_dir", "admin_token_file"])
+    token = cli._admin_token(args, settings)
+    live = sys.stdout.isatty() and args.output == "table"
+    request = admin_pb2.WatchPressureRequest(pipeline=args.pipeline,
+                                             interval_ms=max(0, args.interval_ms),
+                                             count=max(0, args.count))
+    with grpc.insecure_channel(str(settings.admin_addr)) as channel:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        try:
+            for snapshot in stub.WatchPressure(
+                    request, timeout=args.timeout,
+                    metadata=(("authorization", f"Bearer {token}"),)):
+                if args.output == "json":
+                    print(json.dumps(MessageToDict(snapshot, preserving_proto_field_name=True)),
+                          flush=True)
+                    continue
+                table = _render(_pressure_rows(snapshot))
+                # On a terminal the table is redrawn in place; otherwise appended.
+                print(("\x1b[H\x1b[2J" if live else "") + table + ("" if live else "\n"),
+                      flush=True)
+        except grpc.RpcError as exc:
+            code = exc.code().name if exc.code() else "UNKNOWN"
+            raise cli._RpcFailed(f"WatchPressure on {settings.admin_addr}: {code}: "
+                                 f"{exc.details()}") from None
+    return 0
+
+
+def _load(path: str, what: str) -> Any:
+    try:
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise cli._Usage(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise cli._Usage(f"{path}: invalid YAML: {str(exc).splitlines()[0]}") from None
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from sitsmesh.chains.pipeline import pipeline_from
+    from sitsmesh.pressure.simulate import profile_from, simulate, summary
+    from sitsmesh.pressure.thresholds import thresholds_from
+
+    doc = _load(args.pipeline, "the pipeline")
+    if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
+        raise cli._Usage(f"{args.pipeline}: a pipeline needs a name and stages")
+    pipeline = pipeline_from(doc["name"], doc, args.pipeline)
+    body = _load(args.thresholds, "the thresholds") if args.thresholds else {}
+    thresholds = thresholds_from(body or {}, args.thresholds or "defaults")
+    profile = profile_from(_load(args.load, "the load profile"), pipeline, args.load)
+    policies = [thresholds.policy]
+    if args.compare:
+        policies += [p for p in ("sitsmesh", "seed", "off") if p != thresholds.policy]
+    runs = {}
+    for policy in policies:
+        chosen = thresholds_from({**thresholds.to_body(), "policy": policy})
+        seconds = simulate(pipeline, chosen, profile)
+        runs[policy] = (seconds, summary(seconds))
+    if args.output == "json":
+        print(json.dumps({policy: {**result, "seconds": [
+            {"t": s.at, "offered": s.offered, "admitted": s.admitted, "shed": s.shed,
+             "goodput": s.good, "p99_ms": round(s.p99_ms, 1), "fraction": s.fraction}
+            for s in seconds]} for policy, (seconds, result) in runs.items()}, indent=2))
+        return 0
+    seconds, _ = runs[policies[0]]
+    print(f"policy {policies[0]}, per second:")
+    rows: list[tuple[str, ...]] = [
+        ("T", "OFFERED", "ADMITTED", "SHED %", "GOODPUT", "P99 MS", "ADMIT")]
+    rows += [(str(s.at), str(s.offered), str(s.admitted),
+              f"{s.shed / s.offered:.0%}" if s.offered else "-", str(s.good),
+              f"{s.p99_ms:.0f}", f"{s.fraction:.0%}") for s in seconds]
+    print(_render(rows))
+    print("\nsummary:")
+    rows = [("POLICY", "GOODPUT/S", "P99 MS", "SHED %", "SUCCESS BY PRIORITY")]
+    for policy, (_, result) in runs.items():
+        by = ", ".join(f"p{p} {v:.1%}" for p, v in result["success_by_priority"].items())
+        rows.append((policy, f"{result['goodput_rps']:.1f}", f"{result['p99_ms']:.0f}",
+                     f"{result['shed_fraction']:.0%}", by))
+    print(_render(rows))
+    return 0

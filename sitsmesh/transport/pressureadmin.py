@@ -1,0 +1,133 @@
+"""Backpressure on the admin API: thresholds (get, set with audit) and the pressure stream."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import yaml
+from google.protobuf.timestamp_pb2 import Timestamp
+from grpc import aio
+
+from sitsmesh.admin.v1 import admin_pb2
+from sitsmesh.pressure.controller import Decision, Snapshot
+from sitsmesh.pressure.runtime import PressureRuntime
+from sitsmesh.pressure.state import ThresholdsState
+
+ACTOR_METADATA = "x-sitsmesh-actor"
+MAX_ACTOR = 200
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def _yaml(body: Any) -> str:
+    return yaml.safe_dump(body, sort_keys=False) if body is not None else ""
+
+
+def pipeline_pb(decision: Decision, in_flight: int, shed: int) -> admin_pb2.PipelinePressure:
+    message = admin_pb2.PipelinePressure(
+        pipeline=decision.pipeline, policy=decision.policy, fraction=decision.fraction,
+        cutoff=decision.cutoff, concurrency=decision.concurrency,
+        protected_from=decision.protected_from, retry_after_s=decision.retry_after_s,
+        bottleneck=decision.bottleneck, level=decision.level,
+        arrival_rate=decision.arrival_rate, in_flight=max(0, in_flight), shed_total=shed)
+    for s in decision.stages:
+        message.stages.add(name=s.name, level=s.level, pressure=s.pressure,
+                           arrival_rate=s.arrival_rate, capacity=s.capacity,
+                           utilisation=s.utilisation, queue=s.queue, queue_fill=s.queue_fill,
+                           rt99_ms=s.rt99_ms, predicted_p99_ms=s.predicted_p99_ms,
+                           headroom_rps=s.headroom_rps, stale=s.stale)
+    return message
+
+
+class PressureAdmin:
+    """Mixed into AdminServicer; `_guard` maps domain errors to gRPC status in one place."""
+
+    _thresholds: ThresholdsState
+    _pressure: PressureRuntime | None
+    _guard: Any
+
+    async def GetThresholds(self, request: admin_pb2.GetThresholdsRequest,
+                            context: aio.ServicerContext[Any, Any]
+                            ) -> admin_pb2.PipelineThresholds:
+        await self._known(request.pipeline, context)
+        thresholds, default = await self._guard(context, self._thresholds.get(request.pipeline))
+        return admin_pb2.PipelineThresholds(pipeline=request.pipeline,
+                                            yaml=_yaml(thresholds.to_body()),
+                                            is_default=default)
+
+    async def SetThresholds(self, request: admin_pb2.SetThresholdsRequest,
+                            context: aio.ServicerContext[Any, Any]
+                            ) -> admin_pb2.PipelineThresholds:
+        source = request.source or "thresholds"
+        await self._known(request.pipeline, context)
+        try:
+            body = yaml.safe_load(request.yaml) if request.yaml.strip() else {}
+        except yaml.YAMLError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{source}: invalid YAML: {str(exc).splitlines()[0]}")
+            raise
+        metadata = dict(context.invocation_metadata() or ())
+        actor = str(metadata.get(ACTOR_METADATA, "") or "unknown")[:MAX_ACTOR]
+        thresholds = await self._guard(context, self._thresholds.set(
+            request.pipeline, body, source=source, actor=actor, peer=context.peer(),
+            dry_run=request.dry_run))
+        return admin_pb2.PipelineThresholds(pipeline=request.pipeline,
+                                            yaml=_yaml(thresholds.to_body()), is_default=False)
+
+    async def ListThresholdChanges(self, request: admin_pb2.ListThresholdChangesRequest,
+                                   context: aio.ServicerContext[Any, Any]
+                                   ) -> admin_pb2.ListThresholdChangesResponse:
+        changes = await self._guard(context, self._thresholds.changes(
+            request.pipeline, request.limit or 50))
+        return admin_pb2.ListThresholdChangesResponse(changes=[
+            admin_pb2.ThresholdChange(pipeline=c.pipeline, actor=c.actor, peer=c.peer,
+                                      at=_timestamp(c.at), before=_yaml(c.before),
+                                      after=_yaml(c.after)) for c in changes])
+
+    async def WatchPressure(self, request: admin_pb2.WatchPressureRequest,
+                            context: aio.ServicerContext[Any, Any]
+                            ) -> AsyncIterator[admin_pb2.PressureSnapshot]:
+        runtime = self._pressure
+        if runtime is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the backpressure controller runs with --workers 1: its "
+                                "signals come from the process that serves Check and the "
+                                "access logs")
+            raise AssertionError("unreachable")
+        if request.pipeline and request.pipeline not in runtime.controller.pipelines:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"pipeline {request.pipeline} does not exist")
+        sent, last = 0, 0.0
+        interval = request.interval_ms / 1000
+        async for snapshot in runtime.watch():
+            now = time.monotonic()
+            if interval and now - last < interval:
+                continue
+            last = now
+            yield self._snapshot_pb(runtime, snapshot, request.pipeline)
+            sent += 1
+            if request.count and sent >= request.count:
+                return
+
+    @staticmethod
+    def _snapshot_pb(runtime: PressureRuntime, snapshot: Snapshot,
+                     only: str) -> admin_pb2.PressureSnapshot:
+        message = admin_pb2.PressureSnapshot(at=_timestamp(time.time()))
+        for name in sorted(snapshot.decisions):
+            if only and name != only:
+                continue
+            signals = runtime.signals.pipeline(name)
+            message.pipelines.append(pipeline_pb(snapshot.decisions[name], signals.in_flight,
+                                                 signals.shed))
+        return message
+
+    async def _known(self, pipeline: str, context: aio.ServicerContext[Any, Any]) -> None:
+        if not pipeline:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pipeline is required")
