@@ -49,6 +49,7 @@ check-protos: $(STAMP)
 
 bench: sysdeps $(STAMP)
 	@scripts/sysdeps.sh $(BENCH_SYSDEPS)
+	$(PIP) install --quiet -e '.[test,dev,bench]'
 	$(PY) bench/health_throughput.py
 	$(PY) bench/ratelimit_throughput.py
 	$(PY) bench/ratelimit_envoy.py
