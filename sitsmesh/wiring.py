@@ -175,6 +175,7 @@ class PressureComponent:
                 registry, scrape_interval_s=settings.pressure_scrape_seconds,
                 stale_after_s=settings.pressure_stale_seconds)
             self.thresholds.on_change(self.runtime.set_thresholds)
+            self.runtime.scraping = any(e.metrics_url for e in settings.triton_endpoints)
 
     @property
     def gate(self) -> PressureGate | None:

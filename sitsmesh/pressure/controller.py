@@ -335,6 +335,8 @@ class Controller:
                limits: StageThresholds) -> tuple[float, bool]:
         """(queued requests, stale). Triton's pending gauge where the stage is a Triton
         model; otherwise what is in flight beyond what the stage serves at once."""
+        if signals.expects_triton and not signals.triton:
+            return 0.0, True  # scraped, but nothing came back yet: fail safe
         if signals.triton:
             sample = signals.triton[-1]
             # The gauge counts queued requests, not the ones executing.

@@ -36,6 +36,7 @@ class PressureRuntime:
         self.controller = Controller(self.signals, clock, stale_after_s=stale_after_s)
         self._clock = clock
         self._scrape_interval = scrape_interval_s
+        self.scraping = False  # set before pipelines arrive when metrics URLs are configured
         self._pipelines: Mapping[str, Pipeline] = {}
         self._thresholds: Mapping[str, Thresholds] = {}
         self._models: dict[str, list[tuple[str, str]]] = {}  # triton model -> stages
@@ -61,9 +62,17 @@ class PressureRuntime:
         self._models = {}
         for pipeline in pipelines.values():
             for stage in pipeline.stages:
-                if stage.triton_model:
-                    self._models.setdefault(stage.triton_model, []).append(
-                        (pipeline.name, stage.name))
+                if not stage.triton_model:
+                    continue
+                self._models.setdefault(stage.triton_model, []).append(
+                    (pipeline.name, stage.name))
+                signals = self.signals.stage(pipeline.name, stage.name)
+                signals.expects_triton = self.scraping
+                if not self.scraping:
+                    _log.warning("stage names a Triton model but no Triton metrics_url is "
+                                 "configured; its queue is estimated from requests in flight",
+                                 pipeline=pipeline.name, stage=stage.name,
+                                 model=stage.triton_model)
         self.controller.configure(self._pipelines, self._thresholds)
 
     def set_thresholds(self, thresholds: Mapping[str, Thresholds]) -> None:

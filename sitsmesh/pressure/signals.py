@@ -47,9 +47,13 @@ class TritonSample:
 class StageSignals:
     """Completions, latency and errors from access logs; queue state from Triton."""
 
-    __slots__ = ("completions", "errors", "last_completion", "latency", "service", "triton")
+    __slots__ = ("completions", "errors", "expects_triton", "last_completion", "latency",
+                 "service", "triton")
 
     def __init__(self) -> None:
+        # Set when the stage names a Triton model that is scraped: until a sample comes
+        # (and whenever the last one is old) the stage counts as saturated.
+        self.expects_triton = False
         self.completions = 0
         self.errors = 0
         self.last_completion = 0.0

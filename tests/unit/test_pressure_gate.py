@@ -1,0 +1,158 @@
+"""The request-path side of backpressure: gate, admission holds, adaptive rate limits,
+Triton metrics parsing, and what the runtime publishes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from sitsmesh.authz.admission import Admission, AdmissionPolicy
+from sitsmesh.chains.pipeline import pipeline_from
+from sitsmesh.errors import ConfigError
+from sitsmesh.pressure.controller import Decision, Snapshot
+from sitsmesh.pressure.gate import PressureGate
+from sitsmesh.pressure.runtime import PressureRuntime
+from sitsmesh.pressure.scrape import samples_from
+from sitsmesh.pressure.signals import Signals
+from sitsmesh.ratelimit import config as rlconfig
+from sitsmesh.ratelimit.limiter import ConfigHolder, Descriptor, RateLimiter
+from sitsmesh.ratelimit.memory import MemoryStore
+from sitsmesh.ratelimit.metrics import RuleMetrics
+
+PIPELINE = pipeline_from("demo", {"models": ["resnet*"], "stages": [
+    {"name": "model", "match": {"upstream_cluster": "triton"}, "sla_p99_ms": 250,
+     "triton_model": "resnet"}]})
+
+
+def _decision(**changes: Any) -> Decision:
+    base = Decision("demo", "sitsmesh", 1.0, 0.0, 0, 5, 3, "model", "overloaded", 10.0, (), 0.0)
+    return dataclasses.replace(base, **changes)
+
+
+def _gate(decision: Decision | None = None) -> PressureGate:
+    gate = PressureGate(Signals())
+    gate.set_pipelines({"demo": PIPELINE})
+    if decision is not None:
+        gate.snapshot = Snapshot({"demo": decision}, 0.0)
+    return gate
+
+
+def test_requests_find_their_pipeline_by_hint_or_model() -> None:
+    gate = _gate()
+    assert gate.pipeline_for("demo", "") == "demo"
+    assert gate.pipeline_for("nope", "resnet50") == ""  # an unknown hint is ignored
+    assert gate.pipeline_for("", "resnet50") == "demo"
+    assert gate.pipeline_for("", "bert") == ""
+
+
+def test_the_admission_level_sheds_exactly_its_share_of_a_priority() -> None:
+    gate = _gate(_decision(cutoff=0.3))
+    outcomes = [gate.admit("demo", 0, f"r{i}", "acme") for i in range(1000)]
+    shed = [o for o in outcomes if o is not None]
+    assert 290 <= len(shed) <= 310
+    assert {s.reason for s in shed} == {"admission_level"}
+    assert shed[0].retry_after_s == 3 and "stage model" in shed[0].message
+    assert all(gate.admit("demo", 1, f"p{i}", "acme") is None for i in range(100))
+    assert gate.sheds == {("demo", "model", 0, "admission_level"): len(shed)}
+    signals = gate.signals.pipeline("demo")
+    assert (signals.arrivals, signals.admitted, signals.shed) == (1100, 1100 - len(shed),
+                                                                  len(shed))
+
+
+def test_admission_holds_count_in_flight_until_the_access_log_ends_them() -> None:
+    clock = [0.0]
+    gate = _gate(_decision(concurrency=2))
+    admission = Admission(AdmissionPolicy(), hold_s=10, clock=lambda: clock[0], gate=gate)
+    assert admission.admit("acme", "resnet50", 0, "", "a").admit
+    assert admission.admit("acme", "resnet50", 0, "", "b").admit
+    third = admission.admit("acme", "resnet50", 0, "", "c")
+    assert not third.admit and third.code == "concurrency" and third.retry_after_s == 3
+    assert admission.admit("acme", "resnet50", 9, "", "d").admit  # protected priority
+    assert gate.signals.pipeline("demo").in_flight == 3
+    assert admission.release("a")
+    assert not admission.admit("acme", "resnet50", 0, "", "e").admit  # b and d: still 2
+    assert admission.release("d")
+    assert not admission.release("d")  # a resent access-log entry ends nothing twice
+    assert admission.admit("acme", "resnet50", 0, "", "e").admit
+    clock[0] = 11
+    assert admission.expire() == 2  # b and e never got their access log
+    assert gate.signals.pipeline("demo").in_flight == 0
+    assert admission.admit("acme", "bert", 0, "", "f").admit  # no pipeline: no pressure
+
+
+async def test_adaptive_rate_limits_scale_with_the_admitted_fraction() -> None:
+    config = rlconfig.build([("c.yaml", """
+domain: edge
+descriptors:
+  - key: tenant
+    rate_limit: {unit: hour, requests_per_unit: 10, adaptive: true, pipeline: demo}
+""")])
+    gate = _gate(_decision(fraction=0.3))
+    limiter = RateLimiter(ConfigHolder(config), MemoryStore(), RuleMetrics(CollectorRegistry()),
+                          clock=lambda: 1000.0, gate=gate)
+    results = [await limiter.check("edge", [Descriptor((("tenant", "acme"),), None)])
+               for _ in range(5)]
+    assert [r.over for r in results] == [False, False, False, True, True]  # 10 x 0.3 = 3
+    assert gate.signals.pipeline("demo").rl_arrivals == 5
+    with pytest.raises(ConfigError, match="an adaptive rate limit needs the pipeline"):
+        rlconfig.build([("c.yaml", "domain: x\ndescriptors:\n  - key: k\n    rate_limit: "
+                                   "{unit: hour, requests_per_unit: 1, adaptive: true}\n")])
+
+
+TRITON_METRICS = """\
+# HELP nv_inference_request_success Number of successful inference requests
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="resnet",version="1"} 120
+nv_inference_request_success{model="resnet",version="2"} 30
+nv_inference_request_success{model="bert",version="1"} 7
+# TYPE nv_inference_request_failure counter
+nv_inference_request_failure{model="resnet",version="1"} 2
+# TYPE nv_inference_queue_duration_us counter
+nv_inference_queue_duration_us{model="resnet",version="1"} 5000
+# TYPE nv_inference_pending_request_count gauge
+nv_inference_pending_request_count{model="resnet",version="1"} 3
+nv_inference_pending_request_count{model="resnet",version="2"} 4
+"""
+
+
+def test_triton_metrics_become_one_sample_per_model() -> None:
+    samples = samples_from(TRITON_METRICS, at=12.5)
+    resnet = samples["resnet"]
+    assert (resnet.at, resnet.pending, resnet.success, resnet.failure, resnet.queue_us) == (
+        12.5, 7, 150.0, 2.0, 5000.0)
+    assert samples["bert"].pending == 0
+
+
+def test_the_runtime_publishes_metrics_and_a_sampled_log_of_sheds(
+        caplog: pytest.LogCaptureFixture) -> None:
+    registry = CollectorRegistry()
+    clock = [100.0]
+    runtime = PressureRuntime(registry, clock=lambda: clock[0])
+    runtime.scraping = True
+    runtime.set_pipelines({"demo": PIPELINE})
+    runtime.on_triton("resnet", samples_from(TRITON_METRICS, at=clock[0])["resnet"])
+    snapshot = runtime.tick()
+    assert snapshot.decisions["demo"].stages[0].queue == 7
+    runtime.gate.snapshot = Snapshot({"demo": _decision(cutoff=1.0)}, clock[0])
+    for i in range(5):
+        assert runtime.gate.admit("demo", 0, f"r{i}", "acme") is not None
+    with caplog.at_level(logging.INFO):
+        runtime.tick()
+    assert registry.get_sample_value("sitsmesh_shed_total", {
+        "pipeline": "demo", "stage": "model", "priority": "0",
+        "reason": "admission_level"}) == 5
+    assert registry.get_sample_value("sitsmesh_pipeline_admitted_fraction",
+                                     {"pipeline": "demo"}) is not None
+    assert runtime.gate.sheds == {}
+
+
+def test_a_scraped_stage_without_a_sample_is_stale() -> None:
+    runtime = PressureRuntime(None, clock=lambda: 5.0)
+    runtime.scraping = True
+    runtime.set_pipelines({"demo": PIPELINE})
+    decision = runtime.tick().decisions["demo"]
+    assert decision.stages[0].stale and decision.level == "stale"
