@@ -60,6 +60,7 @@ class Denied:
     code: str
     message: str
     retry_after_s: float = 0.0
+    grpc: bool = False  # the caller speaks gRPC: the answer carries a gRPC status too
 
 
 def _kserve(path: str) -> bool:
@@ -110,7 +111,10 @@ class Authorizer:
         verdict = self.admission.admit(tenant.name, model, priority, pipeline,
                                        request.request_id)
         if not verdict.admit:
-            return Denied(429, verdict.code, verdict.reason, verdict.retry_after_s)
+            return Denied(429, verdict.code, verdict.reason, verdict.retry_after_s,
+                          grpc=request_class == "grpc"
+                          or request.headers.get("content-type", "").startswith(
+                              "application/grpc"))
         set_headers = (("x-sits-tenant", tenant.name), ("x-sits-priority", str(priority)),
                        ("x-sits-model", model), ("x-sits-request-class", request_class))
         ours = {name for name, _ in set_headers}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import quote
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -27,6 +28,11 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
                                       append_action=_OVERWRITE)
 
 
+def _grpc_message(text: str) -> str:
+    """gRPC's percent-encoding: printable ASCII stays, everything else (and %) is escaped."""
+    return "".join(c if " " <= c <= "~" and c != "%" else quote(c) for c in text)
+
+
 def _denied(decision: Denied) -> Any:
     body: dict[str, Any] = {"code": decision.code, "message": decision.message}
     headers = [_header("content-type", "application/json")]
@@ -36,6 +42,11 @@ def _denied(decision: Denied) -> Any:
         retry = max(1, round(decision.retry_after_s))
         body["retry_after_s"] = retry
         headers.append(_header("retry-after", str(retry)))
+    if decision.grpc:
+        # Envoy turns a bare 429 into UNAVAILABLE for gRPC callers, which clients retry
+        # at once; a shed call must say RESOURCE_EXHAUSTED.
+        headers.append(_header("grpc-status", str(_RPC_CODE[decision.status])))
+        headers.append(_header("grpc-message", _grpc_message(decision.message)))
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=_RPC_CODE[decision.status], message=decision.message),
         denied_response=external_auth_pb2.DeniedHttpResponse(

@@ -148,6 +148,15 @@ def test_grpc_client_gets_grpc_status_through_envoy(stack: Stack) -> None:
         with pytest.raises(grpc.RpcError) as err:
             infer(b"\x0a\x0csecret-model", metadata=(("x-api-key", stack.key),), timeout=5)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # Over the tenant's cap of 2 (holds last 2 s): a shed gRPC call is
+        # RESOURCE_EXHAUSTED, not the UNAVAILABLE that Envoy maps a bare 429 to.
+        codes = []
+        for _ in range(3):
+            try:
+                infer(b"\x0a\x07llama-3", metadata=(("x-api-key", stack.key),), timeout=5)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+        assert codes[-1] == grpc.StatusCode.RESOURCE_EXHAUSTED, codes
 
 
 def test_sitsmesh_down_fails_closed_and_keys_survive_restart(
