@@ -261,7 +261,7 @@ async def run(settings: Settings) -> int:
 
     store = SqliteStore(settings.state_dir / "state.db")
     component, authz, chains, pressure = _components(settings, store, metric_registry, board)
-    swaps = wiring.SwapsComponent(settings, store, metric_registry)
+    swaps = wiring.SwapsComponent(settings, store, metric_registry, pressure.runtime)
     pools: list[WorkerPool] = []
     stop = _stop_event(_reload_everywhere(component, pools))
     token = _admin_token(settings)

@@ -331,12 +331,14 @@ class SwapsComponent:
     """Model hot swaps against the configured Triton endpoints (admin process only)."""
 
     def __init__(self, settings: Settings, state: StateStore,
-                 registry: CollectorRegistry | None) -> None:
+                 registry: CollectorRegistry | None,
+                 pressure: PressureRuntime | None = None) -> None:
         # Imported here: tritonclient and numpy load only where swaps are wired.
         from sitsmesh.triton.client import TritonServer
 
         self.manager = SwapManager(settings.triton_endpoints, SwapHistory(state),
-                                   TritonServer, registry)
+                                   TritonServer, registry,
+                                   pressure=pressure.model_pressure if pressure else None)
 
     async def start(self) -> None:
         await self.manager.start()

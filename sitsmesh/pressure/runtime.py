@@ -87,6 +87,18 @@ class PressureRuntime:
         for pipeline, stage in self._models.get(model, ()):
             self.signals.stage(pipeline, stage).scraped(sample)
 
+    def model_pressure(self, model: str) -> str:
+        """Why a stage serving this Triton model is overloaded now ("" if none is)."""
+        snapshot = self.gate.snapshot
+        for pipeline, stage in self._models.get(model, ()):
+            decision = snapshot.decisions.get(pipeline)
+            view = next((v for v in decision.stages if v.name == stage), None) if decision \
+                else None
+            if view is not None and view.level == "overloaded":
+                return (f"stage {pipeline}/{stage} is overloaded: pressure {view.pressure:.2f}, "
+                        f"queue {view.queue:.0f}, p99 {view.rt99_ms:.0f} ms")
+        return ""
+
     # --- loops ---------------------------------------------------------------
 
     def tick_seconds(self) -> float:

@@ -74,8 +74,11 @@ class Swap:
                  emit: Callable[[SwapEvent], None],
                  clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 hooks: Hooks | None = None) -> None:
+                 hooks: Hooks | None = None,
+                 pressure: Callable[[str], str] | None = None) -> None:
         self.record = record
+        # Why the backpressure controller says a swap should wait ("" when it need not).
+        self._pressure = pressure or (lambda model: "")
         self._prod = prod
         self._preflight = preflight
         self._options = options
@@ -199,6 +202,10 @@ class Swap:
                 raise _Failed(f"{queued} requests are pending on {model} at {prod.label} "
                               f"(max_pending {options.max_pending}): retry when the pressure "
                               "drops")
+        busy = self._pressure(model)
+        if busy:
+            raise _Failed(f"{model} is under pressure ({busy}): a swap adds load; retry "
+                          "when it drops")
         try:
             config = await prod.model_config(model)
             self._override = swap_override(config, options)

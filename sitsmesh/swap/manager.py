@@ -84,7 +84,9 @@ class SwapMetrics:
 class SwapManager:
     def __init__(self, endpoints: Sequence[TritonEndpoint], history: SwapHistory,
                  factory: ServerFactory, registry: CollectorRegistry | None, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 pressure: Callable[[str], str] | None = None) -> None:
+        self._pressure = pressure
         self._endpoints = {
             e.name: _Endpoint(e, factory(e.name, e.url, e.metrics_url),
                               factory(f"{e.name}-preflight", e.preflight_url, "")
@@ -162,7 +164,8 @@ class SwapManager:
                             started_at=self._clock(), options=_options_body(options))
         queue: asyncio.Queue[SwapEvent | None] = asyncio.Queue()
         swap = Swap(record, chosen.server, chosen.preflight, options, self.history,
-                    emit=queue.put_nowait, clock=self._clock, hooks=self._metrics.hooks())
+                    emit=queue.put_nowait, clock=self._clock, hooks=self._metrics.hooks(),
+                    pressure=self._pressure)
         handle = RunningSwap(swap, queue)
         self._running[model] = handle
         handle.task = asyncio.get_running_loop().create_task(self._run(model, handle))

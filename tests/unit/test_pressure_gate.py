@@ -156,3 +156,17 @@ def test_a_scraped_stage_without_a_sample_is_stale() -> None:
     runtime.set_pipelines({"demo": PIPELINE})
     decision = runtime.tick().decisions["demo"]
     assert decision.stages[0].stale and decision.level == "stale"
+
+
+def test_an_overloaded_model_stage_holds_back_swaps() -> None:
+    from sitsmesh.pressure.controller import StagePressure
+
+    runtime = PressureRuntime(None, clock=lambda: 1.0)
+    runtime.set_pipelines({"demo": PIPELINE})
+    assert runtime.model_pressure("resnet") == ""  # nothing published yet
+    view = StagePressure("model", "overloaded", 1.7, 90.0, 50.0, 1.8, 20.0, 1.2, 400.0,
+                         3600.0, -40.0, False)
+    runtime.gate.snapshot = Snapshot({"demo": _decision(stages=(view,))}, 1.0)
+    assert runtime.model_pressure("resnet") == (
+        "stage demo/model is overloaded: pressure 1.70, queue 20, p99 400 ms")
+    assert runtime.model_pressure("bert") == ""

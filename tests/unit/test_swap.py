@@ -267,6 +267,21 @@ async def test_precheck_refusals_touch_nothing(history: Any) -> None:
     assert prod.loads == []
 
 
+async def test_a_swap_waits_while_the_controller_sees_the_model_overloaded(
+        history: Any) -> None:
+    prod = FakeTriton()
+    prod.ready = {1: True}
+    record = SwapRecord("swp_busy", "m", "prod", 2)
+    swap = Swap(record, prod, None, SwapOptions(verify_probes=5), history,
+                emit=lambda event: None, clock=Clock(), sleep=_nosleep,
+                pressure=lambda model: "stage demo/model is overloaded")
+    done = await swap.run()
+    assert done.state == "failed"
+    assert done.error == ("m is under pressure (stage demo/model is overloaded): a swap adds "
+                          "load; retry when it drops")
+    assert prod.loads == []
+
+
 async def test_server_gone_mid_swap_fails_with_the_reason(history: Any) -> None:
     prod = FakeTriton()
     prod.ready = {1: True}
