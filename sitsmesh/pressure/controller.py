@@ -271,12 +271,16 @@ class Controller:
         rt99 = self._rt99(own, signals, tick.dt)
         queue, stale = self._queue(tick, signals, limits)
         lam = tick.state.admitted_rate * limits.fanout
+        served, waited = _triton_rates(signals)
         if tick.dt > 0:
-            if queue >= 2 * limits.parallelism and done:
-                # Clearly saturated all tick long: what finished is what the stage can do.
-                own.mu = ewma(own.mu, done / tick.dt, tick.dt, TAU_S)
+            if queue >= 2 * limits.parallelism and (done or served):
+                # Clearly saturated all tick long: what finished is what the stage can do
+                # (Triton's own count where it is scraped: it includes every caller).
+                own.mu = ewma(own.mu, served if served else done / tick.dt, tick.dt, TAU_S)
             elif own.service_s:
-                own.mu = ewma(own.mu, limits.parallelism / own.service_s, tick.dt, TAU_S)
+                # A hop's time includes its wait in Triton's queue; take that out.
+                service = max(1e-6, own.service_s - waited)
+                own.mu = ewma(own.mu, limits.parallelism / service, tick.dt, TAU_S)
         mu = own.mu or 0.0
         sla_s = (stage.sla_p99_ms / 1000 * limits.sla_multiplier
                  if stage.sla_p99_ms is not None else None)
@@ -347,3 +351,17 @@ class Controller:
         stale = waiting and signals.completions > 0 and (
             tick.now - signals.last_completion > self._stale_after)
         return queue, stale
+
+
+def _triton_rates(signals: StageSignals) -> tuple[float, float]:
+    """(requests finished per second, mean seconds waited in Triton's queue) between the
+    last two scrapes; zeros when there are not two, or Triton restarted in between."""
+    if len(signals.triton) < 2:
+        return 0.0, 0.0
+    older, newer = signals.triton
+    span = newer.at - older.at
+    finished = (newer.success + newer.failure) - (older.success + older.failure)
+    waited_us = newer.queue_us - older.queue_us
+    if span <= 0 or finished <= 0 or waited_us < 0:
+        return 0.0, 0.0
+    return finished / span, waited_us / finished / 1e6

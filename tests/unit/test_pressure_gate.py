@@ -170,3 +170,18 @@ def test_an_overloaded_model_stage_holds_back_swaps() -> None:
     assert runtime.model_pressure("resnet") == (
         "stage demo/model is overloaded: pressure 1.70, queue 20, p99 400 ms")
     assert runtime.model_pressure("bert") == ""
+
+
+def test_triton_counters_give_capacity_under_load_and_queue_wait() -> None:
+    from sitsmesh.pressure.controller import _triton_rates
+    from sitsmesh.pressure.signals import StageSignals, TritonSample
+
+    signals = StageSignals()
+    assert _triton_rates(signals) == (0.0, 0.0)
+    signals.scraped(TritonSample(10.0, 5, 100, 0, 1_000_000))
+    signals.scraped(TritonSample(10.5, 5, 124, 1, 1_500_000))
+    served, waited = _triton_rates(signals)
+    assert served == pytest.approx(50.0)       # 25 finished in 0.5 s
+    assert waited == pytest.approx(0.02)       # 0.5 s of queueing over 25 requests
+    signals.scraped(TritonSample(11.0, 0, 3, 0, 0))  # Triton restarted: counters reset
+    assert _triton_rates(signals) == (0.0, 0.0)
