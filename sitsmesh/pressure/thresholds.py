@@ -128,6 +128,8 @@ def thresholds_from(body: Mapping[str, Any], source: str = "thresholds") -> Thre
     if unknown:
         raise InvalidThresholds(f"{source}: unknown key '{sorted(unknown)[0]}'")
     policy = body.get("policy", "sitsmesh")
+    if policy is False:
+        policy = "off"  # YAML 1.1 reads a bare `off` as false; that is what was meant
     if policy not in POLICIES:
         raise InvalidThresholds(f"{source}: policy must be one of {', '.join(POLICIES)}, "
                                 f"got {policy!r}")

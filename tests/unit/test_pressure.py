@@ -180,6 +180,14 @@ def test_bad_thresholds_are_named(body: dict[str, Any], message: str) -> None:
     assert caught.value.message.startswith("t.yaml")
 
 
+def test_a_bare_yaml_off_means_the_off_policy() -> None:
+    import yaml
+
+    assert thresholds_from(yaml.safe_load("policy: off")).policy == "off"
+    with pytest.raises(InvalidThresholds, match="got True"):
+        thresholds_from(yaml.safe_load("policy: on"))
+
+
 def test_thresholds_round_trip_and_protect_the_unshed_priorities() -> None:
     body = {"policy": "seed", "sla_multiplier": 1.5, "shed_priorities": [0, 1],
             "stages": {"model": {"parallelism": 4}}}
