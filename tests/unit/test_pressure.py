@@ -204,3 +204,18 @@ def test_bad_profiles_are_named() -> None:
     with pytest.raises(InvalidProfile, match="steps must be in time order"):
         profile_from({"steps": [{"at_s": 5, "rps": 1}, {"at_s": 1, "rps": 1}],
                       "service_ms": {"model": 1}}, PIPELINE)
+
+
+def test_queueing_estimates() -> None:
+    from sitsmesh.pressure.model import mm1_p99, rate_for_p99, seed_depth
+
+    assert mm1_p99(40, 50) == pytest.approx(0.4605, rel=1e-3)
+    assert mm1_p99(50, 50) == float("inf")
+    assert rate_for_p99(50, 0.25) == pytest.approx(50 - 18.42, rel=1e-3)
+    assert mm1_p99(rate_for_p99(50, 0.25), 50) == pytest.approx(0.25)
+    # The seed rule: depth grows with the overload once RT99 > 2 x SLA and the queue is
+    # more than 70 % full; otherwise it is the base.
+    assert seed_depth(32, rt99_s=0.6, sla_s=0.25, fill=0.8, qps=100, capacity=50) == \
+        pytest.approx(32 * 1.6)
+    assert seed_depth(32, rt99_s=0.4, sla_s=0.25, fill=0.8, qps=100, capacity=50) == 32
+    assert seed_depth(32, rt99_s=0.6, sla_s=0.25, fill=0.5, qps=100, capacity=50) == 32
