@@ -7,7 +7,6 @@ from typing import Any
 
 import grpc
 import yaml
-from google.protobuf.timestamp_pb2 import Timestamp
 from grpc import aio
 
 from sitsmesh import __version__, logs
@@ -27,6 +26,7 @@ from sitsmesh.status import Serving, StatusBoard
 from sitsmesh.swap.manager import SwapManager
 from sitsmesh.transport.errors import grpc_status
 from sitsmesh.transport.pressureadmin import PressureAdmin
+from sitsmesh.transport.stamps import timestamp
 from sitsmesh.transport.swapadmin import SwapAdmin
 
 _log = logs.get("sitsmesh.admin")
@@ -152,8 +152,7 @@ class AdminServicer(ChainAdmin, SwapAdmin, PressureAdmin, admin_pb2_grpc.AdminSe
     async def GetStatus(
         self, request: admin_pb2.GetStatusRequest, context: aio.ServicerContext[Any, Any]
     ) -> admin_pb2.GetStatusResponse:
-        started = Timestamp()
-        started.FromNanoseconds(int(self._board.started_at * 1e9))
+        started = timestamp(self._board.started_at)
         return admin_pb2.GetStatusResponse(
             version=__version__,
             uptime_seconds=self._board.uptime(),
@@ -287,17 +286,12 @@ def _tenant_pb(tenant: Tenant) -> admin_pb2.Tenant:
                             max_concurrency=tenant.max_concurrency, labels=dict(tenant.labels))
 
 
-def _timestamp(seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
-
 
 def _key_pb(key: ApiKey) -> admin_pb2.ApiKey:
     message = admin_pb2.ApiKey(id=key.id, tenant=key.tenant, name=key.name,
-                               created_at=_timestamp(key.created_at), revoked=key.revoked)
+                               created_at=timestamp(key.created_at), revoked=key.revoked)
     if key.expires_at is not None:
-        message.expires_at.CopyFrom(_timestamp(key.expires_at))
+        message.expires_at.CopyFrom(timestamp(key.expires_at))
     return message
 
 

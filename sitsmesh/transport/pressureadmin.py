@@ -8,22 +8,17 @@ from typing import Any
 
 import grpc
 import yaml
-from google.protobuf.timestamp_pb2 import Timestamp
 from grpc import aio
 
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.pressure.controller import Decision, Snapshot
 from sitsmesh.pressure.runtime import PressureRuntime
 from sitsmesh.pressure.state import ThresholdsState
+from sitsmesh.transport.stamps import timestamp
 
 ACTOR_METADATA = "x-sitsmesh-actor"
 MAX_ACTOR = 200
 
-
-def _timestamp(seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
 
 
 def _yaml(body: Any) -> str:
@@ -88,7 +83,7 @@ class PressureAdmin:
             request.pipeline, request.limit or 50))
         return admin_pb2.ListThresholdChangesResponse(changes=[
             admin_pb2.ThresholdChange(pipeline=c.pipeline, actor=c.actor, peer=c.peer,
-                                      at=_timestamp(c.at), before=_yaml(c.before),
+                                      at=timestamp(c.at), before=_yaml(c.before),
                                       after=_yaml(c.after)) for c in changes])
 
     async def WatchPressure(self, request: admin_pb2.WatchPressureRequest,
@@ -119,7 +114,7 @@ class PressureAdmin:
     @staticmethod
     def _snapshot_pb(runtime: PressureRuntime, snapshot: Snapshot,
                      only: str) -> admin_pb2.PressureSnapshot:
-        message = admin_pb2.PressureSnapshot(at=_timestamp(time.time()))
+        message = admin_pb2.PressureSnapshot(at=timestamp(time.time()))
         for name in sorted(snapshot.decisions):
             if only and name != only:
                 continue

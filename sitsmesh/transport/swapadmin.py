@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from google.protobuf.timestamp_pb2 import Timestamp
 from grpc import aio
 
 from sitsmesh.admin.v1 import admin_pb2
@@ -14,14 +13,10 @@ from sitsmesh.swap.machine import SwapEvent
 from sitsmesh.swap.manager import SwapManager
 from sitsmesh.swap.override import SwapOptions
 from sitsmesh.swap.record import SwapRecord
+from sitsmesh.transport.stamps import timestamp
 
 _DEFAULTS = SwapOptions()
 
-
-def _timestamp(seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
 
 
 def options_from(message: admin_pb2.SwapOptions) -> SwapOptions:
@@ -44,24 +39,24 @@ def record_pb(record: SwapRecord) -> admin_pb2.SwapRecord:
     message = admin_pb2.SwapRecord(
         id=record.id, model=record.model, endpoint=record.endpoint,
         to_version=record.to_version, state=record.state, phase=record.phase,
-        error=record.error, started_at=_timestamp(record.started_at))
+        error=record.error, started_at=timestamp(record.started_at))
     if record.from_version is not None:
         message.from_version = record.from_version
     if record.ended_at is not None:
-        message.ended_at.CopyFrom(_timestamp(record.ended_at))
+        message.ended_at.CopyFrom(timestamp(record.ended_at))
     for step in record.steps:
         item = message.steps.add(phase=step.phase, state=step.state, message=step.message,
-                                 started_at=_timestamp(step.started_at),
+                                 started_at=timestamp(step.started_at),
                                  detail={k: str(v) for k, v in step.detail.items()})
         if step.ended_at is not None:
-            item.ended_at.CopyFrom(_timestamp(step.ended_at))
+            item.ended_at.CopyFrom(timestamp(step.ended_at))
     return message
 
 
 def _event_pb(event: SwapEvent) -> admin_pb2.SwapEvent:
     return admin_pb2.SwapEvent(swap_id=event.swap_id, phase=event.phase, state=event.state,
                                message=event.message, progress=event.fraction,
-                               at=_timestamp(event.at))
+                               at=timestamp(event.at))
 
 
 class SwapAdmin:
