@@ -22,10 +22,11 @@ from sitsmesh.pressure.signals import Signals, StageSignals
 from sitsmesh.pressure.thresholds import PRIORITIES, StageThresholds, Thresholds
 
 TAU_S = 0.3              # memory of the rate estimates
-LATENCY_TICKS = 10       # rt99 over the last this many ticks
+LATENCY_TICKS = 5        # rt99 over the last this many ticks
 DECREASE_FLOOR = 0.8     # overload cuts the admitted fraction by at most 20 % a tick
 DECREASE_MIN = 0.95      # and by at least 5 %
 INCREASE_STEP = 0.1
+MIN_SERVICE_S = 1e-4     # a floor on service time estimates: 10,000 requests/s an instance
 OVERSHOOT = 1.15         # admitted-rate aim over capacity (see _decide)
 SLA_SHARE = 0.4         # of the SLA that queueing may take under pressure (concurrency cap)
 CALM_SLA_SHARE = 0.8    # and when calm: room for protected requests that skip the cap
@@ -74,7 +75,8 @@ class Snapshot:
 @dataclass(slots=True)
 class _StageState:
     mu: float | None = None
-    service_s: float | None = None
+    service_s: float | None = None          # from access logs: hop time past the queue
+    triton_service_s: float | None = None   # from Triton's counters, one scrape window
     completions: int = 0
     errors: int = 0
     recent: list[Histogram] = field(default_factory=list)
@@ -204,12 +206,16 @@ class Controller:
             state.calm_ticks = 0
             state.fraction = max(state.fraction * DECREASE_FLOOR,
                                  min(target, state.fraction * DECREASE_MIN))
-        elif calm:
+        elif calm or target > state.fraction:
+            # Not overloaded, and either calm or the model sees room: after the hysteresis,
+            # step up gently, and all the way once the load fits (it dropped).
             state.calm_ticks += 1
             if state.calm_ticks >= thresholds.hysteresis_ticks:
-                # Step up gently; all the way only once the load fits (it dropped).
-                state.fraction = 1.0 if target >= 1.0 else min(
-                    1.0, state.fraction + INCREASE_STEP)
+                if calm and target >= 1.0:
+                    state.fraction = 1.0
+                else:
+                    state.fraction = min(1.0, state.fraction + INCREASE_STEP,
+                                         max(target, state.fraction))
         else:
             state.calm_ticks = 0
         state.fraction = max(0.0, min(1.0, state.fraction))
@@ -271,16 +277,21 @@ class Controller:
         rt99 = self._rt99(own, signals, tick.dt)
         queue, stale = self._queue(tick, signals, limits)
         lam = tick.state.admitted_rate * limits.fanout
-        served, waited = _triton_rates(signals)
+        served, triton_service = _triton_rates(signals)
+        if triton_service and tick.dt > 0:
+            own.triton_service_s = ewma(own.triton_service_s, triton_service, tick.dt, TAU_S)
+        # Triton's own service time where it is scraped: the access-log hop includes the
+        # wait in Triton's queue, and subtracting two averages taken over different
+        # windows can come out near zero (an absurd capacity).
+        service = own.triton_service_s or own.service_s
         if tick.dt > 0:
             if queue >= 2 * limits.parallelism and (done or served):
                 # Clearly saturated all tick long: what finished is what the stage can do
                 # (Triton's own count where it is scraped: it includes every caller).
                 own.mu = ewma(own.mu, served if served else done / tick.dt, tick.dt, TAU_S)
-            elif own.service_s:
-                # A hop's time includes its wait in Triton's queue; take that out.
-                service = max(1e-6, own.service_s - waited)
-                own.mu = ewma(own.mu, limits.parallelism / service, tick.dt, TAU_S)
+            elif service:
+                own.mu = ewma(own.mu, limits.parallelism / max(service, MIN_SERVICE_S),
+                              tick.dt, TAU_S)
         mu = own.mu or 0.0
         sla_s = (stage.sla_p99_ms / 1000 * limits.sla_multiplier
                  if stage.sla_p99_ms is not None else None)
@@ -354,14 +365,17 @@ class Controller:
 
 
 def _triton_rates(signals: StageSignals) -> tuple[float, float]:
-    """(requests finished per second, mean seconds waited in Triton's queue) between the
-    last two scrapes; zeros when there are not two, or Triton restarted in between."""
+    """(requests finished per second, mean service seconds past the queue) between the
+    last two scrapes, both from Triton's counters over the same window; zeros when there
+    are not two samples, nothing finished, or Triton restarted in between."""
     if len(signals.triton) < 2:
         return 0.0, 0.0
     older, newer = signals.triton
     span = newer.at - older.at
     finished = (newer.success + newer.failure) - (older.success + older.failure)
-    waited_us = newer.queue_us - older.queue_us
-    if span <= 0 or finished <= 0 or waited_us < 0:
+    queued_us = newer.queue_us - older.queue_us
+    total_us = newer.request_us - older.request_us
+    if span <= 0 or finished <= 0 or queued_us < 0:
         return 0.0, 0.0
-    return finished / span, waited_us / finished / 1e6
+    service = (total_us - queued_us) / finished / 1e6 if total_us > queued_us else 0.0
+    return finished / span, service

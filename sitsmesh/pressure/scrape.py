@@ -24,7 +24,8 @@ TIMEOUT_S = 1.0
 _FAMILIES = {"nv_inference_pending_request_count": "pending",
              "nv_inference_request_success": "success",
              "nv_inference_request_failure": "failure",
-             "nv_inference_queue_duration_us": "queue_us"}
+             "nv_inference_queue_duration_us": "queue_us",
+             "nv_inference_request_duration_us": "request_us"}
 
 
 def samples_from(text: str, at: float) -> dict[str, TritonSample]:
@@ -43,7 +44,8 @@ def samples_from(text: str, at: float) -> dict[str, TritonSample]:
                 values = sums.setdefault(model, {})
                 values[field] = values.get(field, 0.0) + sample.value
     return {model: TritonSample(at, int(v.get("pending", 0)), v.get("success", 0.0),
-                                v.get("failure", 0.0), v.get("queue_us", 0.0))
+                                v.get("failure", 0.0), v.get("queue_us", 0.0),
+                                v.get("request_us", 0.0))
             for model, v in sums.items()}
 
 

@@ -42,6 +42,7 @@ class TritonSample:
     success: float
     failure: float
     queue_us: float
+    request_us: float = 0.0  # queue and compute: the service time is the difference
 
 
 class StageSignals:

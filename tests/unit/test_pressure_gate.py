@@ -172,16 +172,50 @@ def test_an_overloaded_model_stage_holds_back_swaps() -> None:
     assert runtime.model_pressure("bert") == ""
 
 
-def test_triton_counters_give_capacity_under_load_and_queue_wait() -> None:
+def test_triton_counters_give_capacity_and_service_time_over_one_window() -> None:
     from sitsmesh.pressure.controller import _triton_rates
     from sitsmesh.pressure.signals import StageSignals, TritonSample
 
     signals = StageSignals()
     assert _triton_rates(signals) == (0.0, 0.0)
-    signals.scraped(TritonSample(10.0, 5, 100, 0, 1_000_000))
-    signals.scraped(TritonSample(10.5, 5, 124, 1, 1_500_000))
-    served, waited = _triton_rates(signals)
-    assert served == pytest.approx(50.0)       # 25 finished in 0.5 s
-    assert waited == pytest.approx(0.02)       # 0.5 s of queueing over 25 requests
-    signals.scraped(TritonSample(11.0, 0, 3, 0, 0))  # Triton restarted: counters reset
+    signals.scraped(TritonSample(10.0, 5, 100, 0, 1_000_000, 3_000_000))
+    # 25 finished in 0.5 s; 1.0 s spent in all, 0.5 s of it queued: 20 ms of service each.
+    signals.scraped(TritonSample(10.5, 5, 124, 1, 1_500_000, 4_000_000))
+    served, service = _triton_rates(signals)
+    assert served == pytest.approx(50.0)
+    assert service == pytest.approx(0.02)
+    signals.scraped(TritonSample(11.0, 0, 3, 0, 0, 0))  # Triton restarted: counters reset
     assert _triton_rates(signals) == (0.0, 0.0)
+
+
+def test_capacity_stays_sane_when_the_windows_disagree() -> None:
+    """A queue that empties fast made hop time minus queue time come out near zero, and
+    the capacity estimate jump to ~1e6/s; Triton's service time keeps it near 50/s."""
+    from sitsmesh.pressure.signals import TritonSample
+
+    runtime = PressureRuntime(None, clock=lambda: clock[0])
+    clock = [0.0]
+    runtime.scraping = True
+    runtime.set_pipelines({"demo": PIPELINE})
+    stage = runtime.signals.stage("demo", "model")
+    entry = runtime.signals.pipeline("demo")
+    success = request_us = queue_us = 0.0
+    capacities = []
+    queues: list[int] = []
+    for tick in range(60):
+        clock[0] += 0.1
+        entry.arrive(0)
+        entry.admitted += 5
+        queue_now = min(tick, 30) if tick < 40 else 0  # builds up, then empties at once
+        queues.append(queue_now)
+        # Access-log hops report the queue as it was when they entered it, ticks ago.
+        lagged = queues[max(0, len(queues) - 4)]
+        for _ in range(5):
+            stage.complete(clock[0], 0.02 + lagged * 0.02, None, failed=False)
+        success += 5
+        queue_us += 5 * queue_now * 20_000
+        request_us += 5 * (queue_now * 20_000 + 20_000)
+        stage.scraped(TritonSample(clock[0], queue_now, success, 0, queue_us, request_us))
+        capacities.append(runtime.tick().decisions["demo"].stages[0].capacity)
+    assert max(capacities) < 60
+    assert min(capacities[5:]) > 40
