@@ -57,6 +57,7 @@ bench: sysdeps $(STAMP)
 	$(PY) bench/authz_envoy.py
 	$(PY) bench/accesslog_throughput.py
 	$(PY) bench/swap_triton.py
+	$(PY) bench/overload/run.py
 
 clean:
 	rm -rf $(VENV) .run .pytest_cache .mypy_cache .ruff_cache
