@@ -34,6 +34,19 @@ class DevPorts:
 
 
 DEMO_MODEL = "lazy"
+TRITON_CLUSTER = "triton"
+# The demo model as a one-stage pipeline, so backpressure has something to watch.
+DEMO_PIPELINE = f"""name: {DEMO_MODEL}
+models: ["{DEMO_MODEL}"]
+stages:
+  - name: model
+    match: {{upstream_cluster: {TRITON_CLUSTER}}}
+    sla_p99_ms: 250
+    triton_model: {DEMO_MODEL}
+"""
+DEMO_THRESHOLDS = """stages:
+  model: {parallelism: 1, queue_capacity: 32}
+"""
 
 
 def _start_triton(run_dir: Path, ports: DevPorts) -> subprocess.Popen[bytes] | None:
@@ -110,13 +123,32 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout: flo
     raise SystemExit(f"sitsmesh dev: {what} not ready after {timeout}s")
 
 
-def _demo_key(bin_dir: Path, serve_args: list[str]) -> str:
-    """A 'demo' tenant allowed every model, and a fresh key for it (state persists)."""
+def _admin_flags(serve_args: list[str]) -> list[str]:
     admin = []
     for flag in ("--admin-addr", "--state-dir"):
         if flag in serve_args:
             value = serve_args[serve_args.index(flag) + 1]
             admin += ["--admin" if flag == "--admin-addr" else flag, value]
+    return admin
+
+
+def _demo_pipeline(bin_dir: Path, run_dir: Path, serve_args: list[str]) -> None:
+    """The demo model's pipeline and thresholds, through the admin API like any SRE."""
+    cli, admin = str(bin_dir / "sitsmesh"), _admin_flags(serve_args)
+    (run_dir / "pipeline.yaml").write_text(DEMO_PIPELINE)
+    (run_dir / "thresholds.yaml").write_text(DEMO_THRESHOLDS)
+    for args in (["pipelines", "apply", str(run_dir / "pipeline.yaml")],
+                 ["thresholds", "set", DEMO_MODEL, str(run_dir / "thresholds.yaml")]):
+        done = subprocess.run([cli, *args, *admin], capture_output=True, text=True,
+                              check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"sitsmesh dev: {' '.join(args[:2])} failed: "
+                             f"{done.stderr.strip()}")
+
+
+def _demo_key(bin_dir: Path, serve_args: list[str]) -> str:
+    """A 'demo' tenant allowed every model, and a fresh key for it (state persists)."""
+    admin = _admin_flags(serve_args)
     cli = str(bin_dir / "sitsmesh")
     subprocess.run([cli, "tenants", "create", "demo", "--models", "*", *admin],
                    capture_output=True, check=False)  # exists already on later runs
@@ -137,11 +169,15 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
 
     values = envoyconf.local_values(sitsmesh_addr=ports.data_addr, upstream_port=ports.upstream,
                                     listen_port=ports.listen, envoy_admin_port=ports.envoy_admin)
-    config = envoyconf.write(envoyconf.render(
-        filters_dir / "local" / "bootstrap.yaml", values,
-        fragments=["ext_authz", "ratelimit", "access_log"]), run_dir / "envoy.yaml")
-
+    bootstrap = envoyconf.render(filters_dir / "local" / "bootstrap.yaml", values,
+                                 fragments=["ext_authz", "ratelimit", "access_log"])
     triton = _start_triton(run_dir, ports)
+    if triton is not None:
+        # The demo model's requests go to Triton, through the same filters.
+        envoyconf.add_route(bootstrap, name=TRITON_CLUSTER,
+                            prefix=f"/v2/models/{DEMO_MODEL}/", host="127.0.0.1",
+                            port=ports.triton_http)
+    config = envoyconf.write(bootstrap, run_dir / "envoy.yaml")
     triton_args = ([] if triton is None else [
         "--triton-url", f"127.0.0.1:{ports.triton_grpc}",
         "--triton-metrics-url", f"http://127.0.0.1:{ports.triton_metrics}/metrics"])
@@ -171,6 +207,8 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
         _wait_ready(f"http://127.0.0.1:{ports.envoy_admin}/ready", envoy, "envoy")
         time.sleep(1.5)  # let sitsmesh print its start-up lines first
         key = _demo_key(bin_dir, serve_args)
+        if triton is not None:
+            _demo_pipeline(bin_dir, run_dir, serve_args)
         hints = [
             (f"curl -s -H 'x-api-key: {key}' http://127.0.0.1:{ports.listen}/v2/models/demo/infer",
              "via Envoy to the demo upstream"),
@@ -190,10 +228,13 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
                 (".venv/bin/sitsmesh models list", "Triton's models and versions"),
                 (f".venv/bin/sitsmesh models swap {DEMO_MODEL} --to 2",
                  "hot swap: load, warm, verify, promote, drain, retire"),
-                (f"curl -s -X POST http://127.0.0.1:{ports.triton_http}/v2/models/"
-                 f"{DEMO_MODEL}/infer -d '{{\"inputs\":[{{\"name\":\"INPUT0\","
-                 f"\"shape\":[4],\"datatype\":\"FP32\",\"data\":[1,2,3,4]}}]}}'",
-                 "Triton directly"),
+                (f"curl -s -H 'x-api-key: {key}' -H 'x-priority: 9' -X POST "
+                 f"http://127.0.0.1:{ports.listen}/v2/models/{DEMO_MODEL}/infer -d "
+                 f"'{{\"inputs\":[{{\"name\":\"INPUT0\",\"shape\":[4],"
+                 f"\"datatype\":\"FP32\",\"data\":[1,2,3,4]}}]}}'",
+                 "via Envoy to Triton (pipeline 'lazy')"),
+                (f".venv/bin/sitsmesh pressure watch {DEMO_MODEL}",
+                 "backpressure, live"),
             ]
         width = max(len(cmd) for cmd, _ in hints)
         print(f"\nsitsmesh is running with Envoy in front (Envoy log: {run_dir}/envoy.log). Try:")

@@ -103,6 +103,20 @@ def render(bootstrap_path: Path, values: Mapping[str, object],
     return bootstrap
 
 
+def add_route(bootstrap: dict[str, Any], *, name: str, prefix: str, host: str,
+              port: int) -> None:
+    """Route `prefix` to a new static cluster `name` at host:port, ahead of the catch-all."""
+    manager = http_connection_manager(bootstrap)
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    routes.insert(0, {"name": name, "match": {"prefix": prefix},
+                      "route": {"cluster": name, "timeout": "30s"}})
+    bootstrap["static_resources"]["clusters"].append({
+        "name": name, "type": "STATIC", "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {
+                "address": host, "port_value": port}}}}]}]}})
+
+
 def write(bootstrap: dict[str, Any], out: Path) -> Path:
     out.write_text(yaml.safe_dump(bootstrap, sort_keys=False), encoding="utf-8")
     return out

@@ -23,6 +23,7 @@ from sitsmesh.pressure.thresholds import PRIORITIES, StageThresholds, Thresholds
 
 TAU_S = 0.3              # memory of the rate estimates
 LATENCY_TICKS = 5        # rt99 over the last this many ticks
+MIN_RT_SAMPLES = 5       # and only once that window holds this many requests
 DECREASE_FLOOR = 0.8     # overload cuts the admitted fraction by at most 20 % a tick
 DECREASE_MIN = 0.95      # and by at least 5 %
 INCREASE_STEP = 0.1
@@ -344,7 +345,8 @@ class Controller:
         merged = Histogram()
         for item in own.recent:
             merged.merge(item)
-        return merged.quantile(0.99) if merged.total else 0.0
+        # A p99 of a handful of requests is one slow request (a cold start): not a tail.
+        return merged.quantile(0.99) if merged.total >= MIN_RT_SAMPLES else 0.0
 
     def _queue(self, tick: _Tick, signals: StageSignals,
                limits: StageThresholds) -> tuple[float, bool]:

@@ -39,6 +39,19 @@ def test_dev_stack_serves_through_envoy_and_status_is_serving_and_swaps(
         models = harness.run_cli("models", "list", "--admin", admin, "--state-dir", str(state))
         assert models.returncode == 0, models.stderr
         assert models.stdout.split("\n")[1].split() == ["default", "lazy", "1", "READY"]
+        # Envoy routes the demo model to Triton through ext_authz, and its pipeline is
+        # under the backpressure controller.
+        infer = urllib.request.Request(
+            f"http://127.0.0.1:{listen}/v2/models/lazy/infer", method="POST",
+            headers={"x-api-key": key, "x-priority": "9"},
+            data=json.dumps({"inputs": [{"name": "INPUT0", "shape": [4], "datatype": "FP32",
+                                         "data": [1, 2, 3, 4]}]}).encode())
+        with urllib.request.urlopen(infer, timeout=10) as resp:
+            assert json.loads(resp.read())["outputs"][0]["data"] == [1, 2, 3, 4]
+        watched = harness.run_cli("pressure", "watch", "lazy", "--count", "1", "--output",
+                                  "json", "--admin", admin, "--state-dir", str(state))
+        assert watched.returncode == 0, watched.stderr
+        assert json.loads(watched.stdout)["pipelines"][0]["pipeline"] == "lazy"
         swap = harness.run_cli("models", "swap", "lazy", "--to", "2", "--admin", admin,
                                "--state-dir", str(state), timeout=120)
         assert swap.returncode == 0, swap.stdout + swap.stderr

@@ -219,3 +219,15 @@ def test_queueing_estimates() -> None:
         pytest.approx(32 * 1.6)
     assert seed_depth(32, rt99_s=0.4, sla_s=0.25, fill=0.8, qps=100, capacity=50) == 32
     assert seed_depth(32, rt99_s=0.6, sla_s=0.25, fill=0.5, qps=100, capacity=50) == 32
+
+
+def test_one_slow_request_is_not_a_tail() -> None:
+    signals, clock = Signals(), [0.0]
+    controller = _controller(signals, clock)
+    clock[0] += 0.1
+    _feed(signals, clock, arrivals=1, done=1, latency_s=0.45, pending=0)  # a cold start
+    decision = controller.tick().decisions["demo"]
+    assert decision.level != "overloaded" and decision.stages[0].rt99_ms == 0.0
+    clock[0] += 0.1
+    _feed(signals, clock, arrivals=6, done=6, latency_s=0.45, pending=0)  # now it is a tail
+    assert controller.tick().decisions["demo"].level == "overloaded"
