@@ -59,4 +59,6 @@ def test_dev_stack_serves_through_envoy_and_status_is_serving_and_swaps(
         assert node.stop(signal.SIGINT) == 0
         assert "stopped" in node.output()
     finally:
-        node.kill()
+        # SIGINT, not SIGKILL: `sitsmesh dev` runs Envoy, sitsmesh and Triton in sessions
+        # of their own and stops them itself; killed, it would leave them running.
+        node.stop(signal.SIGINT, 60)
