@@ -237,8 +237,7 @@ class Controller:
         if view is None or stage is None or not view.capacity or view.stale:
             return tick.thresholds.min_concurrency if view is not None and view.stale else 0
         limits = tick.thresholds.stage(stage.name)
-        sla_s = (stage.sla_p99_ms / 1000 * limits.sla_multiplier
-                 if stage.sla_p99_ms is not None else 1.0)
+        sla_s = _sla_s(stage, limits) or 1.0
         cap = view.capacity / limits.fanout * sla_s * share + limits.parallelism
         return int(max(tick.thresholds.min_concurrency,
                        min(tick.thresholds.max_concurrency, cap)))
@@ -248,8 +247,7 @@ class Controller:
         fullest = max(tick.views, key=lambda v: v.queue_fill)
         stage = next(s for s in tick.pipeline.stages if s.name == fullest.name)
         limits = tick.thresholds.stage(stage.name)
-        sla_s = (stage.sla_p99_ms / 1000 * limits.sla_multiplier
-                 if stage.sla_p99_ms is not None else None)
+        sla_s = _sla_s(stage, limits)
         depth = seed_depth(limits.queue_capacity, rt99_s=fullest.rt99_ms / 1000, sla_s=sla_s,
                            fill=fullest.queue_fill, qps=fullest.arrival_rate,
                            capacity=fullest.capacity)
@@ -294,8 +292,7 @@ class Controller:
                 own.mu = ewma(own.mu, limits.parallelism / max(service, MIN_SERVICE_S),
                               tick.dt, TAU_S)
         mu = own.mu or 0.0
-        sla_s = (stage.sla_p99_ms / 1000 * limits.sla_multiplier
-                 if stage.sla_p99_ms is not None else None)
+        sla_s = _sla_s(stage, limits)
         # A queue is full when waiting in it would use up the SLA, or at its capacity.
         room = float(limits.queue_capacity)
         if sla_s and mu:
@@ -364,6 +361,13 @@ class Controller:
         stale = waiting and signals.completions > 0 and (
             tick.now - signals.last_completion > self._stale_after)
         return queue, stale
+
+
+def _sla_s(stage: Stage, limits: StageThresholds) -> float | None:
+    """The stage's p99 SLA in seconds as the thresholds stretch it; None without one."""
+    if stage.sla_p99_ms is None:
+        return None
+    return stage.sla_p99_ms / 1000 * limits.sla_multiplier
 
 
 def _triton_rates(signals: StageSignals) -> tuple[float, float]:
