@@ -9,22 +9,19 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 import numpy as np
 from google.protobuf.json_format import MessageToDict
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import InferInput
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from sitsmesh.swap.contract import Answer, ServerError, Tensor, VersionState
+from sitsmesh.triton import metrics
 
 CALL_TIMEOUT_S = 10.0
 METRICS_TIMEOUT_S = 2.0
-PENDING_METRIC = "nv_inference_pending_request_count"
 # Triton's own messages say "UNAVAILABLE state" of a version; only gRPC's status code and
 # transport texts mean the server itself is gone.
 _UNREACHABLE = ("failed to connect", "Socket closed", "Connection reset")
@@ -114,28 +111,14 @@ class TritonServer:
         if not self._metrics_url:
             return None
         try:
-            text = await asyncio.to_thread(self._scrape)
-        except (OSError, urllib.error.URLError) as exc:
+            text = await asyncio.to_thread(metrics.fetch, self._metrics_url, METRICS_TIMEOUT_S)
+        except OSError as exc:
             raise ServerError(f"{self.label}: metrics at {self._metrics_url} unreadable: "
                               f"{exc}", unreachable=True) from None
-        return pending_from(text, model)
-
-    def _scrape(self) -> str:
-        with urllib.request.urlopen(self._metrics_url,  # noqa: S310 (http URL from config)
-                                    timeout=METRICS_TIMEOUT_S) as reply:
-            return str(reply.read().decode())
+        return {version: int(values.get("pending", 0))
+                for (name, version), values in metrics.by_version(text).items()
+                if name == model and "pending" in values}
 
     async def close(self) -> None:
         await self._client.close()
 
-
-def pending_from(text: str, model: str) -> dict[int, int]:
-    """Pending requests per version of one model, from Triton's metrics text."""
-    pending: dict[int, int] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != PENDING_METRIC:
-            continue
-        for sample in family.samples:
-            if sample.labels.get("model") == model and sample.labels.get("version", "").isdigit():
-                pending[int(sample.labels["version"])] = int(sample.value)
-    return pending
