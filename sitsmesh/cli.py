@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,24 +98,39 @@ def _admin_token(args: argparse.Namespace, settings: Settings) -> str:
     return read_token(settings.token_path)
 
 
-def _call_admin(args: argparse.Namespace, method: str, request: Any,
-                extra_metadata: Sequence[tuple[str, str]] = ()) -> Any:
+@contextlib.contextmanager
+def _admin_call(args: argparse.Namespace, method: str,
+                extra_metadata: Sequence[tuple[str, str]] = ()) -> Iterator[Any]:
+    """The bound admin method, ready to call (unary or streaming) with the token and
+    `args.timeout`; an RPC error anywhere in the block becomes one _RpcFailed line."""
     import grpc
 
     from sitsmesh.admin.v1 import admin_pb2_grpc
 
     settings = _settings_from(args, ["admin_addr", "state_dir", "admin_token_file"])
-    token = _admin_token(args, settings)
+    metadata = (("authorization", f"Bearer {_admin_token(args, settings)}"),
+                *extra_metadata)
     with grpc.insecure_channel(str(settings.admin_addr)) as channel:
-        stub = admin_pb2_grpc.AdminStub(channel)
+        bound = getattr(admin_pb2_grpc.AdminStub(channel), method)
         try:
-            return getattr(stub, method)(request, timeout=args.timeout,
-                                         metadata=[("authorization", f"Bearer {token}"),
-                                                   *extra_metadata])
+            yield lambda request: bound(request, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             code = exc.code().name if exc.code() else "UNKNOWN"
             raise _RpcFailed(f"{method} on {settings.admin_addr}: {code}: {exc.details()}"
                              ) from None
+
+
+def _call_admin(args: argparse.Namespace, method: str, request: Any,
+                extra_metadata: Sequence[tuple[str, str]] = ()) -> Any:
+    with _admin_call(args, method, extra_metadata) as call:
+        return call(request)
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
+    """Rows as left-aligned columns, two spaces apart."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
 
 
 class _RpcFailed(Exception):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -70,7 +69,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
         rows = [("ENDPOINT", "MODEL", "VERSION", "STATE", "REASON")]
         rows += [(v.endpoint, v.model, str(v.version or "-"), v.state, v.reason)
                  for v in reply.versions]
-        _table(rows)
+        print(cli._table(rows))
         for error in reply.errors:
             print(f"endpoint {error.endpoint}: {error.error}", file=sys.stderr)
     return cli.EXIT_FAILED if reply.errors else 0
@@ -98,30 +97,20 @@ def _options(args: argparse.Namespace) -> Any:
 
 
 def cmd_models_swap(args: argparse.Namespace) -> int:
-    import grpc
-
-    from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+    from sitsmesh.admin.v1 import admin_pb2
 
     request = admin_pb2.SwapModelRequest(model=args.model, target_version=args.target,
                                          endpoint=args.endpoint, options=_options(args))
-    settings = cli._settings_from(args, ["admin_addr", "state_dir", "admin_token_file"])
-    token = cli._admin_token(args, settings)
     progress = _Progress(sys.stderr, live=sys.stderr.isatty())
     final = None
-    with grpc.insecure_channel(str(settings.admin_addr)) as channel:
-        stub = admin_pb2_grpc.AdminStub(channel)
-        try:
-            for event in stub.SwapModel(request, timeout=args.timeout,
-                                        metadata=(("authorization", f"Bearer {token}"),)):
+    try:
+        with cli._admin_call(args, "SwapModel") as call:
+            for event in call(request):
                 progress.show(event)
                 if event.HasField("swap"):
                     final = event.swap
-        except grpc.RpcError as exc:
-            progress.close()
-            code = exc.code().name if exc.code() else "UNKNOWN"
-            raise cli._RpcFailed(f"SwapModel on {settings.admin_addr}: {code}: "
-                                 f"{exc.details()}") from None
-    progress.close()
+    finally:
+        progress.close()
     if final is None:
         raise cli._RpcFailed("SwapModel ended without the swap's record")
     if args.output == "json":
@@ -169,14 +158,7 @@ def _summary(record: Any) -> None:
         print(f"error: {record.error}")
     rows = [("PHASE", "RESULT", "SECONDS", "MESSAGE")]
     rows += [(s.phase, s.state, _seconds(s), s.message) for s in record.steps]
-    _table(rows)
-
-
-def _table(rows: Sequence[tuple[str, ...]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
-        cells = [f"{c:<{w}}" for c, w in zip(row, widths, strict=False)]
-        print("  ".join([*cells, row[-1]]).rstrip())
+    print(cli._table(rows))
 
 
 def cmd_swaps_list(args: argparse.Namespace) -> int:
@@ -190,7 +172,7 @@ def cmd_swaps_list(args: argparse.Namespace) -> int:
     rows = [("ID", "MODEL", "FROM", "TO", "STATE", "PHASE", "ERROR")]
     rows += [(r.id, r.model, str(r.from_version) if r.HasField("from_version") else "-",
               str(r.to_version), r.state, r.phase, r.error) for r in reply.swaps]
-    _table(rows)
+    print(cli._table(rows))
     return 0
 
 

@@ -125,42 +125,25 @@ def _pressure_rows(snapshot: Any) -> list[tuple[str, ...]]:
     return rows
 
 
-def _render(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                     for row in rows)
-
-
 def cmd_pressure_watch(args: argparse.Namespace) -> int:
-    import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+    from sitsmesh.admin.v1 import admin_pb2
 
-    settings = cli._settings_from(args, ["admin_addr", "state_dir", "admin_token_file"])
-    token = cli._admin_token(args, settings)
     live = sys.stdout.isatty() and args.output == "table"
     request = admin_pb2.WatchPressureRequest(pipeline=args.pipeline,
                                              interval_ms=max(0, args.interval_ms),
                                              count=max(0, args.count))
-    with grpc.insecure_channel(str(settings.admin_addr)) as channel:
-        stub = admin_pb2_grpc.AdminStub(channel)
-        try:
-            for snapshot in stub.WatchPressure(
-                    request, timeout=args.timeout,
-                    metadata=(("authorization", f"Bearer {token}"),)):
-                if args.output == "json":
-                    print(json.dumps(MessageToDict(snapshot, preserving_proto_field_name=True)),
-                          flush=True)
-                    continue
-                table = _render(_pressure_rows(snapshot))
-                # On a terminal the table is redrawn in place; otherwise appended.
-                print(("\x1b[H\x1b[2J" if live else "") + table + ("" if live else "\n"),
+    with cli._admin_call(args, "WatchPressure") as call:
+        for snapshot in call(request):
+            if args.output == "json":
+                print(json.dumps(MessageToDict(snapshot, preserving_proto_field_name=True)),
                       flush=True)
-        except grpc.RpcError as exc:
-            code = exc.code().name if exc.code() else "UNKNOWN"
-            raise cli._RpcFailed(f"WatchPressure on {settings.admin_addr}: {code}: "
-                                 f"{exc.details()}") from None
+                continue
+            table = cli._table(_pressure_rows(snapshot))
+            # On a terminal the table is redrawn in place; otherwise appended.
+            print(("\x1b[H\x1b[2J" if live else "") + table + ("" if live else "\n"),
+                  flush=True)
     return 0
 
 
@@ -206,12 +189,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     rows += [(str(s.at), str(s.offered), str(s.admitted),
               f"{s.shed / s.offered:.0%}" if s.offered else "-", str(s.good),
               f"{s.p99_ms:.0f}", f"{s.fraction:.0%}") for s in seconds]
-    print(_render(rows))
+    print(cli._table(rows))
     print("\nsummary:")
     rows = [("POLICY", "GOODPUT/S", "P99 MS", "SHED %", "SUCCESS BY PRIORITY")]
     for policy, (_, result) in runs.items():
         by = ", ".join(f"p{p} {v:.1%}" for p, v in result["success_by_priority"].items())
         rows.append((policy, f"{result['goodput_rps']:.1f}", f"{result['p99_ms']:.0f}",
                      f"{result['shed_fraction']:.0%}", by))
-    print(_render(rows))
+    print(cli._table(rows))
     return 0
