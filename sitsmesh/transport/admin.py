@@ -44,16 +44,12 @@ class ChainAdmin:
     _pipelines: PipelineState
     _assembler: Assembler | None
     _guard: Any
+    _document: Any
 
     async def ApplyPipeline(self, request: admin_pb2.ApplyPipelineRequest,
                             context: aio.ServicerContext[Any, Any]) -> admin_pb2.Pipeline:
         source = request.source or "pipeline"
-        try:
-            doc = yaml.safe_load(request.yaml)
-        except yaml.YAMLError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{source}: invalid YAML: {str(exc).splitlines()[0]}")
-            raise
+        doc = await self._document(context, request.yaml, source)
         if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{source}: a pipeline needs a name and stages")
@@ -180,6 +176,16 @@ class AdminServicer(ChainAdmin, SwapAdmin, PressureAdmin, admin_pb2_grpc.AdminSe
             return await call
         except SitsmeshError as exc:
             await context.abort(grpc_status(exc.code), exc.message)
+            raise
+
+    @staticmethod
+    async def _document(context: aio.ServicerContext[Any, Any], text: str, source: str) -> Any:
+        """A YAML document from an admin request; malformed YAML is INVALID_ARGUMENT."""
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{source}: invalid YAML: {str(exc).splitlines()[0]}")
             raise
 
     async def ApplyRateLimitConfig(

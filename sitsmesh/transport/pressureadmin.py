@@ -47,11 +47,12 @@ class PressureAdmin:
     _thresholds: ThresholdsState
     _pressure: PressureRuntime | None
     _guard: Any
+    _document: Any
 
     async def GetThresholds(self, request: admin_pb2.GetThresholdsRequest,
                             context: aio.ServicerContext[Any, Any]
                             ) -> admin_pb2.PipelineThresholds:
-        await self._known(request.pipeline, context)
+        await self._require_pipeline(request.pipeline, context)
         thresholds, default = await self._guard(context, self._thresholds.get(request.pipeline))
         return admin_pb2.PipelineThresholds(pipeline=request.pipeline,
                                             yaml=_yaml(thresholds.to_body()),
@@ -61,13 +62,9 @@ class PressureAdmin:
                             context: aio.ServicerContext[Any, Any]
                             ) -> admin_pb2.PipelineThresholds:
         source = request.source or "thresholds"
-        await self._known(request.pipeline, context)
-        try:
-            body = yaml.safe_load(request.yaml) if request.yaml.strip() else {}
-        except yaml.YAMLError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{source}: invalid YAML: {str(exc).splitlines()[0]}")
-            raise
+        await self._require_pipeline(request.pipeline, context)
+        body = (await self._document(context, request.yaml, source)
+                if request.yaml.strip() else {})
         metadata = dict(context.invocation_metadata() or ())
         actor = str(metadata.get(ACTOR_METADATA, "") or "unknown")[:MAX_ACTOR]
         thresholds = await self._guard(context, self._thresholds.set(
@@ -123,6 +120,7 @@ class PressureAdmin:
                                                  signals.shed))
         return message
 
-    async def _known(self, pipeline: str, context: aio.ServicerContext[Any, Any]) -> None:
+    async def _require_pipeline(self, pipeline: str,
+                                context: aio.ServicerContext[Any, Any]) -> None:
         if not pipeline:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pipeline is required")
