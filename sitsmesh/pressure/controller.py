@@ -79,7 +79,6 @@ class _StageState:
     service_s: float | None = None          # from access logs: hop time past the queue
     triton_service_s: float | None = None   # from Triton's counters, one scrape window
     completions: int = 0
-    errors: int = 0
     recent: list[Histogram] = field(default_factory=list)
 
 
@@ -272,7 +271,7 @@ class Controller:
         signals = self.signals.stage(tick.pipeline.name, stage.name)
         own = tick.state.stages.setdefault(stage.name, _StageState())
         done = signals.completions - own.completions
-        own.completions, own.errors = signals.completions, signals.errors
+        own.completions = signals.completions
         rt99 = self._rt99(own, signals, tick.dt)
         queue, stale = self._queue(tick, signals, limits)
         lam = tick.state.admitted_rate * limits.fanout

@@ -188,10 +188,6 @@ class SwapManager:
     async def recent(self, model: str = "", limit: int = 50) -> list[SwapRecord]:
         return await self.history.recent(model, limit)
 
-    def running(self, model: str) -> SwapRecord | None:
-        handle = self._running.get(model)
-        return handle.swap.record if handle is not None else None
-
 
 def _options_body(options: SwapOptions) -> dict[str, object]:
     return {"warmup_count": options.warmup_count, "warmup_data": options.warmup_data,

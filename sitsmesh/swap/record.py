@@ -15,7 +15,6 @@ from sitsmesh.errors import NotFoundError
 from sitsmesh.state import StateStore
 
 SWAP_KIND = "swap"
-PHASES = ("precheck", "preflight", "load", "verify", "promote", "drain", "retire", "rollback")
 RUNNING, SUCCEEDED, FAILED, ROLLED_BACK, INTERRUPTED = (
     "running", "succeeded", "failed", "rolled_back", "interrupted")
 
