@@ -151,6 +151,7 @@ class RateLimiter:
         hits: list[Hit] = []
         counted: list[tuple[int, Rule, int]] = []
         oversized: dict[int, Count] = {}
+        arrived: set[str] | None = None  # pipelines this request counted as an arrival at
         for i, rule, key, addend in matched:
             if rule.unlimited:
                 if statuses[i].rule is None:
@@ -163,7 +164,8 @@ class RateLimiter:
             else:
                 limit = rule.requests_per_unit
                 if rule.adaptive_pipeline:
-                    limit = self._adaptive(rule, limit)
+                    arrived = arrived if arrived is not None else set()
+                    limit = self._adaptive(rule, limit, arrived)
                 hits.append(Hit(key, rule.algorithm, limit, rule.window_s, addend))
             counted.append((i, rule, addend))
         counts = await self._store.hit(hits, self._clock()) if hits else []
@@ -181,13 +183,17 @@ class RateLimiter:
             over_any = False
         return Decision(over_any, statuses, metadata)
 
-    def _adaptive(self, rule: Rule, limit: int) -> int:
-        """The rule's limit scaled by its pipeline's admitted fraction (at least 1)."""
+    def _adaptive(self, rule: Rule, limit: int, arrived: set[str]) -> int:
+        """The rule's limit scaled by its pipeline's admitted fraction (at least 1). The
+        request counts once as an arrival at each pipeline, however many rules name it."""
         gate = self._gate
         if gate is None:
             return limit
-        gate.rate_limited(rule.adaptive_pipeline)
-        return max(1 if limit else 0, int(limit * gate.fraction(rule.adaptive_pipeline)))
+        pipeline = rule.adaptive_pipeline
+        if pipeline not in arrived:
+            arrived.add(pipeline)
+            gate.rate_limited(pipeline)
+        return max(1 if limit else 0, int(limit * gate.fraction(pipeline)))
 
     def _collect(self, domain: str, descriptors: Sequence[Descriptor], default_addend: int
                  ) -> tuple[list[tuple[int, Rule, str, int]], dict[str, Any] | None]:

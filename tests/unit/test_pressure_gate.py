@@ -98,6 +98,17 @@ descriptors:
                for _ in range(5)]
     assert [r.over for r in results] == [False, False, False, True, True]  # 10 x 0.3 = 3
     assert gate.signals.pipeline("demo").rl_arrivals == 5
+    # Two adaptive rules of one pipeline on one request: still one arrival.
+    twice = RateLimiter(ConfigHolder(rlconfig.build([("c.yaml", """
+domain: edge
+descriptors:
+  - key: tenant
+    rate_limits:
+      - {unit: hour, requests_per_unit: 10, adaptive: true, pipeline: demo}
+      - {unit: minute, requests_per_unit: 10, adaptive: true, pipeline: demo}
+""")])), MemoryStore(), RuleMetrics(CollectorRegistry()), clock=lambda: 1000.0, gate=gate)
+    await twice.check("edge", [Descriptor((("tenant", "acme"),), None)])
+    assert gate.signals.pipeline("demo").rl_arrivals == 6
     with pytest.raises(ConfigError, match="an adaptive rate limit needs the pipeline"):
         rlconfig.build([("c.yaml", "domain: x\ndescriptors:\n  - key: k\n    rate_limit: "
                                    "{unit: hour, requests_per_unit: 1, adaptive: true}\n")])
