@@ -183,7 +183,7 @@ class Swap:
         known = await self._settled(prod, model)
         if not known:
             raise _Failed(f"model {model} is not in the repository of {prod.label}")
-        ready = await prod.ready_versions(model)
+        ready = [v.version for v in known if v.state == "READY" and v.version]
         if not ready:
             raise _Failed(f"model {model} has no READY version on {prod.label}; a swap "
                           "replaces a serving version, so load one first")
