@@ -188,24 +188,7 @@ class ChainStack:
 def _start_envoy(tmp: Path, config: dict[str, Any], listen: dict[str, int],
                  admin_port: int) -> harness.Envoy:
     path = envoyconf.write(config, tmp / "envoy-chain.yaml")
-    base = harness.spawn([harness.ENVOY, "-c", str(path), "--disable-hot-restart",
-                          "--log-level", "warn"], tmp / "envoy-chain.log")
-    node = harness.Envoy(base.proc, base.log_path, listen["L1"], admin_port, path)
-
-    def ready() -> bool:
-        if node.proc.poll() is not None:
-            raise RuntimeError(f"envoy exited {node.proc.returncode}:\n{node.output()}")
-        try:
-            return node.admin_get("/ready").strip() == "LIVE"
-        except OSError:
-            return False
-
-    try:
-        harness.wait_until(ready, 30, "envoy /ready")
-    except BaseException:
-        node.kill()
-        raise
-    return node
+    return harness.launch_envoy(path, listen["L1"], admin_port, tmp / "envoy-chain.log")
 
 
 @contextlib.contextmanager

@@ -195,9 +195,14 @@ def start_envoy(tmp: Path, sitsmesh_addr: str, upstream_port: int,
         envoyconf.render(bootstrap, envoy_values(sitsmesh_addr, upstream_port, listen, admin),
                          fragments),
         tmp / "envoy.yaml")
+    return launch_envoy(config, listen, admin, tmp / "envoy.log")
+
+
+def launch_envoy(config: Path, listen_port: int, admin_port: int, log_path: Path) -> Envoy:
+    """Envoy on a written config, returned once its admin /ready says LIVE."""
     base = spawn([ENVOY, "-c", str(config), "--disable-hot-restart", "--log-level", "warn"],
-                 tmp / "envoy.log")
-    node = Envoy(base.proc, base.log_path, listen, admin, config)
+                 log_path)
+    node = Envoy(base.proc, base.log_path, listen_port, admin_port, config)
 
     def ready() -> bool:
         if node.proc.poll() is not None:

@@ -412,21 +412,11 @@ def start_envoy(tmp: Path, name: str, sitsmesh_addr: str, upstream_port: int,
         filters = envoyconf.http_connection_manager(config)["http_filters"]
         filters.insert(len(filters) - 1, ADAPTIVE_FILTER)  # just before the router
     path = envoyconf.write(config, tmp / f"envoy-{name}.yaml")
-    base = harness.spawn([harness.ENVOY, "-c", str(path), "--disable-hot-restart",
-                          "--log-level", "warn"], tmp / f"envoy-{name}.log")
-    envoy = harness.Envoy(base.proc, base.log_path, listen, admin, path)
-
-    def ready() -> bool:
-        if envoy.proc.poll() is not None:
-            raise BenchError(f"envoy ({name}) exited {envoy.proc.returncode}:\n"
-                             f"{envoy.output()[-2000:]}")
-        try:
-            return envoy.admin_get("/ready").strip() == "LIVE"
-        except OSError:
-            return False
-
     try:
-        harness.wait_until(ready, 30, f"envoy ({name}) /ready")
+        envoy = harness.launch_envoy(path, listen, admin, tmp / f"envoy-{name}.log")
+    except RuntimeError as exc:  # Envoy exited: a setup failure of this variant
+        raise BenchError(f"envoy ({name}): {str(exc)[-2000:]}") from None
+    try:
         # ext_authz needs the sitsmesh_data cluster healthy before the first request.
         harness.wait_until(lambda: envoy.cluster_health("sitsmesh_data") == ["healthy"], 10,
                            f"envoy ({name}) sees sitsmesh healthy")
