@@ -208,17 +208,7 @@ class Bench:
         def ready() -> bool:
             for p in procs:
                 p.check_alive()
-            try:
-                if bl.http_get(f"http://127.0.0.1:{admin}/ready", timeout=1).strip() != "LIVE":
-                    return False
-                if variant != AUTHZ:
-                    return True
-                clusters = bl.http_get(f"http://127.0.0.1:{admin}/clusters", timeout=1)
-            except OSError:
-                return False
-            return "sitsmesh_data::" in clusters and all(
-                line.endswith("::health_flags::healthy") for line in clusters.splitlines()
-                if line.startswith("sitsmesh_data::") and "::health_flags::" in line)
+            return bl.envoy_ready(admin, sitsmesh=variant == AUTHZ)
 
         def denied(key: str | None, what: str) -> None:
             before = rle.envoy_stats(admin)

@@ -72,6 +72,22 @@ def http_get(url: str, timeout: float = 5.0) -> str:
     return body.decode()
 
 
+def envoy_ready(admin_port: int, *, sitsmesh: bool) -> bool:
+    """Envoy's admin says LIVE and, when it fronts sitsmesh, every sitsmesh_data host is
+    healthy (ext_authz and ratelimit calls fail until the health check passes)."""
+    try:
+        if http_get(f"http://127.0.0.1:{admin_port}/ready", timeout=1).strip() != "LIVE":
+            return False
+        if not sitsmesh:
+            return True
+        clusters = http_get(f"http://127.0.0.1:{admin_port}/clusters", timeout=1)
+    except OSError:
+        return False
+    return "sitsmesh_data::" in clusters and all(
+        line.endswith("::health_flags::healthy") for line in clusters.splitlines()
+        if line.startswith("sitsmesh_data::") and "::health_flags::" in line)
+
+
 # --------------------------------------------------------------------------- processes
 
 def by_role(role: str, leader: int, pid: int) -> str:

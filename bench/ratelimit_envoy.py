@@ -218,17 +218,7 @@ def envoy_target(variant: str, workdir: Path, args: argparse.Namespace,
     def ready() -> bool:
         for p in procs:
             p.check_alive()
-        try:
-            if bl.http_get(f"http://127.0.0.1:{admin}/ready", timeout=1).strip() != "LIVE":
-                return False
-            if sitsmesh is None:
-                return True
-            clusters = bl.http_get(f"http://127.0.0.1:{admin}/clusters", timeout=1)
-        except OSError:
-            return False
-        return "sitsmesh_data::" in clusters and all(
-            line.endswith("::health_flags::healthy") for line in clusters.splitlines()
-            if line.startswith("sitsmesh_data::") and "::health_flags::" in line)
+        return bl.envoy_ready(admin, sitsmesh=sitsmesh is not None)
 
     def setup() -> None:
         bl.wait_until(ready, args.ready_timeout, f"{variant} ready on port {listen}")
