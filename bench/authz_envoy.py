@@ -1,7 +1,7 @@
 """Latency that ext_authz -> sitsmesh adds to HTTP through Envoy, at light load and at 80% load.
 
 Two Envoys (1.40, `--concurrency 1` by default) run side by side, both
-rendered from `filters/local/bootstrap.yaml` with `sitsmesh.envoyconf.render`
+rendered from `filters/local/bootstrap.yaml` with `sitsmesh.dev.envoyconf.render`
 and the `ext_authz` fragment, then edited so that only the filter differs:
 
 - **no filter**: `envoy.filters.http.ext_authz` removed (and the
@@ -81,7 +81,7 @@ import authz_throughput as at
 import benchlib as bl
 import ratelimit_envoy as rle
 
-from sitsmesh import envoyconf
+from sitsmesh.dev import envoyconf
 
 AUTHZ_FILTER = "envoy.filters.http.ext_authz"
 UPSTREAM_PREFIX = "bench_upstream"

@@ -1,7 +1,7 @@
 """HTTP through Envoy: sitsmesh global rate limiting vs Envoy's local_ratelimit vs no filter.
 
 Three Envoys (1.40, `--concurrency 1` by default) run side by side, all
-rendered from `filters/local/bootstrap.yaml` with `sitsmesh.envoyconf.render`
+rendered from `filters/local/bootstrap.yaml` with `sitsmesh.dev.envoyconf.render`
 and the `ratelimit` fragment, then edited so that only the rate-limit filter
 differs:
 
@@ -61,7 +61,7 @@ from typing import Any
 import benchlib as bl
 import ratelimit_throughput as rt
 
-from sitsmesh import envoyconf
+from sitsmesh.dev import envoyconf
 from sitsmesh.errors import ConfigError
 
 ENVOY = str(bl.BIN / "envoy")

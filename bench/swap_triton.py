@@ -3,9 +3,9 @@
 Everything is started (and stopped) by this script on free 127.0.0.1 ports,
 in a temporary directory:
 
-- one `tritonserver` from the nvidia-pytriton wheel (tests/tritonproc.py),
+- one `tritonserver` from the nvidia-pytriton wheel (sitsmesh/dev/triton.py),
   explicit model control, over a model repository of the lazy python-backend
-  demo model (sitsmesh.triton.demo_model): the first request an instance
+  demo model (sitsmesh.dev.demo_model): the first request an instance
   executes after its load sleeps `--context-ms` (standing in for a CUDA
   context and kernel build), every later one `--service-ms`. One instance per
   version, CPU;
@@ -82,18 +82,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import tritonclient.grpc as triton_grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from tritonclient.utils import InferenceServerException
 
-import tritonclient.grpc as triton_grpc  # noqa: E402
-from google.protobuf.timestamp_pb2 import Timestamp  # noqa: E402
-from tritonclient.utils import InferenceServerException  # noqa: E402
-
-from sitsmesh.triton import demo_model  # noqa: E402
-from tests import harness  # noqa: E402
-from tests.tritonload import BackgroundLoad, Outcome  # noqa: E402
-from tests.tritonproc import TritonServer  # noqa: E402
+from sitsmesh.dev import demo_model, harness
+from sitsmesh.dev.triton import TritonServer
+from sitsmesh.dev.tritonload import BackgroundLoad, Outcome
 
 NAIVE = "naive"
 SITSMESH = "sitsmesh"

@@ -70,7 +70,8 @@ def _settings_from(args: argparse.Namespace, keys: Sequence[str]) -> Settings:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from sitsmesh import logs, preflight
+    from sitsmesh import logs
+    from sitsmesh.app import preflight
     from sitsmesh.ratelimit import config as rlconfig
 
     settings = _settings_from(args, list(PARSERS))
@@ -83,13 +84,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutil.rmtree(mp_dir, ignore_errors=True)
         mp_dir.mkdir(mode=0o700)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(mp_dir)
-    from sitsmesh import server
+    from sitsmesh.app import server
 
     return asyncio.run(server.run(settings))
 
 
 def _admin_token(args: argparse.Namespace, settings: Settings) -> str:
-    from sitsmesh.admintoken import TOKEN_ENV, read_token
+    from sitsmesh.app.admintoken import TOKEN_ENV, read_token
 
     if args.token:
         return str(args.token)
@@ -438,7 +439,7 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
 
 
 def cmd_dev(args: argparse.Namespace) -> int:
-    from sitsmesh import devstack
+    from sitsmesh.dev import devstack
 
     serve_args = [a for a in args.serve_args if a != "--"]
     try:

@@ -39,13 +39,27 @@ class StartupError(SitsmeshError):
     code = Code.FAILED_PRECONDITION
 
 
+class InvalidArgumentError(SitsmeshError):
+    """A request is malformed or names something it may not; nothing was changed."""
+
+    code = Code.INVALID_ARGUMENT
+
+
+class FailedPreconditionError(SitsmeshError):
+    """The request is well formed, but this process cannot answer it as configured."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+class UnauthenticatedError(SitsmeshError):
+    """The caller did not prove who it is."""
+
+    code = Code.UNAUTHENTICATED
+
+
 class NotFoundError(SitsmeshError):
     code = Code.NOT_FOUND
 
 
 class ConflictError(SitsmeshError):
     code = Code.ALREADY_EXISTS
-
-
-class UnavailableError(SitsmeshError):
-    code = Code.UNAVAILABLE

@@ -24,8 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, cast
 
-from sitsmesh import envoyconf
-from tests import harness
+from sitsmesh.dev import envoyconf, harness
 
 STREAM_DELAY_S = 0.2
 STAGES = (("pre", "L1"), ("feat", "L2"), ("model", "L3"))

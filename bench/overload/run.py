@@ -3,9 +3,9 @@
 Everything is started (and stopped) by this script on free 127.0.0.1 ports,
 in a temporary directory, with the stack of tests/integration/test_pressure_e2e.py:
 
-- one `tritonserver` from the nvidia-pytriton wheel (tests/tritonproc.py),
+- one `tritonserver` from the nvidia-pytriton wheel (sitsmesh/dev/triton.py),
   explicit model control, serving the lazy python-backend demo model
-  (sitsmesh.triton.demo_model) with a fixed `--service-ms` (20 ms, first
+  (sitsmesh.dev.demo_model) with a fixed `--service-ms` (20 ms, first
   request included) and ONE CPU instance, so its capacity is about
   1 / service time;
 - one `sitsmesh serve --triton-url ... --triton-metrics-url ...`, the pipeline
@@ -111,18 +111,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import grpc
+import tritonclient.grpc as triton_grpc
 
-import grpc  # noqa: E402
-import tritonclient.grpc as triton_grpc  # noqa: E402
+from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+from sitsmesh.dev import demo_model, envoyconf, harness
+from sitsmesh.dev.triton import TritonServer
 
-from sitsmesh import envoyconf  # noqa: E402
-from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
-from sitsmesh.triton import demo_model  # noqa: E402
-from tests import harness  # noqa: E402
-from tests.tritonproc import TritonServer  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 MODEL = "lazy"
 PIPELINE_NAME = "demo"

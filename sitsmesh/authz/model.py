@@ -81,12 +81,6 @@ class ApiKey:
         return {"tenant": self.tenant, "digest": self.digest, "created_at": self.created_at,
                 "expires_at": self.expires_at, "revoked": self.revoked, "name": self.name}
 
-    def public(self) -> dict[str, Any]:
-        """Everything but the digest, for listing."""
-        body = self.to_body()
-        del body["digest"]
-        return {"id": self.id, **body}
-
 
 def apikey_from(key_id: str, body: Mapping[str, Any]) -> ApiKey:
     return ApiKey(key_id, str(body["tenant"]), str(body["digest"]), float(body["created_at"]),

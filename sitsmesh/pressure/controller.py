@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from sitsmesh.chains.histogram import Histogram
 from sitsmesh.chains.pipeline import Pipeline, Stage
-from sitsmesh.pressure.model import ewma, mm1_p99, rate_for_p99, seed_depth
+from sitsmesh.pressure.queueing import ewma, mm1_p99, rate_for_p99, seed_depth
 from sitsmesh.pressure.signals import Signals, StageSignals
 from sitsmesh.pressure.thresholds import PRIORITIES, StageThresholds, Thresholds
 

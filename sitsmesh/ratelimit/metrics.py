@@ -11,9 +11,12 @@ rules with `detailed_metric`, and those are capped too.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from sitsmesh import logs
 from sitsmesh.ratelimit.config import Rule
@@ -92,3 +95,34 @@ class RuleMetrics:
                       requests=self._global_shadow_pending)
             self._global_shadow.inc(self._global_shadow_pending)
             self._global_shadow_pending = 0
+
+
+class _Tallied(Protocol):
+    errors: int
+    fallbacks: int
+
+
+class StoreCounters(Collector):
+    """Reads the resilient store's own tallies at scrape time: nothing on the hot path."""
+
+    def __init__(self, store: _Tallied) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        errors = CounterMetricFamily("sitsmesh_ratelimit_store_errors",
+                                     "Counter-store calls that failed or timed out.")
+        errors.add_metric([], self._store.errors)
+        fallbacks = CounterMetricFamily(
+            "sitsmesh_ratelimit_store_fallbacks",
+            "ShouldRateLimit calls answered by on_store_error instead of the store.")
+        fallbacks.add_metric([], self._store.fallbacks)
+        yield errors
+        yield fallbacks
+
+
+def store_up_gauge(registry: CollectorRegistry | None) -> Gauge:
+    """1 while the shared store answers; the lowest value wins across worker processes."""
+    up = Gauge("sitsmesh_ratelimit_store_up", "1 while the shared counter store answers.",
+               registry=registry, multiprocess_mode="min")
+    up.set(1)
+    return up

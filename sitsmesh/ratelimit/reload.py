@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -139,7 +138,3 @@ class ConfigManager:
         await self._state.delete(KIND, domain)
         await self.reload("admin api")
         return True
-
-
-def paths_from(value: str) -> list[Path]:
-    return [Path(p).expanduser() for p in value.split(os.pathsep) if p]

@@ -10,6 +10,8 @@ import grpc
 from grpc import aio
 
 from sitsmesh import logs
+from sitsmesh.errors import UnauthenticatedError
+from sitsmesh.transport.errors import abort
 
 # Discovery and liveness carry no secrets and must work for probes and grpcurl.
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -17,6 +19,9 @@ EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _log = logs.get("sitsmesh.admin.auth")
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
+
+_UNAUTHENTICATED = UnauthenticatedError(
+    "admin API needs 'authorization: Bearer <token>' with a valid token")
 
 
 class BearerTokenInterceptor(aio.ServerInterceptor):
@@ -58,5 +63,4 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
 
     @staticmethod
     async def _unauthenticated(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "admin API needs 'authorization: Bearer <token>' with a valid token")
+        await abort(context, _UNAUTHENTICATED)

@@ -1,10 +1,13 @@
-"""The one map from domain error codes to gRPC status codes."""
+"""The one map from domain error codes to gRPC status codes, and the abort that uses it."""
 
 from __future__ import annotations
 
-import grpc
+from typing import Any, NoReturn
 
-from sitsmesh.errors import Code
+import grpc
+from grpc import aio
+
+from sitsmesh.errors import Code, SitsmeshError
 
 GRPC_STATUS = {
     Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -21,3 +24,9 @@ GRPC_STATUS = {
 
 def grpc_status(code: Code) -> grpc.StatusCode:
     return GRPC_STATUS[code]
+
+
+async def abort(context: aio.ServicerContext[Any, Any], error: SitsmeshError) -> NoReturn:
+    """End the RPC with the error's status and message."""
+    await context.abort(GRPC_STATUS[error.code], error.message)
+    raise AssertionError("unreachable")  # abort() raises; this keeps type checkers honest

@@ -11,10 +11,10 @@ from google.protobuf.struct_pb2 import Struct
 from grpc import aio
 
 from sitsmesh import logs
-from sitsmesh.errors import SitsmeshError
+from sitsmesh.errors import InvalidArgumentError, SitsmeshError
 from sitsmesh.ratelimit.config import Rule
 from sitsmesh.ratelimit.limiter import Descriptor, RateLimiter
-from sitsmesh.transport.errors import grpc_status
+from sitsmesh.transport.errors import abort
 
 SERVICE_NAME = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
 _REQUEST = rls_pb2.RateLimitRequest
@@ -70,8 +70,8 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
 
     async def ShouldRateLimit(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         if type(request) is _Undecodable:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "request is not a valid RateLimitRequest (strings must be UTF-8)")
+            await abort(context, InvalidArgumentError(
+                "request is not a valid RateLimitRequest (strings must be UTF-8)"))
         descriptors = [
             Descriptor(tuple([(e.key, e.value) for e in d.entries]),
                        d.hits_addend.value if d.HasField("hits_addend") else None,
@@ -82,8 +82,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
             decision = await self._limiter.check(request.domain, descriptors,
                                                  request.hits_addend)
         except SitsmeshError as exc:
-            await context.abort(grpc_status(exc.code), exc.message)
-            raise  # abort raises; keeps type checkers honest
+            await abort(context, exc)
         response = rls_pb2.RateLimitResponse(overall_code=_OVER if decision.over else _OK)
         for status in decision.statuses:
             entry = response.statuses.add(code=_OVER if status.over else _OK,

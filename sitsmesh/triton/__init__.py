@@ -1,1 +1,2 @@
-"""Run and talk to a real Triton Inference Server (the nvidia-pytriton wheel's tritonserver)."""
+"""What production uses to talk to Triton: the gRPC client behind hot swaps and the reader of
+its /metrics page behind backpressure."""

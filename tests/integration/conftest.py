@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests import harness
+from sitsmesh.dev import harness
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests import harness
+from sitsmesh.dev import harness
 
 Start = Callable[..., harness.Sitsmesh]
 

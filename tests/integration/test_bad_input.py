@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import harness
+from sitsmesh.dev import harness
 
 
 def _serve(tmp_path: Path, *args: str, state: Path | None = None,

@@ -14,7 +14,8 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
-from tests import chainstack, harness
+from sitsmesh.dev import harness
+from tests import chainstack
 
 Start = Callable[..., harness.Sitsmesh]
 

@@ -7,7 +7,7 @@ import signal
 import urllib.request
 from pathlib import Path
 
-from tests import harness
+from sitsmesh.dev import harness
 
 
 def test_dev_stack_serves_through_envoy_and_status_is_serving_and_swaps(

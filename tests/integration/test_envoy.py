@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from sitsmesh import envoyconf
-from tests import harness
+from sitsmesh.dev import envoyconf, harness
 
 FILTERS = harness.REPO / "filters"
 

@@ -11,7 +11,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
-from tests import harness
+from sitsmesh.dev import harness
 
 PIPELINE = """
 name: demo

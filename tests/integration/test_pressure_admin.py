@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests import harness
+from sitsmesh.dev import harness
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from tests import harness
+from sitsmesh.dev import harness
 
 CONFIG = harness.REPO / "filters" / "local" / "ratelimit"
 

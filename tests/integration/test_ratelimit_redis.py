@@ -14,9 +14,9 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2
 
-from sitsmesh.wiring import STORE_HEALTH
-from tests import harness
-from tests.redisproc import RedisServer, redis_server
+from sitsmesh.app.components import STORE_HEALTH
+from sitsmesh.dev import harness
+from sitsmesh.dev.redis import RedisServer, redis_server
 
 Start = Callable[..., harness.Sitsmesh]
 OK, OVER = rls_pb2.RateLimitResponse.OK, rls_pb2.RateLimitResponse.OVER_LIMIT

@@ -9,7 +9,7 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
-from tests import harness
+from sitsmesh.dev import harness
 
 CONFIG = """
 domain: w

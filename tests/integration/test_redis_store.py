@@ -18,12 +18,13 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from sitsmesh.dev import harness
+from sitsmesh.dev import redis as redisproc
 from sitsmesh.ratelimit.config import Algorithm
 from sitsmesh.ratelimit.memory import MemoryStore
 from sitsmesh.ratelimit.redis_store import RedisStore
 from sitsmesh.ratelimit.resilient import ResilientStore, StoreErrorPolicy
 from sitsmesh.ratelimit.store import Count, Hit
-from tests import harness, redisproc
 
 # A window boundary for every window used below, so tables read in offsets.
 T0 = 1_700_006_400.0

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
-from tests import harness
+from sitsmesh.dev import harness
 
 Start = Callable[..., harness.Sitsmesh]
 

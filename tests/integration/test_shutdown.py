@@ -12,7 +12,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
-from tests import harness
+from sitsmesh.dev import harness
 
 Start = Callable[..., harness.Sitsmesh]
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -20,10 +20,9 @@ import pytest
 import tritonclient.grpc as triton_grpc
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
-from sitsmesh.triton import demo_model
-from tests import harness
-from tests.tritonload import BackgroundLoad
-from tests.tritonproc import TritonServer
+from sitsmesh.dev import demo_model, harness
+from sitsmesh.dev.triton import TritonServer
+from sitsmesh.dev.tritonload import BackgroundLoad
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ import pytest
 import tritonclient.grpc.aio as triton_aio
 from tritonclient.grpc import InferInput
 
-from sitsmesh.triton import demo_model
-from tests.tritonproc import TritonServer
+from sitsmesh.dev import demo_model
+from sitsmesh.dev.triton import TritonServer
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import grpc
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
-from tests import harness
+from sitsmesh.dev import harness
 
 Start = Callable[..., harness.Sitsmesh]
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sitsmesh.admintoken import load_or_create, read_token
+from sitsmesh.app.admintoken import load_or_create, read_token
 from sitsmesh.errors import ConfigError, StartupError
 
 

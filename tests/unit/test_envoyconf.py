@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from sitsmesh import envoyconf
+from sitsmesh.dev import envoyconf
 from sitsmesh.errors import ConfigError
 
 

@@ -10,7 +10,7 @@ import pytest
 from grpc import aio
 from prometheus_client import CollectorRegistry
 
-from sitsmesh.metrics import RpcMetrics
+from sitsmesh.app.metrics import RpcMetrics
 
 
 async def _unary(request: bytes, context: aio.ServicerContext[Any, Any]) -> bytes:

@@ -207,7 +207,7 @@ def test_bad_profiles_are_named() -> None:
 
 
 def test_queueing_estimates() -> None:
-    from sitsmesh.pressure.model import mm1_p99, rate_for_p99, seed_depth
+    from sitsmesh.pressure.queueing import mm1_p99, rate_for_p99, seed_depth
 
     assert mm1_p99(40, 50) == pytest.approx(0.4605, rel=1e-3)
     assert mm1_p99(50, 50) == float("inf")

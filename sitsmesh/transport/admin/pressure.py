@@ -6,23 +6,17 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
-import yaml
 from grpc import aio
 
 from sitsmesh.admin.v1 import admin_pb2
+from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from sitsmesh.pressure.controller import Decision, Snapshot
+from sitsmesh.pressure.ledger import ThresholdLedger
 from sitsmesh.pressure.runtime import PressureRuntime
-from sitsmesh.pressure.state import ThresholdsState
-from sitsmesh.transport.stamps import timestamp
+from sitsmesh.transport.admin.common import read_yaml, timestamp, yaml_text
 
 ACTOR_METADATA = "x-sitsmesh-actor"
 MAX_ACTOR = 200
-
-
-
-def _yaml(body: Any) -> str:
-    return yaml.safe_dump(body, sort_keys=False) if body is not None else ""
 
 
 def pipeline_pb(decision: Decision, in_flight: int, shed: int) -> admin_pb2.PipelinePressure:
@@ -42,60 +36,55 @@ def pipeline_pb(decision: Decision, in_flight: int, shed: int) -> admin_pb2.Pipe
 
 
 class PressureAdmin:
-    """Mixed into AdminServicer; `_guard` maps domain errors to gRPC status in one place."""
+    RPCS = ("GetThresholds", "SetThresholds", "ListThresholdChanges", "WatchPressure")
 
-    _thresholds: ThresholdsState
-    _pressure: PressureRuntime | None
-    _guard: Any
-    _document: Any
+    def __init__(self, thresholds: ThresholdLedger, runtime: PressureRuntime | None) -> None:
+        """`runtime` is None where this process does not run the controller."""
+        self._thresholds = thresholds
+        self._pressure = runtime
 
     async def GetThresholds(self, request: admin_pb2.GetThresholdsRequest,
                             context: aio.ServicerContext[Any, Any]
                             ) -> admin_pb2.PipelineThresholds:
-        await self._require_pipeline(request.pipeline, context)
-        thresholds, default = await self._guard(context, self._thresholds.get(request.pipeline))
+        _require_pipeline(request.pipeline)
+        thresholds, default = await self._thresholds.get(request.pipeline)
         return admin_pb2.PipelineThresholds(pipeline=request.pipeline,
-                                            yaml=_yaml(thresholds.to_body()),
+                                            yaml=yaml_text(thresholds.to_body()),
                                             is_default=default)
 
     async def SetThresholds(self, request: admin_pb2.SetThresholdsRequest,
                             context: aio.ServicerContext[Any, Any]
                             ) -> admin_pb2.PipelineThresholds:
         source = request.source or "thresholds"
-        await self._require_pipeline(request.pipeline, context)
-        body = (await self._document(context, request.yaml, source)
-                if request.yaml.strip() else {})
+        _require_pipeline(request.pipeline)
+        body = read_yaml(request.yaml, source) if request.yaml.strip() else {}
         metadata = dict(context.invocation_metadata() or ())
         actor = str(metadata.get(ACTOR_METADATA, "") or "unknown")[:MAX_ACTOR]
-        thresholds = await self._guard(context, self._thresholds.set(
+        thresholds = await self._thresholds.set(
             request.pipeline, body, source=source, actor=actor, peer=context.peer(),
-            dry_run=request.dry_run))
+            dry_run=request.dry_run)
         return admin_pb2.PipelineThresholds(pipeline=request.pipeline,
-                                            yaml=_yaml(thresholds.to_body()), is_default=False)
+                                            yaml=yaml_text(thresholds.to_body()), is_default=False)
 
     async def ListThresholdChanges(self, request: admin_pb2.ListThresholdChangesRequest,
                                    context: aio.ServicerContext[Any, Any]
                                    ) -> admin_pb2.ListThresholdChangesResponse:
-        changes = await self._guard(context, self._thresholds.changes(
-            request.pipeline, request.limit or 50))
+        changes = await self._thresholds.changes(request.pipeline, request.limit or 50)
         return admin_pb2.ListThresholdChangesResponse(changes=[
             admin_pb2.ThresholdChange(pipeline=c.pipeline, actor=c.actor, peer=c.peer,
-                                      at=timestamp(c.at), before=_yaml(c.before),
-                                      after=_yaml(c.after)) for c in changes])
+                                      at=timestamp(c.at), before=yaml_text(c.before),
+                                      after=yaml_text(c.after)) for c in changes])
 
     async def WatchPressure(self, request: admin_pb2.WatchPressureRequest,
                             context: aio.ServicerContext[Any, Any]
                             ) -> AsyncIterator[admin_pb2.PressureSnapshot]:
         runtime = self._pressure
         if runtime is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "the backpressure controller runs with --workers 1: its "
-                                "signals come from the process that serves Check and the "
-                                "access logs")
-            raise AssertionError("unreachable")
+            raise FailedPreconditionError(
+                "the backpressure controller runs with --workers 1: its signals come from "
+                "the process that serves Check and the access logs")
         if request.pipeline and request.pipeline not in runtime.controller.pipelines:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"pipeline {request.pipeline} does not exist")
+            raise NotFoundError(f"pipeline {request.pipeline} does not exist")
         sent, last = 0, 0.0
         interval = request.interval_ms / 1000
         async for snapshot in runtime.watch():
@@ -120,7 +109,7 @@ class PressureAdmin:
                                                  signals.shed))
         return message
 
-    async def _require_pipeline(self, pipeline: str,
-                                context: aio.ServicerContext[Any, Any]) -> None:
-        if not pipeline:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pipeline is required")
+
+def _require_pipeline(pipeline: str) -> None:
+    if not pipeline:
+        raise InvalidArgumentError("pipeline is required")

@@ -32,7 +32,7 @@ class Change:
     after: Mapping[str, Any]
 
 
-class ThresholdsState(RevisionFollower):
+class ThresholdLedger(RevisionFollower):
     def __init__(self, state: StateStore, clock: Callable[[], float] = time.time) -> None:
         super().__init__(state)
         self._clock = clock

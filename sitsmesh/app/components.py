@@ -1,33 +1,37 @@
-"""The one place that builds the object graph from settings."""
+"""The parts of the object graph, each with what it serves and the background work it runs.
+
+A component is built for one role: `serve=True` where the data plane runs (it gets
+the request-path objects), `serve=False` in a supervisor that only keeps configs
+and answers the admin API.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from grpc import aio
-from prometheus_client import CollectorRegistry, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry
 
 from sitsmesh.authz.admission import Admission, AdmissionPolicy
 from sitsmesh.authz.check import Authorizer, AuthzSettings, AuthzSnapshot
-from sitsmesh.authz.state import AuthzState
+from sitsmesh.authz.directory import TenantDirectory
 from sitsmesh.chains.assembler import Assembler
-from sitsmesh.chains.state import PipelineState
+from sitsmesh.chains.catalog import PipelineCatalog
+from sitsmesh.chains.metrics import ChainMetrics
 from sitsmesh.config import Settings
 from sitsmesh.pressure.gate import PressureGate
+from sitsmesh.pressure.ledger import ThresholdLedger
 from sitsmesh.pressure.runtime import PressureRuntime
-from sitsmesh.pressure.state import ThresholdsState
 from sitsmesh.ratelimit.config import Algorithm
 from sitsmesh.ratelimit.limiter import RateLimiter
 from sitsmesh.ratelimit.memory import MemoryStore
-from sitsmesh.ratelimit.metrics import RuleMetrics
+from sitsmesh.ratelimit.metrics import RuleMetrics, StoreCounters, store_up_gauge
 from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.ratelimit.store import CounterStore, Hit
 from sitsmesh.state import StateStore
@@ -44,7 +48,9 @@ from sitsmesh.transport.ratelimit import RateLimitServicer
 from sitsmesh.transport.ratelimit import add_to_server as add_ratelimit
 
 STORE_HEALTH = "sitsmesh.ratelimit.store"
-METRICS_FLUSH_S = 1.0
+# Rule counters and expiry sweeps: once a second keeps scrapes and holds fresh enough
+# without a timer on the request path.
+HOUSEKEEPING_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,47 +61,32 @@ class DataService:
     add_to_server: Callable[[aio.Server], None]
 
 
-def _counter_store(settings: Settings, registry: CollectorRegistry | None,
-                   board: StatusBoard) -> CounterStore:
-    if settings.ratelimit_store == "memory":
-        return MemoryStore()
-    from sitsmesh.ratelimit.redis_store import RedisStore
-    from sitsmesh.ratelimit.resilient import ResilientStore, StoreErrorPolicy
+class Background:
+    """A component's background tasks: started on the running loop, stopped together."""
 
-    up = Gauge("sitsmesh_ratelimit_store_up", "1 while the shared counter store answers.",
-               registry=registry, multiprocess_mode="min")
-    up.set(1)
+    __slots__ = ("_tasks",)
 
-    def on_health(healthy: bool) -> None:
-        up.set(1 if healthy else 0)
-        board.set(STORE_HEALTH, Serving.SERVING if healthy else Serving.NOT_SERVING)
+    def __init__(self) -> None:
+        self._tasks: list[asyncio.Task[None]] = []
 
-    timeout = settings.redis_timeout_ms / 1000
-    # The Redis store bounds each batch itself, so the wrapper adds no timer per call.
-    store = ResilientStore(RedisStore.from_url(settings.redis_url, timeout_s=timeout),
-                           StoreErrorPolicy(settings.on_store_error), timeout_s=None,
-                           replicas=settings.store_replicas, on_health=on_health)
-    if registry is not None:  # live counters; worker processes report store_up only
-        registry.register(_StoreCounters(store))
-    return store
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(work))
 
+    def every(self, seconds: float, tick: Callable[[], object]) -> None:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(seconds)
+                tick()
 
-class _StoreCounters(Collector):
-    """Reads the resilient store's own counters at scrape time: nothing on the hot path."""
+        self.spawn(loop())
 
-    def __init__(self, store: Any) -> None:
-        self._store = store
-
-    def collect(self) -> Iterator[Metric]:
-        errors = CounterMetricFamily("sitsmesh_ratelimit_store_errors",
-                                     "Counter-store calls that failed or timed out.")
-        errors.add_metric([], self._store.errors)
-        fallbacks = CounterMetricFamily(
-            "sitsmesh_ratelimit_store_fallbacks",
-            "ShouldRateLimit calls answered by on_store_error instead of the store.")
-        fallbacks.add_metric([], self._store.fallbacks)
-        yield errors
-        yield fallbacks
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 class RateLimitComponent:
@@ -108,9 +99,8 @@ class RateLimitComponent:
         self.config = ConfigManager(settings.ratelimit_config, state, registry)
         self.store: CounterStore | None = None
         self.limiter: RateLimiter | None = None
-        self._board = board
-        self._tasks: list[asyncio.Task[None]] = []
         self._metrics: RuleMetrics | None = None
+        self._background = Background()
         if serve:
             self.store = _counter_store(settings, registry, board)
             self._metrics = RuleMetrics(registry)
@@ -131,17 +121,9 @@ class RateLimitComponent:
 
     async def start(self) -> None:
         await self.config.reload("startup")
-        loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(
-            self.config.watch(self._settings.reload_interval_seconds)))
+        self._background.spawn(self.config.watch(self._settings.reload_interval_seconds))
         if self._metrics is not None:
-            self._tasks.append(loop.create_task(self._flush_metrics(self._metrics)))
-
-    @staticmethod
-    async def _flush_metrics(metrics: RuleMetrics) -> None:
-        while True:
-            await asyncio.sleep(METRICS_FLUSH_S)
-            metrics.flush()
+            self._background.every(HOUSEKEEPING_S, self._metrics.flush)
 
     async def probe(self) -> None:
         """One read-only call, so a store that is down shows in health before traffic does."""
@@ -150,14 +132,35 @@ class RateLimitComponent:
                                  time.time())
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._background.stop()
         if self._metrics is not None:
             self._metrics.flush()
         if self.store is not None:
             await self.store.close()
+
+
+def _counter_store(settings: Settings, registry: CollectorRegistry | None,
+                   board: StatusBoard) -> CounterStore:
+    if settings.ratelimit_store == "memory":
+        return MemoryStore()
+    # Imported here: redis-py loads only where the shared store is configured.
+    from sitsmesh.ratelimit.redis_store import RedisStore
+    from sitsmesh.ratelimit.resilient import ResilientStore, StoreErrorPolicy
+
+    up = store_up_gauge(registry)
+
+    def on_health(healthy: bool) -> None:
+        up.set(1 if healthy else 0)
+        board.set(STORE_HEALTH, Serving.SERVING if healthy else Serving.NOT_SERVING)
+
+    timeout = settings.redis_timeout_ms / 1000
+    # The Redis store bounds each batch itself, so the wrapper adds no timer per call.
+    store = ResilientStore(RedisStore.from_url(settings.redis_url, timeout_s=timeout),
+                           StoreErrorPolicy(settings.on_store_error), timeout_s=None,
+                           replicas=settings.store_replicas, on_health=on_health)
+    if registry is not None:  # live counters; worker processes report store_up only
+        registry.register(StoreCounters(store))
+    return store
 
 
 class PressureComponent:
@@ -167,9 +170,9 @@ class PressureComponent:
     def __init__(self, settings: Settings, state: StateStore,
                  registry: CollectorRegistry | None, *, serve: bool) -> None:
         self._settings = settings
-        self.thresholds = ThresholdsState(state)
+        self.thresholds = ThresholdLedger(state)
         self.runtime: PressureRuntime | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._background = Background()
         if serve:
             self.runtime = PressureRuntime(
                 registry, scrape_interval_s=settings.pressure_scrape_seconds,
@@ -181,7 +184,11 @@ class PressureComponent:
     def gate(self) -> PressureGate | None:
         return self.runtime.gate if self.runtime is not None else None
 
+    def services(self) -> list[DataService]:
+        return []
+
     def attach(self, chains: ChainsComponent) -> None:
+        """The controller learns pipelines from the catalog and hops from the assembler."""
         if self.runtime is None:
             return
         chains.pipelines.on_change(self.runtime.set_pipelines)
@@ -190,20 +197,15 @@ class PressureComponent:
 
     async def start(self) -> None:
         await self.thresholds.refresh()
-        loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(
-            self.thresholds.watch(self._settings.reload_interval_seconds)))
+        self._background.spawn(self.thresholds.watch(self._settings.reload_interval_seconds))
         if self.runtime is not None:
-            self._tasks.append(loop.create_task(self.runtime.run()))
+            self._background.spawn(self.runtime.run())
             urls = [e.metrics_url for e in self._settings.triton_endpoints if e.metrics_url]
             if urls:
-                self._tasks.append(loop.create_task(self.runtime.scrape(urls)))
+                self._background.spawn(self.runtime.scrape(urls))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._background.stop()
 
 
 class AuthzComponent:
@@ -212,9 +214,9 @@ class AuthzComponent:
     def __init__(self, settings: Settings, state: StateStore, *, serve: bool,
                  gate: PressureGate | None = None) -> None:
         self._settings = settings
-        self.state = AuthzState(state)
+        self.directory = TenantDirectory(state)
         self.authorizer: Authorizer | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._background = Background()
         if serve:
             admission = Admission(AdmissionPolicy(), hold_s=settings.admission_hold_seconds,
                                   gate=gate)
@@ -229,8 +231,14 @@ class AuthzComponent:
                 authorizer.snapshot = snapshot
                 admission.policy = policy
 
-            self.state.on_change(swap)
+            self.directory.on_change(swap)
             self.authorizer = authorizer
+
+    def release(self, request_id: str) -> bool:
+        """End a request's admission hold (its access-log entry arrived)."""
+        if self.authorizer is None:
+            return False
+        return self.authorizer.admission.release(request_id)
 
     def services(self) -> list[DataService]:
         if self.authorizer is None:
@@ -239,24 +247,13 @@ class AuthzComponent:
         return [DataService(AUTHZ_SERVICE, lambda server: add_authz(servicer, server))]
 
     async def start(self) -> None:
-        await self.state.refresh()
-        loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(
-            self.state.watch(self._settings.reload_interval_seconds)))
+        await self.directory.refresh()
+        self._background.spawn(self.directory.watch(self._settings.reload_interval_seconds))
         if self.authorizer is not None:
-            self._tasks.append(loop.create_task(self._expire(self.authorizer.admission)))
-
-    @staticmethod
-    async def _expire(admission: Admission) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            admission.expire()
+            self._background.every(HOUSEKEEPING_S, self.authorizer.admission.expire)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._background.stop()
 
 
 class ChainsComponent:
@@ -266,36 +263,14 @@ class ChainsComponent:
                  registry: CollectorRegistry | None, *, serve: bool,
                  release: Callable[[str], bool]) -> None:
         self._settings = settings
-        self.pipelines = PipelineState(state)
+        self.pipelines = PipelineCatalog(state)
         self.assembler: Assembler | None = None
         self._release = release
-        self._tasks: list[asyncio.Task[None]] = []
+        self._background = Background()
         if serve:
-            latency = Histogram("sitsmesh_stage_latency_seconds",
-                                "Own time of each pipeline stage per finished chain.",
-                                ["pipeline", "stage"], registry=registry,
-                                buckets=STAGE_BUCKETS)
-            e2e = Histogram("sitsmesh_pipeline_latency_seconds",
-                            "End-to-end time of each finished chain.", ["pipeline"],
-                            registry=registry, buckets=STAGE_BUCKETS)
-
-            # labels() costs more than observe(); pipelines and stages are few, so the
-            # children are looked up once and kept.
-            stage_children: dict[tuple[str, str], Any] = {}
-            e2e_children: dict[str, Any] = {}
-
-            def on_chain(pipeline: str, own: dict[str, float], total: float) -> None:
-                for stage, seconds in own.items():
-                    child = stage_children.get((pipeline, stage))
-                    if child is None:
-                        child = stage_children[pipeline, stage] = latency.labels(pipeline, stage)
-                    child.observe(seconds)
-                child = e2e_children.get(pipeline)
-                if child is None:
-                    child = e2e_children[pipeline] = e2e.labels(pipeline)
-                child.observe(total)
-
-            assembler = Assembler({}, on_chain=on_chain, ttl_s=settings.chain_ttl_seconds)
+            metrics = ChainMetrics(registry)
+            assembler = Assembler({}, on_chain=metrics.observe,
+                                  ttl_s=settings.chain_ttl_seconds)
             self.pipelines.on_change(assembler.set_pipelines)
             self.assembler = assembler
 
@@ -308,23 +283,12 @@ class ChainsComponent:
 
     async def start(self) -> None:
         await self.pipelines.refresh()
-        loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(
-            self.pipelines.watch(self._settings.reload_interval_seconds)))
+        self._background.spawn(self.pipelines.watch(self._settings.reload_interval_seconds))
         if self.assembler is not None:
-            self._tasks.append(loop.create_task(self._expire(self.assembler)))
-
-    @staticmethod
-    async def _expire(assembler: Assembler) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            assembler.expire()
+            self._background.every(HOUSEKEEPING_S, self.assembler.expire)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._background.stop()
 
 
 class SwapsComponent:
@@ -340,12 +304,11 @@ class SwapsComponent:
                                    TritonServer, registry,
                                    pressure=pressure.model_pressure if pressure else None)
 
+    def services(self) -> list[DataService]:
+        return []
+
     async def start(self) -> None:
         await self.manager.start()
 
     async def stop(self) -> None:
         await self.manager.stop()
-
-
-STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                 30.0, 60.0)

@@ -29,10 +29,10 @@ from sitsmesh.errors import ConflictError, NotFoundError
 from sitsmesh.state import StateStore
 from sitsmesh.state.watch import RevisionFollower
 
-_log = logs.get("sitsmesh.authz.state")
+_log = logs.get("sitsmesh.authz.directory")
 
 
-class AuthzState(RevisionFollower):
+class TenantDirectory(RevisionFollower):
     def __init__(self, state: StateStore, clock: Callable[[], float] = time.time) -> None:
         super().__init__(state)
         self._clock = clock

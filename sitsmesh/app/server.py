@@ -1,7 +1,8 @@
 """Process lifecycle of `sitsmesh serve`: start the listeners, serve, drain, stop.
 
 Roles: a single process hosts data plane, admin and metrics; with --workers N
-a supervisor hosts admin and metrics and N workers host the data plane.
+a supervisor hosts admin and metrics and N workers host the data plane. What
+each role holds is built by `compose`; this module only runs it.
 Shutdown order on SIGTERM/SIGINT: health NOT_SERVING, drain window, stop(grace).
 """
 
@@ -17,20 +18,20 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 
-from sitsmesh import __version__, admintoken, logs, wiring
-from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
-from sitsmesh.authz.state import AuthzState
+from sitsmesh import __version__, logs
+from sitsmesh.admin.v1 import admin_pb2
+from sitsmesh.app import admintoken, compose
+from sitsmesh.app.components import DataService, RateLimitComponent
+from sitsmesh.app.metrics import MULTIPROC_ENV, RpcMetrics, admin_auth_failures, new_registry
+from sitsmesh.app.workers import WorkerPool
 from sitsmesh.config import Settings, describe
 from sitsmesh.errors import StartupError
-from sitsmesh.metrics import MULTIPROC_ENV, RpcMetrics, new_registry
-from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.state import SqliteStore
 from sitsmesh.status import ServiceState, Serving, StatusBoard
 from sitsmesh.transport.admin import AdminServicer
 from sitsmesh.transport.auth import BearerTokenInterceptor
-from sitsmesh.workers import WorkerPool
 
 _log = logs.get("sitsmesh.server")
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -64,7 +65,7 @@ def _host(addr: str) -> str:
 
 
 async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetrics,
-                      reuseport: bool, services: list[wiring.DataService]
+                      reuseport: bool, services: list[DataService]
                       ) -> tuple[aio.Server, str]:
     server = aio.server(options=[("grpc.so_reuseport", int(reuseport))])
     # The hot path: handlers are instrumented as they register, not intercepted per call.
@@ -87,21 +88,14 @@ async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetric
 
 
 async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMetrics,
-                       store: SqliteStore, ratelimit: ConfigManager, authz: AuthzState,
-                       chains: wiring.ChainsComponent, swaps: wiring.SwapsComponent,
-                       pressure: wiring.PressureComponent,
-                       auth: BearerTokenInterceptor,
-                       bound: dict[str, str]) -> tuple[aio.Server, str]:
+                       servicer: AdminServicer,
+                       auth: BearerTokenInterceptor) -> tuple[aio.Server, str]:
     # Auth runs first: the metrics interceptor caches handlers per method.
     server = aio.server(
         interceptors=[auth, metrics.interceptor("admin")],
         options=[("grpc.so_reuseport", 0)],
     )
-    admin_pb2_grpc.add_AdminServicer_to_server(
-        AdminServicer(settings, board, store, bound, ratelimit=ratelimit, authz=authz,
-                      pipelines=chains.pipelines, assembler=chains.assembler,
-                      swaps=swaps.manager, thresholds=pressure.thresholds,
-                      pressure=pressure.runtime), server)
+    servicer.add_to_server(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     board.add_listener(_health_listener(health, "admin"))
@@ -140,7 +134,7 @@ async def _drain_and_stop(settings: Settings, board: StatusBoard,
     await asyncio.gather(*(s.stop(settings.grace_seconds) for s in servers))
 
 
-def _reload_on_hup(component: wiring.RateLimitComponent) -> Callable[[], None]:
+def _reload_on_hup(component: RateLimitComponent) -> Callable[[], None]:
     tasks: set[asyncio.Task[bool]] = set()
 
     def on_hup() -> None:
@@ -151,6 +145,12 @@ def _reload_on_hup(component: wiring.RateLimitComponent) -> Callable[[], None]:
     return on_hup
 
 
+def worker_main(settings: Settings, index: int, ready: Any) -> None:
+    """A worker process's entry (the pool spawns it); `ready` is set once it serves."""
+    logs.configure(settings.log_level, settings.log_format)
+    raise SystemExit(asyncio.run(run_worker(settings, index, ready.set)))
+
+
 async def run_worker(settings: Settings, index: int,
                      on_ready: Callable[[], None] = lambda: None) -> int:
     """A data-plane worker: the data server only, sharing the port with its siblings."""
@@ -159,23 +159,18 @@ async def run_worker(settings: Settings, index: int,
     # Reads the configs the supervisor's admin API persists; WAL lets both open it.
     state = SqliteStore(settings.state_dir / "state.db")
     # Values go to the multiprocess files the supervisor's /metrics aggregates.
-    component = wiring.RateLimitComponent(settings, state, None, board, serve=True)
-    authz = wiring.AuthzComponent(settings, state, serve=True)
-    chains = _chains(settings, state, None, authz, serve=True)
-    stop = _stop_event(_reload_on_hup(component))
-    for part in (component, authz, chains):
-        await part.start()
-    server, data = await _start_data(
-        settings, board, RpcMetrics(None), reuseport=True,
-        services=[*authz.services(), *component.services(), *chains.services()])
+    graph = compose.build(settings, state, None, board, compose.Role.WORKER)
+    stop = _stop_event(_reload_on_hup(graph.ratelimit))
+    await graph.start()
+    server, data = await _start_data(settings, board, RpcMetrics(None), reuseport=True,
+                                     services=graph.data_services())
     board.set_all(Serving.SERVING)
-    await component.probe()
+    await graph.ratelimit.probe()
     on_ready()
     _log.info("worker serving", data_addr=data, **structlog_ctx)
     await stop.wait()
     await _drain_and_stop(settings, board, [server])
-    for part in (component, authz, chains):
-        await part.stop()
+    await graph.stop()
     await state.close()
     _log.info("worker stopped", **structlog_ctx)
     return 0
@@ -195,13 +190,13 @@ def _start_pool(settings: Settings, board: StatusBoard) -> WorkerPool:
     def on_workers(all_alive: bool) -> None:
         board.set_all(Serving.SERVING if all_alive else Serving.NOT_SERVING, "data")
 
-    pool = WorkerPool(settings, on_workers)
+    pool = WorkerPool(settings, on_workers, worker_main)
     board.workers = pool.snapshot
     pool.start()
     return pool
 
 
-def _reload_everywhere(component: wiring.RateLimitComponent,
+def _reload_everywhere(component: RateLimitComponent,
                        pools: list[WorkerPool]) -> Callable[[], None]:
     reload_here = _reload_on_hup(component)
 
@@ -220,28 +215,6 @@ def _admin_token(settings: Settings) -> str:
     return token
 
 
-def _components(settings: Settings, store: SqliteStore, registry: CollectorRegistry | None,
-                board: StatusBoard) -> tuple[wiring.RateLimitComponent, wiring.AuthzComponent,
-                                             wiring.ChainsComponent, wiring.PressureComponent]:
-    """The supervisor's parts: with workers, only config and admin, no request serving."""
-    serve = settings.workers == 1
-    pressure = wiring.PressureComponent(settings, store, registry, serve=serve)
-    component = wiring.RateLimitComponent(settings, store, registry, board, serve=serve,
-                                          gate=pressure.gate)
-    authz = wiring.AuthzComponent(settings, store, serve=serve, gate=pressure.gate)
-    chains = _chains(settings, store, registry, authz, serve=serve)
-    pressure.attach(chains)
-    return component, authz, chains, pressure
-
-
-def _chains(settings: Settings, state: SqliteStore, registry: CollectorRegistry | None,
-            authz: wiring.AuthzComponent, *, serve: bool) -> wiring.ChainsComponent:
-    admission = authz.authorizer.admission if authz.authorizer is not None else None
-    # An access-log entry marks the end of its request: it frees the admission hold.
-    release = admission.release if admission is not None else (lambda _request_id: False)
-    return wiring.ChainsComponent(settings, state, registry, serve=serve, release=release)
-
-
 def _registries() -> tuple[CollectorRegistry, CollectorRegistry | None]:
     """(registry to serve, registry for live metrics). In multiprocess mode the
     collector reads every process's files, this one's too, so registering live
@@ -255,15 +228,13 @@ async def run(settings: Settings) -> int:
     board = StatusBoard()
     registry, metric_registry = _registries()
     rpc_metrics = RpcMetrics(metric_registry)
-    auth_failures = Counter("sitsmesh_admin_auth_failures_total",
-                            "Admin calls rejected for a missing or wrong bearer token.",
-                            registry=metric_registry)
+    auth_failures = admin_auth_failures(metric_registry)
 
     store = SqliteStore(settings.state_dir / "state.db")
-    component, authz, chains, pressure = _components(settings, store, metric_registry, board)
-    swaps = wiring.SwapsComponent(settings, store, metric_registry, pressure.runtime)
+    role = compose.Role.SINGLE if settings.workers == 1 else compose.Role.SUPERVISOR
+    graph = compose.build(settings, store, metric_registry, board, role)
     pools: list[WorkerPool] = []
-    stop = _stop_event(_reload_everywhere(component, pools))
+    stop = _stop_event(_reload_everywhere(graph.ratelimit, pools))
     token = _admin_token(settings)
 
     servers: list[aio.Server] = []
@@ -271,23 +242,21 @@ async def run(settings: Settings) -> int:
     pool: WorkerPool | None = None
     httpd = None
     try:
-        for part in (component, authz, chains, pressure, swaps):
-            await part.start()
-        if settings.workers == 1:
+        await graph.start()
+        if role is compose.Role.SINGLE:
             data_server, bound["data"] = await _start_data(
-                settings, board, rpc_metrics, reuseport=False,
-                services=[*authz.services(), *component.services(), *chains.services()])
+                settings, board, rpc_metrics, reuseport=False, services=graph.data_services())
             servers.append(data_server)
         else:
             bound["data"] = str(settings.data_addr)
             board.register("", "data")
         admin_server, bound["admin"] = await _start_admin(
-            settings, board, metrics=rpc_metrics, store=store, ratelimit=component.config,
-            authz=authz.state, chains=chains, swaps=swaps, pressure=pressure,
-            auth=BearerTokenInterceptor(token, on_reject=auth_failures.inc), bound=bound)
+            settings, board, metrics=rpc_metrics,
+            servicer=compose.admin_servicer(graph, settings, board, store, bound),
+            auth=BearerTokenInterceptor(token, on_reject=auth_failures.inc))
         servers.append(admin_server)
         httpd, bound["metrics"] = _start_metrics(settings, registry)
-        if settings.workers > 1:
+        if role is compose.Role.SUPERVISOR:
             if settings.ratelimit_store == "memory":
                 _log.warning("memory counter store counts in each worker: every limit applies "
                              "per worker; use --ratelimit-store redis to share counts",
@@ -295,7 +264,7 @@ async def run(settings: Settings) -> int:
             pool = _start_pool(settings, board)
             pools.append(pool)
         board.set_all(Serving.SERVING)
-        await component.probe()
+        await graph.ratelimit.probe()
         _log.info("serving", version=__version__, pid=os.getpid(), bound=bound,
                   workers=settings.workers, config_version=settings.config_version,
                   settings=describe(settings))
@@ -312,8 +281,7 @@ async def run(settings: Settings) -> int:
         if httpd is not None:
             httpd.shutdown()
             httpd.server_close()
-        for part in (component, authz, chains, pressure, swaps):
-            await part.stop()
+        await graph.stop()
         await store.close()
     _log.info("stopped", clean=clean)
     return 0 if clean else 1

@@ -23,19 +23,18 @@ from sitsmesh.status import WorkerState
 _log = logs.get("sitsmesh.workers")
 RESTART_BACKOFF_S = 1.0
 
-
-def _worker_main(settings: Settings, index: int, ready: Any) -> None:
-    from sitsmesh import server
-
-    logs.configure(settings.log_level, settings.log_format)
-    raise SystemExit(asyncio.run(server.run_worker(settings, index, ready.set)))
+# A worker's entry: (settings, index, ready event). It must be a module-level function,
+# since the spawn start method pickles it by name.
+WorkerEntry = Callable[[Settings, int, Any], None]
 
 
 class WorkerPool:
-    def __init__(self, settings: Settings, on_change: Callable[[bool], None]) -> None:
+    def __init__(self, settings: Settings, on_change: Callable[[bool], None],
+                 entry: WorkerEntry) -> None:
         """on_change(all_alive) is called whenever a worker dies or is replaced."""
         self._settings = settings
         self._on_change = on_change
+        self._entry = entry
         self._ctx = multiprocessing.get_context("spawn")
         self._procs: list[BaseProcess | None] = [None] * settings.workers
         self._ready: list[Any] = [None] * settings.workers
@@ -46,7 +45,7 @@ class WorkerPool:
     def _spawn(self, index: int) -> None:
         ready = self._ctx.Event()
         self._ready[index] = ready
-        proc = self._ctx.Process(target=_worker_main, args=(self._settings, index, ready),
+        proc = self._ctx.Process(target=self._entry, args=(self._settings, index, ready),
                                  name=f"sitsmesh-worker-{index}", daemon=False)
         proc.start()
         self._procs[index] = proc

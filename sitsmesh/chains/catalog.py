@@ -11,10 +11,10 @@ from sitsmesh.errors import NotFoundError
 from sitsmesh.state import StateStore
 from sitsmesh.state.watch import RevisionFollower
 
-_log = logs.get("sitsmesh.chains.state")
+_log = logs.get("sitsmesh.chains.catalog")
 
 
-class PipelineState(RevisionFollower):
+class PipelineCatalog(RevisionFollower):
     def __init__(self, state: StateStore) -> None:
         super().__init__(state)
         self.pipelines: dict[str, Pipeline] = {}

@@ -16,7 +16,7 @@ import numpy as np
 import tritonclient.grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
-from sitsmesh.triton import demo_model
+from sitsmesh.dev import demo_model
 
 
 @dataclass(frozen=True, slots=True)

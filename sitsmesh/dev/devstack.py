@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from sitsmesh import envoyconf
+from sitsmesh.dev import envoyconf
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,27 +51,27 @@ DEMO_THRESHOLDS = """stages:
 
 def _start_triton(run_dir: Path, ports: DevPorts) -> subprocess.Popen[bytes] | None:
     """Triton (explicit model control) serving v1 of the demo model; None if not installed."""
-    from sitsmesh.triton import demo_model, launcher
+    from sitsmesh.dev import demo_model, triton
 
     try:
-        install = launcher.find_tritonserver()
+        install = triton.find_tritonserver()
     except RuntimeError as exc:
         print(f"sitsmesh dev: no Triton ({exc}); model swaps are off", file=sys.stderr)
         return None
     repo = run_dir / "models"
     demo_model.write_lazy_model(repo, DEMO_MODEL, [1, 2, 3], context_ms=400, service_ms=2)
-    backends = launcher.prepare_backend_dir(install, run_dir / "triton")
-    argv = launcher.triton_argv(install, backends, repo, http_port=ports.triton_http,
-                                grpc_port=ports.triton_grpc, metrics_port=ports.triton_metrics)
+    backends = triton.prepare_backend_dir(install, run_dir / "triton")
+    argv = triton.triton_argv(install, backends, repo, http_port=ports.triton_http,
+                              grpc_port=ports.triton_grpc, metrics_port=ports.triton_metrics)
     log = (run_dir / "triton.log").open("wb")
-    triton = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                              env=launcher.triton_env(install), start_new_session=True)
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                            env=triton.triton_env(install), start_new_session=True)
     log.close()
     import tritonclient.grpc as triton_grpc
     from tritonclient.utils import InferenceServerException
 
     try:
-        _wait_ready(f"http://127.0.0.1:{ports.triton_http}/v2/health/live", triton,
+        _wait_ready(f"http://127.0.0.1:{ports.triton_http}/v2/health/live", proc,
                     "tritonserver")
         client = triton_grpc.InferenceServerClient(f"127.0.0.1:{ports.triton_grpc}")
         try:
@@ -80,12 +80,12 @@ def _start_triton(run_dir: Path, ports: DevPorts) -> subprocess.Popen[bytes] | N
             client.close()
     except (SystemExit, InferenceServerException) as exc:
         # The rest of the stack is still worth running; say why swaps are off.
-        triton.kill()
-        triton.wait(10)
+        proc.kill()
+        proc.wait(10)
         print(f"sitsmesh dev: Triton did not start ({exc}); see {run_dir}/triton.log. "
               "Model swaps are off", file=sys.stderr)
         return None
-    return triton
+    return proc
 
 
 class _DemoUpstream(BaseHTTPRequestHandler):

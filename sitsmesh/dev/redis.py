@@ -1,4 +1,5 @@
-"""Run a real redis-server for tests: loopback only, no persistence, restartable on its port.
+"""A real redis-server for tests and benchmarks: loopback only, no persistence, restartable
+on its port.
 
 The server runs in its own session (see harness.spawn), so teardown kills it
 even when a test failed half-way.
@@ -13,7 +14,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests import harness
+from sitsmesh.dev import harness
 
 
 def redis_server_binary() -> str:

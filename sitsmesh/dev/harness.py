@@ -1,7 +1,9 @@
-"""Start real processes for tests: `sitsmesh serve`, Envoy, and a small HTTP upstream.
+"""Real local processes for the integration tests and the benchmarks: `sitsmesh serve`,
+Envoy, and a small HTTP upstream, each on free loopback ports.
 
 Each runs in its own session so teardown can kill the whole group, even when
-the test failed half-way.
+the caller failed half-way. Like `sitsmesh dev`, it runs from a source checkout:
+Envoy's configs come from the checkout's filters/.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sitsmesh import envoyconf
+from sitsmesh.dev import envoyconf
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SITSMESH = str(BIN / "sitsmesh")
 ENVOY = str(BIN / "envoy")

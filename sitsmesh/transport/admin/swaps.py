@@ -13,10 +13,9 @@ from sitsmesh.swap.machine import SwapEvent
 from sitsmesh.swap.manager import SwapManager
 from sitsmesh.swap.override import SwapOptions
 from sitsmesh.swap.record import SwapRecord
-from sitsmesh.transport.stamps import timestamp
+from sitsmesh.transport.admin.common import timestamp
 
 _DEFAULTS = SwapOptions()
-
 
 
 def options_from(message: admin_pb2.SwapOptions) -> SwapOptions:
@@ -60,15 +59,15 @@ def _event_pb(event: SwapEvent) -> admin_pb2.SwapEvent:
 
 
 class SwapAdmin:
-    """Mixed into AdminServicer; `_guard` maps domain errors to gRPC status in one place."""
+    RPCS = ("ListModels", "SwapModel", "GetSwap", "ListSwaps")
 
-    _swaps: SwapManager
-    _guard: Any
+    def __init__(self, swaps: SwapManager) -> None:
+        self._swaps = swaps
 
     async def ListModels(self, request: admin_pb2.ListModelsRequest,
                          context: aio.ServicerContext[Any, Any]
                          ) -> admin_pb2.ListModelsResponse:
-        endpoints = await self._guard(context, self._swaps.list_models(request.endpoint))
+        endpoints = await self._swaps.list_models(request.endpoint)
         reply = admin_pb2.ListModelsResponse()
         for item in endpoints:
             if item.error:
@@ -81,11 +80,8 @@ class SwapAdmin:
     async def SwapModel(self, request: admin_pb2.SwapModelRequest,
                         context: aio.ServicerContext[Any, Any]
                         ) -> AsyncIterator[admin_pb2.SwapEvent]:
-        async def begin() -> Any:
-            return self._swaps.begin(request.model, request.target_version, request.endpoint,
-                                     options_from(request.options))
-
-        handle = await self._guard(context, begin())
+        handle = self._swaps.begin(request.model, request.target_version, request.endpoint,
+                                   options_from(request.options))
         last: admin_pb2.SwapEvent | None = None
         async for event in handle.stream():
             if last is not None:
@@ -102,10 +98,9 @@ class SwapAdmin:
 
     async def GetSwap(self, request: admin_pb2.GetSwapRequest,
                       context: aio.ServicerContext[Any, Any]) -> admin_pb2.SwapRecord:
-        return record_pb(await self._guard(context, self._swaps.get(request.id)))
+        return record_pb(await self._swaps.get(request.id))
 
     async def ListSwaps(self, request: admin_pb2.ListSwapsRequest,
                         context: aio.ServicerContext[Any, Any]) -> admin_pb2.ListSwapsResponse:
-        records = await self._guard(context, self._swaps.recent(request.model,
-                                                                request.limit or 50))
+        records = await self._swaps.recent(request.model, request.limit or 50)
         return admin_pb2.ListSwapsResponse(swaps=[record_pb(r) for r in records])

@@ -1,4 +1,5 @@
-"""Prometheus metrics: one registry per process, and the per-RPC server interceptor."""
+"""Prometheus metrics of the process: one registry, per-RPC series for every server, and
+the admin API's auth failures. Domain metrics live beside their domain."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def new_registry() -> CollectorRegistry:
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
     return registry
+
+
+def admin_auth_failures(registry: CollectorRegistry | None) -> Counter:
+    return Counter("sitsmesh_admin_auth_failures_total",
+                   "Admin calls rejected for a missing or wrong bearer token.",
+                   registry=registry)
 
 
 class RpcMetrics:

@@ -1,0 +1,102 @@
+"""The composition root: the one place that builds the object graph from settings.
+
+Three roles share it. A single process (`--workers 1`) serves everything. With
+workers, the supervisor keeps configs and answers the admin API while each worker
+serves the data plane; the backpressure controller and swaps run only where the
+Check and access-log signals of one process meet, so workers run neither.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from sitsmesh.app.components import (
+    AuthzComponent,
+    ChainsComponent,
+    DataService,
+    PressureComponent,
+    RateLimitComponent,
+    SwapsComponent,
+)
+from sitsmesh.config import Settings
+from sitsmesh.state import StateStore
+from sitsmesh.status import StatusBoard
+from sitsmesh.transport.admin import AdminServicer
+from sitsmesh.transport.admin.chains import ChainAdmin
+from sitsmesh.transport.admin.pressure import PressureAdmin
+from sitsmesh.transport.admin.ratelimit import RateLimitAdmin
+from sitsmesh.transport.admin.status import StatusAdmin
+from sitsmesh.transport.admin.swaps import SwapAdmin
+from sitsmesh.transport.admin.tenants import TenantAdmin
+
+
+class Role(enum.Enum):
+    SINGLE = "single"
+    SUPERVISOR = "supervisor"
+    WORKER = "worker"
+
+
+@dataclass(frozen=True, slots=True)
+class Graph:
+    """Every component of one process, in start order (stopped in the same order)."""
+
+    ratelimit: RateLimitComponent
+    authz: AuthzComponent
+    chains: ChainsComponent
+    pressure: PressureComponent | None
+    swaps: SwapsComponent | None
+
+    @property
+    def parts(self) -> tuple[RateLimitComponent | AuthzComponent | ChainsComponent
+                             | PressureComponent | SwapsComponent, ...]:
+        return tuple(p for p in (self.ratelimit, self.authz, self.chains, self.pressure,
+                                 self.swaps) if p is not None)
+
+    def data_services(self) -> list[DataService]:
+        """The Envoy-facing services this process serves (none in a supervisor)."""
+        return [*self.authz.services(), *self.ratelimit.services(), *self.chains.services()]
+
+    async def start(self) -> None:
+        for part in self.parts:
+            await part.start()
+
+    async def stop(self) -> None:
+        for part in self.parts:
+            await part.stop()
+
+
+def build(settings: Settings, store: StateStore, registry: CollectorRegistry | None,
+          board: StatusBoard, role: Role) -> Graph:
+    """`registry` None: metric values go only to the multiprocess files (workers)."""
+    serve = role is not Role.SUPERVISOR
+    pressure = (PressureComponent(settings, store, registry, serve=serve)
+                if role is not Role.WORKER else None)
+    gate = pressure.gate if pressure is not None else None
+    ratelimit = RateLimitComponent(settings, store, registry, board, serve=serve, gate=gate)
+    authz = AuthzComponent(settings, store, serve=serve, gate=gate)
+    # An access-log entry marks the end of its request: it frees the admission hold.
+    chains = ChainsComponent(settings, store, registry, serve=serve, release=authz.release)
+    swaps = None
+    if pressure is not None:
+        pressure.attach(chains)
+        swaps = SwapsComponent(settings, store, registry, pressure.runtime)
+    return Graph(ratelimit, authz, chains, pressure, swaps)
+
+
+def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: StateStore,
+                   bound: Mapping[str, str]) -> AdminServicer:
+    """The Admin API over this process's graph (a supervisor's or a single process's)."""
+    if graph.pressure is None or graph.swaps is None:
+        raise ValueError("the admin API is served where pressure and swaps are composed")
+    return AdminServicer(
+        StatusAdmin(board, store, config_version=settings.config_version, bound=bound),
+        RateLimitAdmin(graph.ratelimit.config),
+        TenantAdmin(graph.authz.directory),
+        ChainAdmin(graph.chains.pipelines, graph.chains.assembler),
+        SwapAdmin(graph.swaps.manager),
+        PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime),
+    )

@@ -1,0 +1,109 @@
+"""Pipelines and latency chains on the admin API, and stage reports from services."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from grpc import aio
+
+from sitsmesh import logs
+from sitsmesh.admin.v1 import admin_pb2
+from sitsmesh.chains.assembler import Assembler, Hop
+from sitsmesh.chains.catalog import PipelineCatalog
+from sitsmesh.chains.pipeline import Pipeline
+from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from sitsmesh.transport.admin.common import read_yaml, yaml_text
+
+_log = logs.get("sitsmesh.admin")
+WINDOWS = {"1m": 60, "5m": 300}
+
+
+class ChainAdmin:
+    RPCS = ("ApplyPipeline", "GetPipeline", "ListPipelines", "DeletePipeline",
+            "GetLatencyChain", "ReportStageLatency")
+
+    def __init__(self, catalog: PipelineCatalog, assembler: Assembler | None) -> None:
+        """`assembler` is None where this process does not serve the data plane."""
+        self._catalog = catalog
+        self._assembler = assembler
+
+    async def ApplyPipeline(self, request: admin_pb2.ApplyPipelineRequest,
+                            context: aio.ServicerContext[Any, Any]) -> admin_pb2.Pipeline:
+        source = request.source or "pipeline"
+        doc = read_yaml(request.yaml, source)
+        if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
+            raise InvalidArgumentError(f"{source}: a pipeline needs a name and stages")
+        pipeline = await self._catalog.apply(doc["name"], doc, source)
+        _log.info("pipeline applied", pipeline=pipeline.name)
+        return _pipeline_pb(pipeline)
+
+    async def GetPipeline(self, request: admin_pb2.GetPipelineRequest,
+                          context: aio.ServicerContext[Any, Any]) -> admin_pb2.Pipeline:
+        return _pipeline_pb(await self._catalog.get(request.name))
+
+    async def ListPipelines(self, request: admin_pb2.ListPipelinesRequest,
+                            context: aio.ServicerContext[Any, Any]
+                            ) -> admin_pb2.ListPipelinesResponse:
+        await self._catalog.refresh()
+        return admin_pb2.ListPipelinesResponse(pipelines=[
+            _pipeline_pb(p) for _, p in sorted(self._catalog.pipelines.items())])
+
+    async def DeletePipeline(self, request: admin_pb2.DeletePipelineRequest,
+                             context: aio.ServicerContext[Any, Any]
+                             ) -> admin_pb2.DeletePipelineResponse:
+        await self._catalog.delete(request.name)
+        _log.info("pipeline deleted", pipeline=request.name)
+        return admin_pb2.DeletePipelineResponse()
+
+    async def GetLatencyChain(self, request: admin_pb2.GetLatencyChainRequest,
+                              context: aio.ServicerContext[Any, Any]) -> admin_pb2.LatencyChain:
+        window = request.window or "1m"
+        if window not in WINDOWS:
+            raise InvalidArgumentError(
+                f"window must be one of {', '.join(WINDOWS)}, got {window!r}")
+        if self._assembler is None:
+            raise FailedPreconditionError(
+                "latency chains are assembled with --workers 1: the entries of one request "
+                "could reach different worker processes")
+        report = self._assembler.report(request.pipeline, WINDOWS[window])
+        if report is None:
+            raise NotFoundError(f"pipeline {request.pipeline} does not exist")
+        reply = admin_pb2.LatencyChain(
+            pipeline=report.pipeline, window=window, chains=report.chains,
+            incomplete=report.incomplete, failed=report.failed, e2e_p50_ms=report.e2e_p50_ms,
+            e2e_p99_ms=report.e2e_p99_ms, bottleneck=report.bottleneck)
+        for stage in report.stages:
+            entry = reply.stages.add(name=stage.name, p50_ms=stage.p50_ms, p90_ms=stage.p90_ms,
+                                     p99_ms=stage.p99_ms, attributed_ms=stage.attributed_ms,
+                                     share_of_e2e_p99=stage.share_of_e2e_p99)
+            if stage.ttfb_p99_ms is not None:
+                entry.ttfb_p99_ms = stage.ttfb_p99_ms
+            if stage.total_p99_ms is not None:
+                entry.total_p99_ms = stage.total_p99_ms
+            if stage.queue_p99_ms is not None:
+                entry.queue_p99_ms = stage.queue_p99_ms
+        return reply
+
+    async def ReportStageLatency(self, request_iterator: AsyncIterator[admin_pb2.StageLatency],
+                                 context: aio.ServicerContext[Any, Any]
+                                 ) -> admin_pb2.ReportStageLatencyResponse:
+        accepted = rejected = 0
+        async for report in request_iterator:
+            start = report.start.ToNanoseconds() / 1e9
+            end = report.end.ToNanoseconds() / 1e9
+            if (self._assembler is None or not report.request_id or not report.stage
+                    or not report.HasField("start") or end < start):
+                rejected += 1
+                continue
+            ttfb = (report.first_byte.ToNanoseconds() / 1e9 - start
+                    if report.HasField("first_byte") else None)
+            self._assembler.add(Hop(report.request_id, start, end - start, ttfb=ttfb,
+                                    pipeline=report.pipeline, stage=report.stage))
+            accepted += 1
+        return admin_pb2.ReportStageLatencyResponse(accepted=accepted, rejected=rejected)
+
+
+def _pipeline_pb(pipeline: Pipeline) -> admin_pb2.Pipeline:
+    return admin_pb2.Pipeline(name=pipeline.name,
+                              yaml=yaml_text({"name": pipeline.name, **pipeline.to_body()}))

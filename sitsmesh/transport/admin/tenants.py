@@ -1,0 +1,94 @@
+"""Tenants and API keys on the admin API; a key's secret leaves only in CreateApiKey's reply."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpc import aio
+
+from sitsmesh import logs
+from sitsmesh.admin.v1 import admin_pb2
+from sitsmesh.authz.directory import TenantDirectory
+from sitsmesh.authz.model import ApiKey, Tenant
+from sitsmesh.transport.admin.common import timestamp
+
+_log = logs.get("sitsmesh.admin")
+
+
+class TenantAdmin:
+    RPCS = ("CreateTenant", "UpdateTenant", "GetTenant", "ListTenants", "DeleteTenant",
+            "CreateApiKey", "ListApiKeys", "RevokeApiKey")
+
+    def __init__(self, directory: TenantDirectory) -> None:
+        self._directory = directory
+
+    async def CreateTenant(self, request: admin_pb2.Tenant,
+                           context: aio.ServicerContext[Any, Any]) -> admin_pb2.Tenant:
+        tenant = await self._directory.create_tenant(request.name, _tenant_body(request))
+        _log.info("tenant created", tenant=tenant.name)
+        return _tenant_pb(tenant)
+
+    async def UpdateTenant(self, request: admin_pb2.Tenant,
+                           context: aio.ServicerContext[Any, Any]) -> admin_pb2.Tenant:
+        tenant = await self._directory.update_tenant(request.name, _tenant_body(request))
+        _log.info("tenant updated", tenant=tenant.name)
+        return _tenant_pb(tenant)
+
+    async def GetTenant(self, request: admin_pb2.GetTenantRequest,
+                        context: aio.ServicerContext[Any, Any]) -> admin_pb2.Tenant:
+        return _tenant_pb(await self._directory.get_tenant(request.name))
+
+    async def ListTenants(self, request: admin_pb2.ListTenantsRequest,
+                          context: aio.ServicerContext[Any, Any]
+                          ) -> admin_pb2.ListTenantsResponse:
+        tenants = await self._directory.list_tenants()
+        return admin_pb2.ListTenantsResponse(tenants=[_tenant_pb(t) for t in tenants])
+
+    async def DeleteTenant(self, request: admin_pb2.DeleteTenantRequest,
+                           context: aio.ServicerContext[Any, Any]
+                           ) -> admin_pb2.DeleteTenantResponse:
+        await self._directory.delete_tenant(request.name)
+        _log.info("tenant deleted", tenant=request.name)
+        return admin_pb2.DeleteTenantResponse()
+
+    async def CreateApiKey(self, request: admin_pb2.CreateApiKeyRequest,
+                           context: aio.ServicerContext[Any, Any]
+                           ) -> admin_pb2.CreateApiKeyResponse:
+        expires = (request.expires_at.ToNanoseconds() / 1e9
+                   if request.HasField("expires_at") else None)
+        key, secret = await self._directory.create_key(request.tenant, name=request.name,
+                                                       expires_at=expires)
+        _log.info("api key created", key_id=key.id, tenant=key.tenant)  # never the secret
+        return admin_pb2.CreateApiKeyResponse(key=_key_pb(key), secret=secret)
+
+    async def ListApiKeys(self, request: admin_pb2.ListApiKeysRequest,
+                          context: aio.ServicerContext[Any, Any]
+                          ) -> admin_pb2.ListApiKeysResponse:
+        keys = await self._directory.list_keys(request.tenant)
+        return admin_pb2.ListApiKeysResponse(keys=[_key_pb(k) for k in keys])
+
+    async def RevokeApiKey(self, request: admin_pb2.RevokeApiKeyRequest,
+                           context: aio.ServicerContext[Any, Any]) -> admin_pb2.ApiKey:
+        key = await self._directory.revoke_key(request.id)
+        _log.info("api key revoked", key_id=key.id, tenant=key.tenant)
+        return _key_pb(key)
+
+
+def _tenant_body(request: admin_pb2.Tenant) -> dict[str, Any]:
+    return {"models": list(request.models), "priority": request.priority,
+            "max_priority": request.max_priority, "max_concurrency": request.max_concurrency,
+            "labels": dict(request.labels)}
+
+
+def _tenant_pb(tenant: Tenant) -> admin_pb2.Tenant:
+    return admin_pb2.Tenant(name=tenant.name, models=list(tenant.models),
+                            priority=tenant.priority, max_priority=tenant.max_priority,
+                            max_concurrency=tenant.max_concurrency, labels=dict(tenant.labels))
+
+
+def _key_pb(key: ApiKey) -> admin_pb2.ApiKey:
+    message = admin_pb2.ApiKey(id=key.id, tenant=key.tenant, name=key.name,
+                               created_at=timestamp(key.created_at), revoked=key.revoked)
+    if key.expires_at is not None:
+        message.expires_at.CopyFrom(timestamp(key.expires_at))
+    return message
