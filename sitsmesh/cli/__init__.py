@@ -594,10 +594,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after --: more `sitsmesh serve` flags")
     dev.set_defaults(func=cmd_dev)
 
-    from sitsmesh import modelscli, pressurecli
+    from sitsmesh.cli import models, pressure
 
-    modelscli.add_commands(sub)
-    pressurecli.add_commands(sub)
+    models.add_commands(sub)
+    pressure.add_commands(sub)
     return parser
 
 
