@@ -4,21 +4,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from sitsmesh import __version__
-from sitsmesh.config import PARSERS, Settings, flag_name, load_settings
+from sitsmesh.cli.common import (
+    EXIT_FAILED,
+    RpcFailed,
+    UsageError,
+    add_common_admin,
+    call_admin,
+    die,
+    message_dict,
+    print_json,
+    read_text,
+    settings_from,
+)
+from sitsmesh.config import PARSERS, flag_name
 from sitsmesh.errors import SitsmeshError
-
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 _FLAG_HELP = {
     "data_addr": "data-plane gRPC address (Envoy-facing services, health, reflection)",
@@ -56,24 +64,11 @@ _FLAG_HELP = {
 }
 
 
-def _die(message: str, code: int = EXIT_USAGE) -> int:
-    print(f"sitsmesh: error: {message}", file=sys.stderr)
-    return code
-
-
-def _settings_from(args: argparse.Namespace, keys: Sequence[str]) -> Settings:
-    flags: dict[str, str | None] = {"config": args.config}
-    for key in keys:
-        value = getattr(args, key, None)
-        flags[key] = os.pathsep.join(value) if isinstance(value, list) else value
-    return load_settings(flags)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from sitsmesh import logs, preflight
     from sitsmesh.ratelimit import config as rlconfig
 
-    settings = _settings_from(args, list(PARSERS))
+    settings = settings_from(args, list(PARSERS))
     preflight.check_all(settings)
     rlconfig.load(settings.ratelimit_config)  # a bad file stops the start, before any port
     logs.configure(settings.log_level, settings.log_format)
@@ -88,65 +83,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(server.run(settings))
 
 
-def _admin_token(args: argparse.Namespace, settings: Settings) -> str:
-    from sitsmesh.admintoken import TOKEN_ENV, read_token
-
-    if args.token:
-        return str(args.token)
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
-    return read_token(settings.token_path)
-
-
-@contextlib.contextmanager
-def _admin_call(args: argparse.Namespace, method: str,
-                extra_metadata: Sequence[tuple[str, str]] = ()) -> Iterator[Any]:
-    """The bound admin method, ready to call (unary or streaming) with the token and
-    `args.timeout`; an RPC error anywhere in the block becomes one _RpcFailed line."""
-    import grpc
-
-    from sitsmesh.admin.v1 import admin_pb2_grpc
-
-    settings = _settings_from(args, ["admin_addr", "state_dir", "admin_token_file"])
-    metadata = (("authorization", f"Bearer {_admin_token(args, settings)}"),
-                *extra_metadata)
-    with grpc.insecure_channel(str(settings.admin_addr)) as channel:
-        bound = getattr(admin_pb2_grpc.AdminStub(channel), method)
-        try:
-            yield lambda request: bound(request, timeout=args.timeout, metadata=metadata)
-        except grpc.RpcError as exc:
-            code = exc.code().name if exc.code() else "UNKNOWN"
-            raise _RpcFailed(f"{method} on {settings.admin_addr}: {code}: {exc.details()}"
-                             ) from None
-
-
-def _call_admin(args: argparse.Namespace, method: str, request: Any,
-                extra_metadata: Sequence[tuple[str, str]] = ()) -> Any:
-    with _admin_call(args, method, extra_metadata) as call:
-        return call(request)
-
-
-def _table(rows: Sequence[tuple[str, ...]]) -> str:
-    """Rows as left-aligned columns, two spaces apart."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                     for row in rows)
-
-
-class _RpcFailed(Exception):
-    pass
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
     from sitsmesh.admin.v1 import admin_pb2
 
-    reply = _call_admin(args, "GetStatus", admin_pb2.GetStatusRequest())
+    reply = call_admin(args, "GetStatus", admin_pb2.GetStatusRequest())
     if args.output == "json":
-        doc = MessageToDict(reply, preserving_proto_field_name=True,
-                            always_print_fields_with_no_presence=True)
-        print(json.dumps(doc, indent=2, sort_keys=True))
+        print(json.dumps(message_dict(reply, all_fields=True), indent=2, sort_keys=True))
         return 0
     names = {v: k for k, v in admin_pb2.ServingState.items()}
     print(f"sitsmesh {reply.version}   uptime {reply.uptime_seconds:.1f}s   "
@@ -175,8 +117,8 @@ def cmd_health(args: argparse.Namespace) -> int:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
         except grpc.RpcError as exc:
-            return _die(f"health check on {args.addr}: {exc.code().name}: {exc.details()}",
-                        EXIT_FAILED)
+            return die(f"health check on {args.addr}: {exc.code().name}: {exc.details()}",
+                       EXIT_FAILED)
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(status)
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILED
@@ -218,11 +160,10 @@ def cmd_ratelimit_apply(args: argparse.Namespace) -> int:
     for name in args.files:
         path = Path(name)
         try:
-            files.append(admin_pb2.RateLimitConfigFile(name=path.name,
-                                                       yaml=path.read_text(encoding="utf-8")))
-        except OSError as exc:
-            return _die(f"{path}: cannot read: {exc.strerror or exc}", EXIT_FAILED)
-    reply = _call_admin(args, "ApplyRateLimitConfig", admin_pb2.ApplyRateLimitConfigRequest(
+            files.append(admin_pb2.RateLimitConfigFile(name=path.name, yaml=read_text(path)))
+        except UsageError as exc:  # an unreadable file fails `apply` (1), not usage (2)
+            return die(str(exc), EXIT_FAILED)
+    reply = call_admin(args, "ApplyRateLimitConfig", admin_pb2.ApplyRateLimitConfigRequest(
         files=files, dry_run=args.dry_run))
     verb = "applied" if reply.applied else "valid (dry run, nothing changed)"
     print(f"{verb}: {', '.join(reply.domains)}; config version {reply.config_version}")
@@ -230,13 +171,11 @@ def cmd_ratelimit_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_ratelimit_get(args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
     from sitsmesh.admin.v1 import admin_pb2
 
-    reply = _call_admin(args, "GetRateLimitConfig", admin_pb2.GetRateLimitConfigRequest())
+    reply = call_admin(args, "GetRateLimitConfig", admin_pb2.GetRateLimitConfigRequest())
     if args.output == "json":
-        print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2))
+        print_json(reply)
         return 0
     print(f"# config version {reply.config_version}")
     for domain in reply.domains:
@@ -247,16 +186,10 @@ def cmd_ratelimit_get(args: argparse.Namespace) -> int:
 def cmd_ratelimit_delete(args: argparse.Namespace) -> int:
     from sitsmesh.admin.v1 import admin_pb2
 
-    _call_admin(args, "DeleteRateLimitConfig",
-                admin_pb2.DeleteRateLimitConfigRequest(domain=args.domain))
+    call_admin(args, "DeleteRateLimitConfig",
+               admin_pb2.DeleteRateLimitConfigRequest(domain=args.domain))
     print(f"deleted domain {args.domain}")
     return 0
-
-
-def _print_json(message: Any) -> None:
-    from google.protobuf.json_format import MessageToDict
-
-    print(json.dumps(MessageToDict(message, preserving_proto_field_name=True), indent=2))
 
 
 def _labels(pairs: Sequence[str] | None) -> dict[str, str]:
@@ -264,18 +197,14 @@ def _labels(pairs: Sequence[str] | None) -> dict[str, str]:
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise _Usage(f"--label wants KEY=VALUE, got {pair!r}")
+            raise UsageError(f"--label wants KEY=VALUE, got {pair!r}")
         labels[key] = value
     return labels
 
 
-class _Usage(Exception):
-    pass
-
-
 def _show_tenant(args: argparse.Namespace, tenant: Any) -> None:
     if args.output == "json":
-        _print_json(tenant)
+        print_json(tenant)
         return
     labels = ",".join(f"{k}={v}" for k, v in sorted(tenant.labels.items()))
     print(f"{tenant.name}  models={','.join(tenant.models)}  priority={tenant.priority}  "
@@ -290,7 +219,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     if action in ("create", "update"):
         tenant = admin_pb2.Tenant(name=args.name)
         if action == "update":
-            tenant = _call_admin(args, "GetTenant", admin_pb2.GetTenantRequest(name=args.name))
+            tenant = call_admin(args, "GetTenant", admin_pb2.GetTenantRequest(name=args.name))
         if args.models is not None:
             del tenant.models[:]
             tenant.models.extend(m for m in args.models.split(",") if m)
@@ -300,18 +229,18 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         if args.label:
             tenant.labels.update(_labels(args.label))
         rpc = "CreateTenant" if action == "create" else "UpdateTenant"
-        _show_tenant(args, _call_admin(args, rpc, tenant))
+        _show_tenant(args, call_admin(args, rpc, tenant))
     elif action == "get":
-        _show_tenant(args, _call_admin(args, "GetTenant",
-                                       admin_pb2.GetTenantRequest(name=args.name)))
+        _show_tenant(args, call_admin(args, "GetTenant",
+                                      admin_pb2.GetTenantRequest(name=args.name)))
     elif action == "list":
-        reply = _call_admin(args, "ListTenants", admin_pb2.ListTenantsRequest())
+        reply = call_admin(args, "ListTenants", admin_pb2.ListTenantsRequest())
         if args.output == "json":
-            _print_json(reply)
+            print_json(reply)
         for tenant in reply.tenants if args.output != "json" else []:
             _show_tenant(args, tenant)
     else:
-        _call_admin(args, "DeleteTenant", admin_pb2.DeleteTenantRequest(name=args.name))
+        call_admin(args, "DeleteTenant", admin_pb2.DeleteTenantRequest(name=args.name))
         print(f"deleted tenant {args.name}")
     return 0
 
@@ -327,8 +256,8 @@ def _expiry(text: str) -> float:
     try:
         when = dt.datetime.fromisoformat(text)
     except ValueError:
-        raise _Usage(f"--expires wants 30d, 12h, 90m or an ISO 8601 time, got {text!r}"
-                     ) from None
+        raise UsageError(f"--expires wants 30d, 12h, 90m or an ISO 8601 time, got {text!r}"
+                         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.UTC)
     return when.timestamp()
@@ -346,7 +275,7 @@ def cmd_apikeys(args: argparse.Namespace) -> int:
             stamp = Timestamp()
             stamp.FromNanoseconds(int(_expiry(args.expires) * 1e9))
             request.expires_at.CopyFrom(stamp)
-        reply = _call_admin(args, "CreateApiKey", request)
+        reply = call_admin(args, "CreateApiKey", request)
         if args.output == "json":
             print(json.dumps({"key": reply.secret, "id": reply.key.id}))
         else:
@@ -354,10 +283,10 @@ def cmd_apikeys(args: argparse.Namespace) -> int:
             print(f"(key id {reply.key.id} for tenant {reply.key.tenant}; the key is shown "
                   "only now)", file=sys.stderr)
     elif action == "list":
-        reply = _call_admin(args, "ListApiKeys", admin_pb2.ListApiKeysRequest(
+        reply = call_admin(args, "ListApiKeys", admin_pb2.ListApiKeysRequest(
             tenant=args.tenant or ""))
         if args.output == "json":
-            _print_json(reply)
+            print_json(reply)
             return 0
         print("ID            TENANT          STATE    EXPIRES               NAME")
         for key in reply.keys:
@@ -365,7 +294,7 @@ def cmd_apikeys(args: argparse.Namespace) -> int:
             state = "revoked" if key.revoked else "active"
             print(f"{key.id:<12}  {key.tenant:<14}  {state:<7}  {expires:<20}  {key.name}")
     else:
-        key = _call_admin(args, "RevokeApiKey", admin_pb2.RevokeApiKeyRequest(id=args.id))
+        key = call_admin(args, "RevokeApiKey", admin_pb2.RevokeApiKeyRequest(id=args.id))
         print(f"revoked key {key.id} of tenant {key.tenant}")
     return 0
 
@@ -377,27 +306,27 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
     if action == "apply":
         path = Path(args.file)
         try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            return _die(f"{path}: cannot read: {exc.strerror or exc}", EXIT_FAILED)
-        reply = _call_admin(args, "ApplyPipeline",
-                            admin_pb2.ApplyPipelineRequest(yaml=text, source=str(path)))
+            text = read_text(path)
+        except UsageError as exc:  # an unreadable file fails `apply` (1), not usage (2)
+            return die(str(exc), EXIT_FAILED)
+        reply = call_admin(args, "ApplyPipeline",
+                           admin_pb2.ApplyPipelineRequest(yaml=text, source=str(path)))
         print(f"applied pipeline {reply.name}")
     elif action == "get":
-        reply = _call_admin(args, "GetPipeline", admin_pb2.GetPipelineRequest(name=args.name))
+        reply = call_admin(args, "GetPipeline", admin_pb2.GetPipelineRequest(name=args.name))
         if args.output == "json":
-            _print_json(reply)
+            print_json(reply)
         else:
             print(reply.yaml, end="")
     elif action == "list":
-        reply = _call_admin(args, "ListPipelines", admin_pb2.ListPipelinesRequest())
+        reply = call_admin(args, "ListPipelines", admin_pb2.ListPipelinesRequest())
         if args.output == "json":
-            _print_json(reply)
+            print_json(reply)
         else:
             for pipeline in reply.pipelines:
                 print(pipeline.name)
     else:
-        _call_admin(args, "DeletePipeline", admin_pb2.DeletePipelineRequest(name=args.name))
+        call_admin(args, "DeletePipeline", admin_pb2.DeletePipelineRequest(name=args.name))
         print(f"deleted pipeline {args.name}")
     return 0
 
@@ -405,7 +334,7 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
 def cmd_chain_show(args: argparse.Namespace) -> int:
     from sitsmesh.admin.v1 import admin_pb2
 
-    reply = _call_admin(args, "GetLatencyChain", admin_pb2.GetLatencyChainRequest(
+    reply = call_admin(args, "GetLatencyChain", admin_pb2.GetLatencyChainRequest(
         pipeline=args.pipeline, window=args.window))
     stages = []
     for s in reply.stages:
@@ -444,22 +373,11 @@ def cmd_dev(args: argparse.Namespace) -> int:
     try:
         http, grpc_port, metrics = (int(p) for p in args.triton_ports.split(","))
     except ValueError:
-        raise _Usage(f"--triton-ports: expected HTTP,GRPC,METRICS port numbers, got "
-                     f"{args.triton_ports!r}") from None
+        raise UsageError(f"--triton-ports: expected HTTP,GRPC,METRICS port numbers, got "
+                         f"{args.triton_ports!r}") from None
     ports = devstack.DevPorts(args.listen_port, args.envoy_admin_port, args.upstream_port,
                               args.data_addr, http, grpc_port, metrics)
     return devstack.main(Path(args.run_dir), Path(args.filters_dir), ports, serve_args)
-
-
-def _add_common_admin(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config file (or SITSMESH_CONFIG)")
-    p.add_argument("--admin", dest="admin_addr", metavar="HOST:PORT",
-                   help="admin address (or SITSMESH_ADMIN_ADDR; default 127.0.0.1:50052)")
-    p.add_argument("--token", help="admin token (or SITSMESH_ADMIN_TOKEN, or the token file)")
-    p.add_argument("--state-dir", dest="state_dir", help="where to find admin-token")
-    p.add_argument("--admin-token-file", dest="admin_token_file", help=argparse.SUPPRESS)
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
-    p.add_argument("--output", "-o", choices=("table", "json"), default="table")
 
 
 def _add_ratelimit_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -471,14 +389,14 @@ def _add_ratelimit_commands(sub: argparse._SubParsersAction[argparse.ArgumentPar
     apply = rl.add_parser("apply", help="validate and apply config files (admin API)")
     apply.add_argument("files", nargs="+", metavar="FILE")
     apply.add_argument("--dry-run", action="store_true", help="validate only")
-    _add_common_admin(apply)
+    add_common_admin(apply)
     apply.set_defaults(func=cmd_ratelimit_apply)
     get = rl.add_parser("get", help="print the live rate-limit config (admin API)")
-    _add_common_admin(get)
+    add_common_admin(get)
     get.set_defaults(func=cmd_ratelimit_get)
     delete = rl.add_parser("delete", help="remove a domain applied through the admin API")
     delete.add_argument("domain")
-    _add_common_admin(delete)
+    add_common_admin(delete)
     delete.set_defaults(func=cmd_ratelimit_delete)
 
 
@@ -496,15 +414,15 @@ def _add_tenant_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
         p.add_argument("--max-concurrency", dest="max_concurrency", type=int,
                        help="requests in flight at once (0: no cap)")
         p.add_argument("--label", action="append", metavar="KEY=VALUE")
-        _add_common_admin(p)
+        add_common_admin(p)
         p.set_defaults(func=cmd_tenants)
     for action in ("get", "delete"):
         p = tenants.add_parser(action, help=f"{action} a tenant")
         p.add_argument("name")
-        _add_common_admin(p)
+        add_common_admin(p)
         p.set_defaults(func=cmd_tenants)
     p = tenants.add_parser("list", help="list tenants")
-    _add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_tenants)
 
 
@@ -515,15 +433,15 @@ def _add_apikey_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument("--tenant", required=True)
     p.add_argument("--name", help="a label for the key")
     p.add_argument("--expires", help="30d, 12h, 90m, or an ISO 8601 time")
-    _add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_apikeys)
     p = keys.add_parser("list", help="list keys (never their secrets)")
     p.add_argument("--tenant", help="only this tenant's keys")
-    _add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_apikeys)
     p = keys.add_parser("revoke", help="revoke a key by id")
     p.add_argument("id")
-    _add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_apikeys)
 
 
@@ -532,15 +450,15 @@ def _add_chain_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         dest="pipelines_command", required=True)
     p = pipelines.add_parser("apply", help="store a pipeline from a YAML file")
     p.add_argument("file", metavar="FILE.yaml")
-    _add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_pipelines)
     for action in ("get", "delete"):
         p = pipelines.add_parser(action, help=f"{action} a pipeline")
         p.add_argument("name")
-        _add_common_admin(p)
+        add_common_admin(p)
         p.set_defaults(func=cmd_pipelines)
     p = pipelines.add_parser("list", help="list pipelines")
-    _add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_pipelines)
 
     chain = sub.add_parser("chain", help="latency chains (admin API)").add_subparsers(
@@ -548,7 +466,7 @@ def _add_chain_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p = chain.add_parser("show", help="per-stage latency and the bottleneck of a pipeline")
     p.add_argument("pipeline")
     p.add_argument("--window", choices=("1m", "5m"), default="1m")
-    _add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_chain_show)
 
 
@@ -567,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     status = sub.add_parser("status", help="show a running sitsmesh's status (admin API)")
-    _add_common_admin(status)
+    add_common_admin(status)
     status.set_defaults(func=cmd_status)
 
     health = sub.add_parser("health", help="gRPC health check; exit 0 only when SERVING")
@@ -606,11 +524,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except SitsmeshError as exc:
-        return _die(exc.message)
-    except _RpcFailed as exc:
-        return _die(str(exc), EXIT_FAILED)
-    except _Usage as exc:
-        return _die(str(exc))
+        return die(exc.message)
+    except RpcFailed as exc:
+        return die(str(exc), EXIT_FAILED)
+    except UsageError as exc:
+        return die(str(exc))
     except KeyboardInterrupt:
         return 130
     return code
