@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.cli.common import (
     EXIT_FAILED,
     RpcFailed,
+    Subcommands,
     UsageError,
     add_common_admin,
     admin_call,
@@ -23,7 +25,7 @@ SWAP_TIMEOUT_S = 1800.0  # a whole swap: loads, drain and all
 BAR_WIDTH = 30
 
 
-def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(sub: Subcommands) -> None:
     models = sub.add_parser("models", help="Triton models and hot swaps (admin API)"
                             ).add_subparsers(dest="models_command", required=True)
     p = models.add_parser("list", help="every endpoint's models and version states")
@@ -61,8 +63,6 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
     reply = call_admin(args, "ListModels", admin_pb2.ListModelsRequest(endpoint=args.endpoint))
     if args.output == "json":
         print_json(reply)
@@ -77,8 +77,6 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def _options(args: argparse.Namespace) -> Any:
-    from sitsmesh.admin.v1 import admin_pb2
-
     options = admin_pb2.SwapOptions(
         warmup_count=max(0, args.warmup_count), warmup_data=args.warmup_data,
         verify_probes=max(0, args.probes), max_latency_ratio=args.max_latency_ratio,
@@ -98,8 +96,6 @@ def _options(args: argparse.Namespace) -> Any:
 
 
 def cmd_models_swap(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
     request = admin_pb2.SwapModelRequest(model=args.model, target_version=args.target,
                                          endpoint=args.endpoint, options=_options(args))
     progress = _Progress(sys.stderr, live=sys.stderr.isatty())
@@ -163,8 +159,6 @@ def _summary(record: Any) -> None:
 
 
 def cmd_swaps_list(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
     reply = call_admin(args, "ListSwaps", admin_pb2.ListSwapsRequest(
         model=args.model, limit=max(0, args.limit)))
     if args.output == "json":
@@ -178,8 +172,6 @@ def cmd_swaps_list(args: argparse.Namespace) -> int:
 
 
 def cmd_swaps_get(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
     record = call_admin(args, "GetSwap", admin_pb2.GetSwapRequest(id=args.id))
     if args.output == "json":
         print_json(record)

@@ -12,7 +12,9 @@ from typing import Any
 
 import yaml
 
+from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.cli.common import (
+    Subcommands,
     UsageError,
     add_common_admin,
     admin_call,
@@ -25,7 +27,7 @@ from sitsmesh.cli.common import (
 WATCH_TIMEOUT_S = 24 * 3600.0
 
 
-def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(sub: Subcommands) -> None:
     thresholds = sub.add_parser("thresholds", help="backpressure thresholds (admin API)"
                                 ).add_subparsers(dest="thresholds_command", required=True)
     p = thresholds.add_parser("get", help="a pipeline's thresholds (defaults until set)")
@@ -72,8 +74,6 @@ def _actor() -> tuple[tuple[str, str], ...]:
 
 
 def cmd_thresholds_get(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
     reply = call_admin(args, "GetThresholds",
                        admin_pb2.GetThresholdsRequest(pipeline=args.pipeline))
     if args.output == "json":
@@ -87,8 +87,6 @@ def cmd_thresholds_get(args: argparse.Namespace) -> int:
 
 
 def cmd_thresholds_set(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
     try:
         text = Path(args.file).read_text(encoding="utf-8")
     except OSError as exc:
@@ -102,8 +100,6 @@ def cmd_thresholds_set(args: argparse.Namespace) -> int:
 
 
 def cmd_thresholds_history(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
     reply = call_admin(args, "ListThresholdChanges", admin_pb2.ListThresholdChangesRequest(
         pipeline=args.pipeline, limit=max(0, args.limit)))
     if args.output == "json":
@@ -134,8 +130,6 @@ def _pressure_rows(snapshot: Any) -> list[tuple[str, ...]]:
 
 
 def cmd_pressure_watch(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
     live = sys.stdout.isatty() and args.output == "table"
     request = admin_pb2.WatchPressureRequest(pipeline=args.pipeline,
                                              interval_ms=max(0, args.interval_ms),
