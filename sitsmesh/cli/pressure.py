@@ -12,28 +12,38 @@ from typing import Any
 
 import yaml
 
-from sitsmesh import cli
+from sitsmesh.admin.v1 import admin_pb2
+from sitsmesh.cli.common import (
+    Subcommands,
+    UsageError,
+    add_common_admin,
+    admin_call,
+    call_admin,
+    message_dict,
+    read_text,
+    table,
+)
 
 WATCH_TIMEOUT_S = 24 * 3600.0
 
 
-def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(sub: Subcommands) -> None:
     thresholds = sub.add_parser("thresholds", help="backpressure thresholds (admin API)"
                                 ).add_subparsers(dest="thresholds_command", required=True)
     p = thresholds.add_parser("get", help="a pipeline's thresholds (defaults until set)")
     p.add_argument("pipeline")
-    cli._add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_thresholds_get)
     p = thresholds.add_parser("set", help="validate, persist and audit a thresholds file")
     p.add_argument("pipeline")
     p.add_argument("file", metavar="FILE.yaml")
     p.add_argument("--dry-run", action="store_true", help="validate only")
-    cli._add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_thresholds_set)
     p = thresholds.add_parser("history", help="who changed which thresholds, newest first")
     p.add_argument("pipeline", nargs="?", default="")
     p.add_argument("--limit", type=int, default=20)
-    cli._add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_thresholds_history)
 
     pressure = sub.add_parser("pressure", help="live backpressure (admin API)"
@@ -42,7 +52,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("pipeline", nargs="?", default="")
     p.add_argument("--interval-ms", type=int, default=500)
     p.add_argument("--count", type=int, default=0, help="stop after N snapshots")
-    cli._add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_pressure_watch, timeout=WATCH_TIMEOUT_S)
 
     p = sub.add_parser("simulate", help="try thresholds offline against a queueing model")
@@ -64,10 +74,8 @@ def _actor() -> tuple[tuple[str, str], ...]:
 
 
 def cmd_thresholds_get(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
-    reply = cli._call_admin(args, "GetThresholds",
-                            admin_pb2.GetThresholdsRequest(pipeline=args.pipeline))
+    reply = call_admin(args, "GetThresholds",
+                       admin_pb2.GetThresholdsRequest(pipeline=args.pipeline))
     if args.output == "json":
         print(json.dumps({"pipeline": reply.pipeline, "is_default": reply.is_default,
                           "thresholds": yaml.safe_load(reply.yaml)}, indent=2))
@@ -79,13 +87,11 @@ def cmd_thresholds_get(args: argparse.Namespace) -> int:
 
 
 def cmd_thresholds_set(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
     try:
         text = Path(args.file).read_text(encoding="utf-8")
     except OSError as exc:
-        raise cli._Usage(f"{args.file}: {exc.strerror or exc}") from None
-    reply = cli._call_admin(args, "SetThresholds", admin_pb2.SetThresholdsRequest(
+        raise UsageError(f"{args.file}: {exc.strerror or exc}") from None
+    reply = call_admin(args, "SetThresholds", admin_pb2.SetThresholdsRequest(
         pipeline=args.pipeline, yaml=text, source=args.file, dry_run=args.dry_run), _actor())
     verb = "valid (dry run, nothing changed)" if args.dry_run else "applied"
     print(f"thresholds for {reply.pipeline} {verb}", file=sys.stderr)
@@ -94,9 +100,7 @@ def cmd_thresholds_set(args: argparse.Namespace) -> int:
 
 
 def cmd_thresholds_history(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
-    reply = cli._call_admin(args, "ListThresholdChanges", admin_pb2.ListThresholdChangesRequest(
+    reply = call_admin(args, "ListThresholdChanges", admin_pb2.ListThresholdChangesRequest(
         pipeline=args.pipeline, limit=max(0, args.limit)))
     if args.output == "json":
         print(json.dumps([{"pipeline": c.pipeline, "actor": c.actor, "peer": c.peer,
@@ -126,34 +130,28 @@ def _pressure_rows(snapshot: Any) -> list[tuple[str, ...]]:
 
 
 def cmd_pressure_watch(args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
-    from sitsmesh.admin.v1 import admin_pb2
-
     live = sys.stdout.isatty() and args.output == "table"
     request = admin_pb2.WatchPressureRequest(pipeline=args.pipeline,
                                              interval_ms=max(0, args.interval_ms),
                                              count=max(0, args.count))
-    with cli._admin_call(args, "WatchPressure") as call:
+    with admin_call(args, "WatchPressure") as call:
         for snapshot in call(request):
             if args.output == "json":
-                print(json.dumps(MessageToDict(snapshot, preserving_proto_field_name=True)),
-                      flush=True)
+                print(json.dumps(message_dict(snapshot)), flush=True)
                 continue
-            table = cli._table(_pressure_rows(snapshot))
+            rows = table(_pressure_rows(snapshot))
             # On a terminal the table is redrawn in place; otherwise appended.
-            print(("\x1b[H\x1b[2J" if live else "") + table + ("" if live else "\n"),
+            print(("\x1b[H\x1b[2J" if live else "") + rows + ("" if live else "\n"),
                   flush=True)
     return 0
 
 
 def _load(path: str, what: str) -> Any:
+    text = read_text(path, what)
     try:
-        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise cli._Usage(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise cli._Usage(f"{path}: invalid YAML: {str(exc).splitlines()[0]}") from None
+        raise UsageError(f"{path}: invalid YAML: {str(exc).splitlines()[0]}") from None
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -163,7 +161,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     doc = _load(args.pipeline, "the pipeline")
     if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
-        raise cli._Usage(f"{args.pipeline}: a pipeline needs a name and stages")
+        raise UsageError(f"{args.pipeline}: a pipeline needs a name and stages")
     pipeline = pipeline_from(doc["name"], doc, args.pipeline)
     body = _load(args.thresholds, "the thresholds") if args.thresholds else {}
     thresholds = thresholds_from(body or {}, args.thresholds or "defaults")
@@ -189,12 +187,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     rows += [(str(s.at), str(s.offered), str(s.admitted),
               f"{s.shed / s.offered:.0%}" if s.offered else "-", str(s.good),
               f"{s.p99_ms:.0f}", f"{s.fraction:.0%}") for s in seconds]
-    print(cli._table(rows))
+    print(table(rows))
     print("\nsummary:")
     rows = [("POLICY", "GOODPUT/S", "P99 MS", "SHED %", "SUCCESS BY PRIORITY")]
     for policy, (_, result) in runs.items():
         by = ", ".join(f"p{p} {v:.1%}" for p, v in result["success_by_priority"].items())
         rows.append((policy, f"{result['goodput_rps']:.1f}", f"{result['p99_ms']:.0f}",
                      f"{result['shed_fraction']:.0%}", by))
-    print(cli._table(rows))
+    print(table(rows))
     return 0

@@ -8,18 +8,29 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from sitsmesh import cli
+from sitsmesh.admin.v1 import admin_pb2
+from sitsmesh.cli.common import (
+    EXIT_FAILED,
+    RpcFailed,
+    Subcommands,
+    UsageError,
+    add_common_admin,
+    admin_call,
+    call_admin,
+    print_json,
+    table,
+)
 
 SWAP_TIMEOUT_S = 1800.0  # a whole swap: loads, drain and all
 BAR_WIDTH = 30
 
 
-def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(sub: Subcommands) -> None:
     models = sub.add_parser("models", help="Triton models and hot swaps (admin API)"
                             ).add_subparsers(dest="models_command", required=True)
     p = models.add_parser("list", help="every endpoint's models and version states")
     p.add_argument("--endpoint", default="", help="only this Triton endpoint")
-    cli._add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_models_list)
 
     p = models.add_parser("swap", help="hot-swap a model to another version; exit 1 unless "
@@ -35,7 +46,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--max-latency-ratio", type=float, default=0.0)
     p.add_argument("--drain-timeout", type=float, default=0.0, help="seconds (default 30)")
     p.add_argument("--load-timeout", type=float, default=0.0, help="seconds (default 300)")
-    cli._add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_models_swap, timeout=SWAP_TIMEOUT_S)
 
     swaps = sub.add_parser("swaps", help="the history of model swaps (admin API)"
@@ -43,41 +54,29 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p = swaps.add_parser("list", help="recent swaps, newest first")
     p.add_argument("--model", default="")
     p.add_argument("--limit", type=int, default=20)
-    cli._add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_swaps_list)
     p = swaps.add_parser("get", help="one swap, step by step")
     p.add_argument("id")
-    cli._add_common_admin(p)
+    add_common_admin(p)
     p.set_defaults(func=cmd_swaps_get)
 
 
-def _doc(message: Any) -> dict[str, Any]:
-    from google.protobuf.json_format import MessageToDict
-
-    doc: dict[str, Any] = MessageToDict(message, preserving_proto_field_name=True)
-    return doc
-
-
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
-    reply = cli._call_admin(args, "ListModels",
-                            admin_pb2.ListModelsRequest(endpoint=args.endpoint))
+    reply = call_admin(args, "ListModels", admin_pb2.ListModelsRequest(endpoint=args.endpoint))
     if args.output == "json":
-        print(json.dumps(_doc(reply), indent=2))
+        print_json(reply)
     else:
         rows = [("ENDPOINT", "MODEL", "VERSION", "STATE", "REASON")]
         rows += [(v.endpoint, v.model, str(v.version or "-"), v.state, v.reason)
                  for v in reply.versions]
-        print(cli._table(rows))
+        print(table(rows))
         for error in reply.errors:
             print(f"endpoint {error.endpoint}: {error.error}", file=sys.stderr)
-    return cli.EXIT_FAILED if reply.errors else 0
+    return EXIT_FAILED if reply.errors else 0
 
 
 def _options(args: argparse.Namespace) -> Any:
-    from sitsmesh.admin.v1 import admin_pb2
-
     options = admin_pb2.SwapOptions(
         warmup_count=max(0, args.warmup_count), warmup_data=args.warmup_data,
         verify_probes=max(0, args.probes), max_latency_ratio=args.max_latency_ratio,
@@ -86,25 +85,23 @@ def _options(args: argparse.Namespace) -> Any:
         try:
             sample = json.loads(Path(args.sample).read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
-            raise cli._Usage(f"{args.sample}: cannot read sample: {exc}") from None
+            raise UsageError(f"{args.sample}: cannot read sample: {exc}") from None
         if not isinstance(sample, dict) or not all(
                 isinstance(v, list) and all(isinstance(x, int | float) for x in v)
                 for v in sample.values()):
-            raise cli._Usage(f"{args.sample}: expected {{input name: [numbers]}}")
+            raise UsageError(f"{args.sample}: expected {{input name: [numbers]}}")
         for name, values in sample.items():
             options.sample[name].values.extend(float(x) for x in values)
     return options
 
 
 def cmd_models_swap(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
     request = admin_pb2.SwapModelRequest(model=args.model, target_version=args.target,
                                          endpoint=args.endpoint, options=_options(args))
     progress = _Progress(sys.stderr, live=sys.stderr.isatty())
     final = None
     try:
-        with cli._admin_call(args, "SwapModel") as call:
+        with admin_call(args, "SwapModel") as call:
             for event in call(request):
                 progress.show(event)
                 if event.HasField("swap"):
@@ -112,12 +109,12 @@ def cmd_models_swap(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     if final is None:
-        raise cli._RpcFailed("SwapModel ended without the swap's record")
+        raise RpcFailed("SwapModel ended without the swap's record")
     if args.output == "json":
-        print(json.dumps(_doc(final), indent=2))
+        print_json(final)
     else:
         _summary(final)
-    return 0 if final.state == "succeeded" else cli.EXIT_FAILED
+    return 0 if final.state == "succeeded" else EXIT_FAILED
 
 
 class _Progress:
@@ -158,30 +155,26 @@ def _summary(record: Any) -> None:
         print(f"error: {record.error}")
     rows = [("PHASE", "RESULT", "SECONDS", "MESSAGE")]
     rows += [(s.phase, s.state, _seconds(s), s.message) for s in record.steps]
-    print(cli._table(rows))
+    print(table(rows))
 
 
 def cmd_swaps_list(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
-    reply = cli._call_admin(args, "ListSwaps", admin_pb2.ListSwapsRequest(
+    reply = call_admin(args, "ListSwaps", admin_pb2.ListSwapsRequest(
         model=args.model, limit=max(0, args.limit)))
     if args.output == "json":
-        print(json.dumps(_doc(reply), indent=2))
+        print_json(reply)
         return 0
     rows = [("ID", "MODEL", "FROM", "TO", "STATE", "PHASE", "ERROR")]
     rows += [(r.id, r.model, str(r.from_version) if r.HasField("from_version") else "-",
               str(r.to_version), r.state, r.phase, r.error) for r in reply.swaps]
-    print(cli._table(rows))
+    print(table(rows))
     return 0
 
 
 def cmd_swaps_get(args: argparse.Namespace) -> int:
-    from sitsmesh.admin.v1 import admin_pb2
-
-    record = cli._call_admin(args, "GetSwap", admin_pb2.GetSwapRequest(id=args.id))
+    record = call_admin(args, "GetSwap", admin_pb2.GetSwapRequest(id=args.id))
     if args.output == "json":
-        print(json.dumps(_doc(record), indent=2))
+        print_json(record)
     else:
         _summary(record)
     return 0

@@ -1,0 +1,120 @@
+"""What the CLI's command modules share: admin calls and flags, output, errors, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeAlias
+
+from google.protobuf.json_format import MessageToDict
+
+from sitsmesh.config import Settings, load_settings
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+# What `add_subparsers()` returns; each command module's add_commands(sub) takes it.
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+class UsageError(Exception):
+    """Bad input on the command line or in a file it names: main() exits EXIT_USAGE."""
+
+
+class RpcFailed(Exception):
+    """The admin API refused or could not be reached: main() exits EXIT_FAILED."""
+
+
+def die(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"sitsmesh: error: {message}", file=sys.stderr)
+    return code
+
+
+def settings_from(args: argparse.Namespace, keys: Sequence[str]) -> Settings:
+    flags: dict[str, str | None] = {"config": args.config}
+    for key in keys:
+        value = getattr(args, key, None)
+        flags[key] = os.pathsep.join(value) if isinstance(value, list) else value
+    return load_settings(flags)
+
+
+def add_common_admin(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (or SITSMESH_CONFIG)")
+    p.add_argument("--admin", dest="admin_addr", metavar="HOST:PORT",
+                   help="admin address (or SITSMESH_ADMIN_ADDR; default 127.0.0.1:50052)")
+    p.add_argument("--token", help="admin token (or SITSMESH_ADMIN_TOKEN, or the token file)")
+    p.add_argument("--state-dir", dest="state_dir", help="where to find admin-token")
+    p.add_argument("--admin-token-file", dest="admin_token_file", help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    p.add_argument("--output", "-o", choices=("table", "json"), default="table")
+
+
+def _admin_token(args: argparse.Namespace, settings: Settings) -> str:
+    from sitsmesh.app.admintoken import TOKEN_ENV, read_token
+
+    if args.token:
+        return str(args.token)
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    return read_token(settings.token_path)
+
+
+@contextlib.contextmanager
+def admin_call(args: argparse.Namespace, method: str,
+               extra_metadata: Sequence[tuple[str, str]] = ()) -> Iterator[Any]:
+    """The bound admin method, ready to call (unary or streaming) with the token and
+    `args.timeout`; an RPC error anywhere in the block becomes one RpcFailed line."""
+    # grpc stays lazy: the offline commands (ratelimit check, simulate) never load it.
+    import grpc
+
+    from sitsmesh.admin.v1 import admin_pb2_grpc
+
+    settings = settings_from(args, ["admin_addr", "state_dir", "admin_token_file"])
+    metadata = (("authorization", f"Bearer {_admin_token(args, settings)}"),
+                *extra_metadata)
+    with grpc.insecure_channel(str(settings.admin_addr)) as channel:
+        bound = getattr(admin_pb2_grpc.AdminStub(channel), method)
+        try:
+            yield lambda request: bound(request, timeout=args.timeout, metadata=metadata)
+        except grpc.RpcError as exc:
+            code = exc.code().name if exc.code() else "UNKNOWN"
+            raise RpcFailed(f"{method} on {settings.admin_addr}: {code}: {exc.details()}"
+                            ) from None
+
+
+def call_admin(args: argparse.Namespace, method: str, request: Any,
+               extra_metadata: Sequence[tuple[str, str]] = ()) -> Any:
+    with admin_call(args, method, extra_metadata) as call:
+        return call(request)
+
+
+def read_text(path: str | Path, what: str = "") -> str:
+    """A file named on the command line; UsageError '<path>: cannot read <what>: <reason>'."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        reading = f"cannot read {what}" if what else "cannot read"
+        raise UsageError(f"{path}: {reading}: {exc.strerror or exc}") from None
+
+
+def table(rows: Sequence[tuple[str, ...]]) -> str:
+    """Rows as left-aligned columns, two spaces apart."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
+
+
+def message_dict(message: Any, *, all_fields: bool = False) -> dict[str, Any]:
+    """A protobuf message as JSON-ready data, keyed by the proto field names."""
+    doc: dict[str, Any] = MessageToDict(message, preserving_proto_field_name=True,
+                                        always_print_fields_with_no_presence=all_fields)
+    return doc
+
+
+def print_json(message: Any) -> None:
+    print(json.dumps(message_dict(message), indent=2))

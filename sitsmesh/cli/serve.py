@@ -1,0 +1,80 @@
+"""`sitsmesh serve`: run the control plane, with a flag for every setting."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+
+from sitsmesh.cli.common import Subcommands, settings_from
+from sitsmesh.config import PARSERS, flag_name
+
+# sitsmesh.app.server (and prometheus_client with it) is imported by cmd_serve only, once
+# PROMETHEUS_MULTIPROC_DIR is set: importing it here would be too early.
+
+_FLAG_HELP = {
+    "data_addr": "data-plane gRPC address (Envoy-facing services, health, reflection)",
+    "admin_addr": "admin gRPC address",
+    "metrics_addr": "Prometheus /metrics HTTP address",
+    "state_dir": "directory for the state database and the admin token",
+    "log_level": "debug, info, warning or error",
+    "log_format": "auto (JSON unless stderr is a terminal), json or console",
+    "workers": "data-plane processes sharing data_addr through SO_REUSEPORT",
+    "drain_seconds": "seconds to keep answering after health goes NOT_SERVING",
+    "grace_seconds": "seconds in-flight RPCs get once the listeners close",
+    "admin_token_file": "admin token file (default: STATE_DIR/admin-token)",
+    "ratelimit_config": "rate-limit config file or directory (repeatable)",
+    "ratelimit_store": "counter store: memory (per process) or redis (shared)",
+    "redis_url": "redis://HOST:PORT/DB for --ratelimit-store redis",
+    "redis_timeout_ms": "bound on each Redis round trip (default 50)",
+    "on_store_error": "when Redis fails: allow, deny, or local (per-replica counting)",
+    "store_replicas": "replica count that divides limits under on_store_error=local",
+    "ratelimit_shadow_mode": "true: log and count over-limit decisions, never enforce",
+    "ratelimit_max_descriptors": "most descriptors one ShouldRateLimit may carry",
+    "reload_interval_seconds": "how often config files and applied configs are checked",
+    "authz_api_key_headers": "headers that may carry an API key (comma-separated)",
+    "authz_peer_tenants": "SPIFFE principal=tenant pairs for mTLS callers (comma-separated)",
+    "authz_jwt_header": "header with Istio's verified JWT payload (trusted from mesh peers)",
+    "authz_jwt_tenant_claim": "JWT claim that names the tenant",
+    "authz_priority_header": "header a caller uses to ask for a priority",
+    "admission_hold_seconds": "how long a request counts against a concurrency cap at most",
+    "chain_ttl_seconds": "how long a latency chain waits for its missing hops",
+    "pressure_scrape_seconds": "how often Triton's /metrics is scraped (default 0.25)",
+    "pressure_stale_seconds": "a stage signal older than this counts as saturated (default 1)",
+    "triton": "Triton endpoints as a JSON list of {name, url, metrics_url, preflight_url}",
+    "triton_url": "gRPC HOST:PORT of the one Triton server (endpoint 'default')",
+    "triton_metrics_url": "its http://HOST:PORT/metrics",
+    "triton_preflight_url": "gRPC HOST:PORT of a sandbox Triton that vets candidates first",
+}
+
+
+def add_commands(sub: Subcommands) -> None:
+    serve = sub.add_parser("serve", help="run the control plane")
+    serve.add_argument("--config", help="YAML config file (or SITSMESH_CONFIG)")
+    for key in PARSERS:
+        if key == "ratelimit_config":
+            serve.add_argument(flag_name(key), dest=key, action="append", help=_FLAG_HELP[key])
+        else:
+            serve.add_argument(flag_name(key), dest=key, help=_FLAG_HELP[key])
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from sitsmesh import logs
+    from sitsmesh.app import preflight
+    from sitsmesh.ratelimit import config as rlconfig
+
+    settings = settings_from(args, list(PARSERS))
+    preflight.check_all(settings)
+    rlconfig.load(settings.ratelimit_config)  # a bad file stops the start, before any port
+    logs.configure(settings.log_level, settings.log_format)
+    if settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Must be set before prometheus_client is imported (server imports it).
+        mp_dir = settings.state_dir / "prometheus-multiproc"
+        shutil.rmtree(mp_dir, ignore_errors=True)
+        mp_dir.mkdir(mode=0o700)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(mp_dir)
+    from sitsmesh.app import server
+
+    return asyncio.run(server.run(settings))

@@ -1,0 +1,157 @@
+"""`sitsmesh tenants ...` and `sitsmesh apikeys ...`: who may call which models (admin API)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from sitsmesh.admin.v1 import admin_pb2
+from sitsmesh.cli.common import Subcommands, UsageError, add_common_admin, call_admin, print_json
+
+
+def add_commands(sub: Subcommands) -> None:
+    tenants = sub.add_parser("tenants", help="manage tenants (admin API)").add_subparsers(
+        dest="tenants_command", required=True)
+    for action in ("create", "update"):
+        p = tenants.add_parser(action, help=f"{action} a tenant")
+        p.add_argument("name")
+        p.add_argument("--models", required=action == "create", metavar="GLOB[,GLOB...]",
+                       help="model name globs the tenant may call")
+        p.add_argument("--priority", type=int, help="default priority (0-9)")
+        p.add_argument("--max-priority", dest="max_priority", type=int,
+                       help="highest priority a caller may ask for")
+        p.add_argument("--max-concurrency", dest="max_concurrency", type=int,
+                       help="requests in flight at once (0: no cap)")
+        p.add_argument("--label", action="append", metavar="KEY=VALUE")
+        add_common_admin(p)
+        p.set_defaults(func=cmd_tenants)
+    for action in ("get", "delete"):
+        p = tenants.add_parser(action, help=f"{action} a tenant")
+        p.add_argument("name")
+        add_common_admin(p)
+        p.set_defaults(func=cmd_tenants)
+    p = tenants.add_parser("list", help="list tenants")
+    add_common_admin(p)
+    p.set_defaults(func=cmd_tenants)
+
+    keys = sub.add_parser("apikeys", help="manage API keys (admin API)").add_subparsers(
+        dest="apikeys_command", required=True)
+    p = keys.add_parser("create", help="create a key; it is printed once")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--name", help="a label for the key")
+    p.add_argument("--expires", help="30d, 12h, 90m, or an ISO 8601 time")
+    add_common_admin(p)
+    p.set_defaults(func=cmd_apikeys)
+    p = keys.add_parser("list", help="list keys (never their secrets)")
+    p.add_argument("--tenant", help="only this tenant's keys")
+    add_common_admin(p)
+    p.set_defaults(func=cmd_apikeys)
+    p = keys.add_parser("revoke", help="revoke a key by id")
+    p.add_argument("id")
+    add_common_admin(p)
+    p.set_defaults(func=cmd_apikeys)
+
+
+def parse_labels(pairs: Sequence[str] | None) -> dict[str, str]:
+    labels = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--label wants KEY=VALUE, got {pair!r}")
+        labels[key] = value
+    return labels
+
+
+def _show_tenant(args: argparse.Namespace, tenant: Any) -> None:
+    if args.output == "json":
+        print_json(tenant)
+        return
+    labels = ",".join(f"{k}={v}" for k, v in sorted(tenant.labels.items()))
+    print(f"{tenant.name}  models={','.join(tenant.models)}  priority={tenant.priority}  "
+          f"max_priority={tenant.max_priority}  max_concurrency={tenant.max_concurrency}"
+          + (f"  labels={labels}" if labels else ""))
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    action = args.tenants_command
+    if action in ("create", "update"):
+        tenant = admin_pb2.Tenant(name=args.name)
+        if action == "update":
+            tenant = call_admin(args, "GetTenant", admin_pb2.GetTenantRequest(name=args.name))
+        if args.models is not None:
+            del tenant.models[:]
+            tenant.models.extend(m for m in args.models.split(",") if m)
+        for field in ("priority", "max_priority", "max_concurrency"):
+            if getattr(args, field) is not None:
+                setattr(tenant, field, getattr(args, field))
+        if args.label:
+            tenant.labels.update(parse_labels(args.label))
+        rpc = "CreateTenant" if action == "create" else "UpdateTenant"
+        _show_tenant(args, call_admin(args, rpc, tenant))
+    elif action == "get":
+        _show_tenant(args, call_admin(args, "GetTenant",
+                                      admin_pb2.GetTenantRequest(name=args.name)))
+    elif action == "list":
+        reply = call_admin(args, "ListTenants", admin_pb2.ListTenantsRequest())
+        if args.output == "json":
+            print_json(reply)
+        for tenant in reply.tenants if args.output != "json" else []:
+            _show_tenant(args, tenant)
+    else:
+        call_admin(args, "DeleteTenant", admin_pb2.DeleteTenantRequest(name=args.name))
+        print(f"deleted tenant {args.name}")
+    return 0
+
+
+def parse_expiry(text: str) -> float:
+    """'30d', '12h', '90m' from now, or an ISO 8601 time."""
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    if text[:-1].isdigit() and text[-1:] in units:
+        return time.time() + int(text[:-1]) * units[text[-1]]
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise UsageError(f"--expires wants 30d, 12h, 90m or an ISO 8601 time, got {text!r}"
+                         ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return when.timestamp()
+
+
+def cmd_apikeys(args: argparse.Namespace) -> int:
+    action = args.apikeys_command
+    if action == "create":
+        request = admin_pb2.CreateApiKeyRequest(tenant=args.tenant, name=args.name or "")
+        if args.expires:
+            stamp = Timestamp()
+            stamp.FromNanoseconds(int(parse_expiry(args.expires) * 1e9))
+            request.expires_at.CopyFrom(stamp)
+        reply = call_admin(args, "CreateApiKey", request)
+        if args.output == "json":
+            print(json.dumps({"key": reply.secret, "id": reply.key.id}))
+        else:
+            print(reply.secret)
+            print(f"(key id {reply.key.id} for tenant {reply.key.tenant}; the key is shown "
+                  "only now)", file=sys.stderr)
+    elif action == "list":
+        reply = call_admin(args, "ListApiKeys", admin_pb2.ListApiKeysRequest(
+            tenant=args.tenant or ""))
+        if args.output == "json":
+            print_json(reply)
+            return 0
+        print("ID            TENANT          STATE    EXPIRES               NAME")
+        for key in reply.keys:
+            expires = key.expires_at.ToJsonString() if key.HasField("expires_at") else "never"
+            state = "revoked" if key.revoked else "active"
+            print(f"{key.id:<12}  {key.tenant:<14}  {state:<7}  {expires:<20}  {key.name}")
+    else:
+        key = call_admin(args, "RevokeApiKey", admin_pb2.RevokeApiKeyRequest(id=args.id))
+        print(f"revoked key {key.id} of tenant {key.tenant}")
+    return 0
