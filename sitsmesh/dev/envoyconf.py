@@ -12,6 +12,9 @@ import yaml
 from sitsmesh.errors import ConfigError
 
 FRAGMENTS_KEY = "x_sitsmesh_http_filters"
+# What a fragment may bring: an HTTP filter, an access log, clusters, and top-level
+# bootstrap fields (stats sinks and their flush interval).
+FRAGMENT_KEYS = frozenset({"http_filter", "access_log", "bootstrap"})
 _PLACEHOLDER = re.compile(r"\$\{([a-z_][a-z0-9_]*)\}")
 _WHOLE = re.compile(r"^\$\{([a-z_][a-z0-9_]*)\}$")
 
@@ -47,13 +50,15 @@ def _load(path: Path) -> Any:
 def local_values(*, sitsmesh_addr: str, upstream_port: int, listen_port: int,
                  envoy_admin_port: int, health_interval: str = "1s",
                  ratelimit_domain: str = "sitsmesh-local",
-                 upstream_host: str = "127.0.0.1") -> dict[str, object]:
+                 upstream_host: str = "127.0.0.1", access_log_flush: str = "0.02s",
+                 stats_flush: str = "0.25s") -> dict[str, object]:
     """The placeholder values of filters/local/bootstrap.yaml and its fragments."""
     host, _, port = sitsmesh_addr.rpartition(":")
     return {"envoy_admin_port": envoy_admin_port, "listen_port": listen_port,
             "upstream_host": upstream_host, "upstream_port": upstream_port,
             "sitsmesh_host": host, "sitsmesh_port": int(port),
-            "health_interval": health_interval, "ratelimit_domain": ratelimit_domain}
+            "health_interval": health_interval, "ratelimit_domain": ratelimit_domain,
+            "access_log_flush": access_log_flush, "stats_flush": stats_flush}
 
 
 def http_connection_manager(bootstrap: dict[str, Any], source: Path | str = "bootstrap"
@@ -88,19 +93,35 @@ def render(bootstrap_path: Path, values: Mapping[str, object],
     for name in names:
         path = fragment_dir / f"{name}.yaml"
         fragment = _load(path)
-        if not isinstance(fragment, dict) or not {"http_filter", "access_log"} & set(fragment):
-            raise ConfigError(f"{path}: a fragment needs an 'http_filter' or 'access_log' key")
+        if not isinstance(fragment, dict) or not FRAGMENT_KEYS & set(fragment):
+            raise ConfigError(f"{path}: a fragment needs one of the keys "
+                              f"{', '.join(sorted(FRAGMENT_KEYS))}")
         fragment = _substitute(fragment, values, path)
         if "http_filter" in fragment:
             http_filters.append(fragment["http_filter"])
         if "access_log" in fragment:
             access_logs.append(fragment["access_log"])
         clusters.extend(fragment.get("clusters", []))
+        _merge_bootstrap(bootstrap, fragment.get("bootstrap", {}), path)
     hcm = http_connection_manager(bootstrap, bootstrap_path)
     hcm["http_filters"] = http_filters
     if access_logs:
         hcm.setdefault("access_log", []).extend(access_logs)
     return bootstrap
+
+
+def _merge_bootstrap(bootstrap: dict[str, Any], extra: Any, source: Path) -> None:
+    """Top-level fields of a fragment: lists (stats_sinks) extend, anything else is set,
+    and a field two fragments both set is an error rather than a silent override."""
+    if not isinstance(extra, dict):
+        raise ConfigError(f"{source}: bootstrap must be a mapping of top-level fields")
+    for key, value in extra.items():
+        if isinstance(value, list):
+            bootstrap.setdefault(key, []).extend(value)
+        elif key in bootstrap:
+            raise ConfigError(f"{source}: bootstrap field {key!r} is already set")
+        else:
+            bootstrap[key] = value
 
 
 def add_route(bootstrap: dict[str, Any], *, name: str, prefix: str, host: str,

@@ -69,5 +69,21 @@ def test_missing_fragment_is_an_error(tmp_path: Path) -> None:
 
 def test_fragment_without_http_filter_is_an_error(tmp_path: Path) -> None:
     path = _tree(tmp_path, BOOT, authz="clusters: []\n")
-    with pytest.raises(ConfigError, match="a fragment needs an 'http_filter' or 'access_log' key"):
+    with pytest.raises(ConfigError, match="a fragment needs one of the keys access_log, "
+                                          "bootstrap, http_filter"):
         envoyconf.render(path, {"admin_port": 1, "zone": "z"})
+
+
+def test_bootstrap_fragments_extend_lists_and_refuse_to_override(tmp_path: Path) -> None:
+    sink = ("bootstrap:\n  stats_flush_interval: ${flush}\n"
+            "  stats_sinks: [{name: a}]\n")
+    path = _tree(tmp_path, BOOT, sink=sink, other="bootstrap:\n  stats_sinks: [{name: b}]\n")
+    config = envoyconf.render(path, {"admin_port": 1, "zone": "z", "flush": "0.5s"},
+                              ["sink", "other"])
+    assert config["stats_flush_interval"] == "0.5s"
+    assert config["stats_sinks"] == [{"name": "a"}, {"name": "b"}]
+    (tmp_path / "fragments" / "again.yaml").write_text("bootstrap:\n  stats_flush_interval: 1s\n")
+    with pytest.raises(ConfigError, match="again.yaml: bootstrap field 'stats_flush_interval' "
+                                          "is already set"):
+        envoyconf.render(path, {"admin_port": 1, "zone": "z", "flush": "0.5s"},
+                         ["sink", "again"])
