@@ -1,0 +1,252 @@
+"""sitsmesh beside a scenario's stages, and one variant's run through a fresh Envoy.
+
+| variant | entry listener's filters | sitsmesh thresholds policy |
+|---|---|---|
+| no control | ext_authz, access_log, router | off (never sheds) |
+| adaptive_concurrency | ext_authz, adaptive_concurrency, access_log, router | off |
+| seed | ext_authz, access_log, router | seed (priority-blind queue-depth cap) |
+| sitsmesh | ext_authz, access_log, router | sitsmesh |
+
+Every variant authenticates through sitsmesh, logs every hop to it and pushes
+Envoy's stats to it; only the admission decision differs. One sitsmesh serves all
+variants of a scenario (as one would in production, it keeps what it learned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import load
+import topology
+from scenarios import Backend
+
+from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+from sitsmesh.dev import harness
+
+NONE, ADAPTIVE, SEED, SITSMESH = "none", "adaptive", "seed", "sitsmesh"
+
+
+class BenchError(Exception):
+    """Something could not be started, or a variant could not be run."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    key: str
+    label: str
+    policy: str      # sitsmesh thresholds policy
+    adaptive: bool   # Envoy with the adaptive_concurrency filter
+
+
+VARIANTS = {v.key: v for v in (
+    Variant(NONE, "no control", "off", False),
+    Variant(ADAPTIVE, "adaptive_concurrency", "off", True),
+    Variant(SEED, "seed", "seed", False),
+    Variant(SITSMESH, "sitsmesh", "sitsmesh", False),
+)}
+
+
+@dataclass
+class Stack:
+    tmp: Path
+    backend: Backend
+    node: harness.Sitsmesh
+    key: str
+
+
+def start_sitsmesh(tmp: Path, backend: Backend, exits: contextlib.ExitStack) -> Stack:
+    node = harness.start_sitsmesh(tmp, *backend.sitsmesh_args)
+    exits.callback(node.kill)
+    (tmp / "pipeline.yaml").write_text(backend.pipeline_yaml())
+    steps = (("pipelines", "apply", str(tmp / "pipeline.yaml")),
+             ("tenants", "create", "acme", "--models", "*", "--priority", "0",
+              "--max-priority", "9"))
+    for args in steps:
+        done = node.cli(*args)
+        if done.returncode != 0:
+            raise BenchError(f"sitsmesh {' '.join(args[:2])} failed: {done.stderr}")
+    made = node.cli("apikeys", "create", "--tenant", "acme", "--output", "json")
+    if made.returncode != 0:
+        raise BenchError(f"sitsmesh apikeys create failed: {made.stderr}")
+    stack = Stack(tmp, backend, node, str(json.loads(made.stdout)["key"]))
+    set_policy(stack, "off")
+    return stack
+
+
+def pressure_once(stack: Stack) -> admin_pb2.PipelinePressure:
+    node = stack.node
+    with grpc.insecure_channel(node.admin_addr) as channel:
+        stream = admin_pb2_grpc.AdminStub(channel).WatchPressure(
+            admin_pb2.WatchPressureRequest(pipeline=stack.backend.pipeline, count=1),
+            metadata=node.admin_metadata(), timeout=5)
+        [snapshot] = list(stream)
+    [pipeline] = snapshot.pipelines
+    return pipeline
+
+
+def set_policy(stack: Stack, policy: str) -> None:
+    path = stack.tmp / f"thresholds-{policy}.yaml"
+    path.write_text(stack.backend.thresholds_yaml(policy))
+    done = stack.node.cli("thresholds", "set", stack.backend.pipeline, str(path))
+    if done.returncode != 0:
+        raise BenchError(f"sitsmesh thresholds set ({policy}) failed: {done.stderr}")
+    try:
+        harness.wait_until(lambda: pressure_once(stack).policy == policy, 10,
+                           f"sitsmesh to apply policy {policy}", interval=0.1)
+    except TimeoutError as exc:
+        raise BenchError(str(exc)) from exc
+
+
+def wait_drained(stack: Stack, timeout: float = 180.0) -> float:
+    """Seconds until nothing is queued in the stages (and stays so for 0.5 s): the
+    backlog a variant left behind drains before the next one starts."""
+    began = time.monotonic()
+    try:
+        for _ in range(2):
+            harness.wait_until(lambda: stack.backend.queued() == 0, timeout,
+                               "the stages' queues to drain", interval=0.2)
+            time.sleep(0.5)
+    except TimeoutError as exc:
+        raise BenchError(str(exc)) from exc
+    return time.monotonic() - began
+
+
+class Recorder:
+    """sitsmesh's decisions (WatchPressure, every tick) and, for adaptive_concurrency,
+    Envoy's gradient-controller gauges, with monotonic receive times."""
+
+    def __init__(self, stack: Stack, envoy: harness.Envoy | None) -> None:
+        self.stack, self.envoy = stack, envoy
+        self.pressure: list[tuple[float, dict[str, Any]]] = []
+        self.envoy_stats: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._channel = grpc.insecure_channel(stack.node.admin_addr)
+        self._call: Any = None
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> Recorder:
+        stub = admin_pb2_grpc.AdminStub(self._channel)
+        self._call = stub.WatchPressure(
+            admin_pb2.WatchPressureRequest(pipeline=self.stack.backend.pipeline),
+            metadata=self.stack.node.admin_metadata(), timeout=600)
+        self._threads = [threading.Thread(target=self._watch, daemon=True)]
+        if self.envoy is not None:
+            self._threads.append(threading.Thread(target=self._poll_envoy, daemon=True))
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        for thread in self._threads:
+            thread.join(5)
+        self._channel.close()
+
+    def _watch(self) -> None:
+        name, bottleneck = self.stack.backend.pipeline, self.stack.backend.bottleneck
+        with contextlib.suppress(grpc.RpcError):
+            for snapshot in self._call:
+                now = time.monotonic()
+                for p in snapshot.pipelines:
+                    if p.pipeline != name:
+                        continue
+                    stage = next((s for s in p.stages if s.name == bottleneck), None)
+                    self.pressure.append((now, {
+                        "policy": p.policy, "fraction": p.fraction, "cutoff": p.cutoff,
+                        "concurrency": p.concurrency, "level": p.level,
+                        "bottleneck": p.bottleneck, "lam": p.arrival_rate,
+                        "in_flight": p.in_flight, "shed_total": p.shed_total,
+                        "mu": stage.capacity if stage else 0.0,
+                        "queue": stage.queue if stage else 0.0,
+                        "rt99_ms": stage.rt99_ms if stage else 0.0,
+                        "stage_level": stage.level if stage else ""}))
+
+    def _poll_envoy(self) -> None:
+        assert self.envoy is not None
+        while not self._stop.wait(0.2):
+            try:
+                text = self.envoy.admin_get("/stats?filter=gradient_controller")
+            except OSError:
+                continue
+            values: dict[str, float] = {}
+            for line in text.splitlines():
+                stat, _, value = line.partition(": ")
+                with contextlib.suppress(ValueError):
+                    values[stat.rsplit(".", 1)[-1]] = float(value)
+            self.envoy_stats.append((time.monotonic(), values))
+
+
+@dataclass
+class VariantRun:
+    variant: Variant
+    flush: str
+    results: list[load.Result]
+    t0: float
+    drained_s: float
+    pressure: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    envoy_stats: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+
+
+def _envoy(stack: Stack, name: str, flush: str, adaptive: bool) -> harness.Envoy:
+    try:
+        return topology.start_envoy(stack.tmp, name, stack.node.data_addr, stack.backend.hops,
+                                    access_log_flush=flush, adaptive=adaptive)
+    except RuntimeError as exc:  # Envoy exited: a setup failure of this variant
+        raise BenchError(f"envoy ({name}): {str(exc)[-2000:]}") from None
+
+
+def _sanity(stack: Stack, envoy: harness.Envoy, timeout: float) -> None:
+    port = envoy.listen_port
+    status, code, _ = asyncio.run(load.call(
+        port, stack.backend.spec.payload(port, stack.key, load.LOW), timeout))
+    if status != 200:
+        raise BenchError(f"sanity request through Envoy got {status} {code!r}")
+
+
+def measure_capacity(stack: Stack, workers: int, seconds: float,
+                     timeout: float) -> tuple[float, float]:
+    """Closed loop through a no-control Envoy: (completions/s, median latency ms)."""
+    set_policy(stack, "off")
+    wait_drained(stack)
+    envoy = _envoy(stack, "capacity", "0.02s", adaptive=False)
+    try:
+        _sanity(stack, envoy, timeout)
+        n, latencies, failed = asyncio.run(load.closed_loop(
+            envoy.listen_port, stack.key, stack.backend.spec, workers, 1.0, seconds, timeout))
+    finally:
+        envoy.kill()
+    if failed or not n:
+        raise BenchError(f"capacity run: {failed} requests failed, {n} completed")
+    return n / seconds, sorted(latencies)[len(latencies) // 2] * 1000
+
+
+def run_variant(stack: Stack, variant: Variant, flush: str,
+                plan: Sequence[tuple[float, int]], timeout: float) -> VariantRun:
+    set_policy(stack, variant.policy)
+    drained = wait_drained(stack)
+    name = f"{stack.backend.pipeline}-{variant.key}-{flush}"
+    envoy = _envoy(stack, name, flush, variant.adaptive)
+    try:
+        _sanity(stack, envoy, timeout)
+        time.sleep(0.5)
+        t0_box: list[float] = []
+        with Recorder(stack, envoy if variant.adaptive else None) as recorder:
+            results = asyncio.run(load.open_loop(envoy.listen_port, stack.key,
+                                                 stack.backend.spec, plan, timeout, t0_box))
+        if envoy.proc.poll() is not None:
+            raise BenchError(f"envoy ({name}) died during the run")
+    finally:
+        envoy.kill()
+    return VariantRun(variant, flush, results, t0_box[0], drained, recorder.pressure,
+                      recorder.envoy_stats)
