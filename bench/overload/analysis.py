@@ -83,7 +83,8 @@ class Summary:
     other_errors: int
     lag_p99_ms: float
     lag_max_ms: float
-    drained_before_s: float
+    drained_after_s: float
+    settled_before_s: float | None
     codes: dict[str, int]
 
 
@@ -109,7 +110,7 @@ def summarise(run: VariantRun, capacity: float, sla_ms: float) -> Summary:
         shed=sum(shed(r) for r in rs), timeouts=sum(r.status == 0 for r in rs),
         other_errors=sum(r.status not in (0, 200) and not shed(r) for r in rs),
         lag_p99_ms=nearest_rank(lags, 99), lag_max_ms=max(lags),
-        drained_before_s=run.drained_s,
+        drained_after_s=run.drained_s, settled_before_s=run.settled_s,
         codes=dict(sorted(codes.items(), key=lambda kv: -kv[1])))
 
 

@@ -111,6 +111,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.scenario_list = [scenarios.SCENARIOS[k] for k in
                           listed("--scenarios", args.scenarios, list(scenarios.SCENARIOS))]
     args.flush_list = listed("--flush", args.flush, None)
+    for flush in args.flush_list:
+        try:
+            stk.flush_seconds(flush)
+        except ValueError as exc:
+            p.error(f"--flush: {exc}")
     args.variant_list = [stk.VARIANTS[k] for k in
                          listed("--variants", args.variants, list(stk.VARIANTS))]
     if args.rounds < 1 or args.plot_round < 1 or args.rounds > 20:
@@ -217,9 +222,12 @@ def print_scenario(scenario: scenarios.Scenario, backend: scenarios.Backend, cap
         print("\nNotes:\n")
         for s in per_round[shown]:
             codes = ", ".join(f"{k}: {v}" for k, v in s.codes.items())
+            settled = ("did not admit everything within 30 s before it"
+                       if s.settled_before_s is None
+                       else f"admitted everything {s.settled_before_s:.1f} s before it")
             print(f"- {s.label}: statuses {codes}; client start lag p99 {s.lag_p99_ms:.1f} ms,"
-                  f" max {s.lag_max_ms:.1f} ms; stages drained {s.drained_before_s:.1f} s "
-                  "before it")
+                  f" max {s.lag_max_ms:.1f} ms; sitsmesh {settled}; the stages drained "
+                  f"{s.drained_after_s:.1f} s after it")
         for r in runs:
             if r.variant.policy == "sitsmesh":
                 for note in report.controller_notes(r, capacity):

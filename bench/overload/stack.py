@@ -19,7 +19,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,14 @@ def pressure_once(stack: Stack) -> admin_pb2.PipelinePressure:
     return pipeline
 
 
+def _pressure_is(stack: Stack, test: Callable[[admin_pb2.PipelinePressure], bool]) -> bool:
+    """A poll for wait_until: a WatchPressure that fails or is slow counts as "not yet"."""
+    try:
+        return test(pressure_once(stack))
+    except grpc.RpcError:
+        return False
+
+
 def set_policy(stack: Stack, policy: str) -> None:
     path = stack.tmp / f"thresholds-{policy}.yaml"
     path.write_text(stack.backend.thresholds_yaml(policy))
@@ -100,7 +108,7 @@ def set_policy(stack: Stack, policy: str) -> None:
     if done.returncode != 0:
         raise BenchError(f"sitsmesh thresholds set ({policy}) failed: {done.stderr}")
     try:
-        harness.wait_until(lambda: pressure_once(stack).policy == policy, 10,
+        harness.wait_until(lambda: _pressure_is(stack, lambda p: p.policy == policy), 20,
                            f"sitsmesh to apply policy {policy}", interval=0.1)
     except TimeoutError as exc:
         raise BenchError(str(exc)) from exc
@@ -193,7 +201,8 @@ class VariantRun:
     flush: str
     results: list[load.Result]
     t0: float
-    drained_s: float
+    drained_s: float          # after the load, until the stages' queues were empty
+    settled_s: float | None   # before it, until sitsmesh admitted everything
     pressure: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
     envoy_stats: list[tuple[float, dict[str, float]]] = field(default_factory=list)
 
@@ -207,11 +216,31 @@ def _envoy(stack: Stack, name: str, flush: str, adaptive: bool) -> harness.Envoy
 
 
 def _sanity(stack: Stack, envoy: harness.Envoy, timeout: float) -> None:
+    # High priority: never shed, so a 429 here is a broken path, not the controller.
     port = envoy.listen_port
     status, code, _ = asyncio.run(load.call(
-        port, stack.backend.spec.payload(port, stack.key, load.LOW), timeout))
+        port, stack.backend.spec.payload(port, stack.key, load.HIGH), timeout))
     if status != 200:
         raise BenchError(f"sanity request through Envoy got {status} {code!r}")
+
+
+def wait_admitting(stack: Stack, timeout: float = 30.0) -> float | None:
+    """Seconds until sitsmesh admits every priority again (None if it did not within
+    `timeout`): each variant starts from a calm controller, not the last one's overload."""
+    began = time.monotonic()
+    try:
+        harness.wait_until(lambda: _pressure_is(stack, lambda p: p.fraction >= 1.0), timeout,
+                           "sitsmesh to admit everything", interval=0.1)
+    except TimeoutError:
+        return None
+    return time.monotonic() - began
+
+
+def flush_seconds(flush: str) -> float:
+    """Envoy's duration text ("0.02s", "1s") in seconds."""
+    if not flush.endswith("s"):
+        raise ValueError(f"flush interval {flush!r}: write seconds, like 0.02s or 1s")
+    return float(flush[:-1])
 
 
 def measure_capacity(stack: Stack, workers: int, seconds: float,
@@ -224,6 +253,7 @@ def measure_capacity(stack: Stack, workers: int, seconds: float,
         _sanity(stack, envoy, timeout)
         n, latencies, failed = asyncio.run(load.closed_loop(
             envoy.listen_port, stack.key, stack.backend.spec, workers, 1.0, seconds, timeout))
+        _settle(stack, "0.02s")
     finally:
         envoy.kill()
     if failed or not n:
@@ -231,22 +261,32 @@ def measure_capacity(stack: Stack, workers: int, seconds: float,
     return n / seconds, sorted(latencies)[len(latencies) // 2] * 1000
 
 
+def _settle(stack: Stack, flush: str) -> float:
+    """Drain with Envoy still up, then wait out a flush: Envoy must live until it has sent
+    every access-log entry, or sitsmesh would hold the lost ones as in flight."""
+    drained = wait_drained(stack)
+    time.sleep(flush_seconds(flush) + 0.5)
+    return drained
+
+
 def run_variant(stack: Stack, variant: Variant, flush: str,
                 plan: Sequence[tuple[float, int]], timeout: float) -> VariantRun:
     set_policy(stack, variant.policy)
-    drained = wait_drained(stack)
+    wait_drained(stack)
     name = f"{stack.backend.pipeline}-{variant.key}-{flush}"
     envoy = _envoy(stack, name, flush, variant.adaptive)
     try:
         _sanity(stack, envoy, timeout)
+        settled = wait_admitting(stack)
         time.sleep(0.5)
         t0_box: list[float] = []
         with Recorder(stack, envoy if variant.adaptive else None) as recorder:
             results = asyncio.run(load.open_loop(envoy.listen_port, stack.key,
                                                  stack.backend.spec, plan, timeout, t0_box))
+        drained = _settle(stack, flush)
         if envoy.proc.poll() is not None:
             raise BenchError(f"envoy ({name}) died during the run")
     finally:
         envoy.kill()
-    return VariantRun(variant, flush, results, t0_box[0], drained, recorder.pressure,
-                      recorder.envoy_stats)
+    return VariantRun(variant, flush, results, t0_box[0], drained, settled,
+                      recorder.pressure, recorder.envoy_stats)
