@@ -192,7 +192,7 @@ def print_scenario(scenario: scenarios.Scenario, backend: scenarios.Backend, cap
     """The scenario's tables; returns the plotted round's summaries per flush."""
     print(f"\n## {scenario.title}\n\n{backend.describe}; capacity {capacity:.1f} rps "
           f"(nominal {backend.nominal_rps:.0f}); bottleneck stage `{backend.bottleneck}`; "
-          f"thresholds: {backend.thresholds_yaml('sitsmesh').strip()!r}")
+          f"thresholds set: `{backend.thresholds_flow('sitsmesh')}`")
     shown = min(args.plot_round, len(rounds)) - 1
     out: dict[str, list[analysis.Summary]] = {}
     for flush in args.flush_list:

@@ -66,10 +66,18 @@ class Backend:
         return yaml.safe_dump(doc, sort_keys=False)
 
     def thresholds_yaml(self, policy: str) -> str:
+        return yaml.safe_dump(self._thresholds(policy), sort_keys=False)
+
+    def thresholds_flow(self, policy: str) -> str:
+        """The same document on one line, for the report."""
+        return yaml.safe_dump(self._thresholds(policy), sort_keys=False,
+                              default_flow_style=True, width=1000).strip()
+
+    def _thresholds(self, policy: str) -> dict[str, object]:
         doc: dict[str, object] = {"policy": policy}
         if self.thresholds:
             doc["stages"] = self.thresholds
-        return yaml.safe_dump(doc, sort_keys=False)
+        return doc
 
 
 def _stage(name: str, opts: Options, **extra: str) -> dict[str, object]:
