@@ -234,11 +234,12 @@ class AuthzComponent:
             self.directory.on_change(swap)
             self.authorizer = authorizer
 
-    def release(self, request_id: str) -> bool:
-        """End a request's admission hold (its access-log entry arrived)."""
+    def release(self, request_id: str, ended_wall: float | None) -> bool:
+        """End a request's admission hold: its access-log entry arrived, saying when it
+        ended (wall clock)."""
         if self.authorizer is None:
             return False
-        return self.authorizer.admission.release(request_id)
+        return self.authorizer.admission.release(request_id, ended_wall)
 
     def services(self) -> list[DataService]:
         if self.authorizer is None:
@@ -261,7 +262,7 @@ class ChainsComponent:
 
     def __init__(self, settings: Settings, state: StateStore,
                  registry: CollectorRegistry | None, *, serve: bool,
-                 release: Callable[[str], bool]) -> None:
+                 release: Callable[[str, float | None], bool]) -> None:
         self._settings = settings
         self.pipelines = PipelineCatalog(state)
         self.assembler: Assembler | None = None

@@ -68,17 +68,19 @@ class Admission:
         counted = tenant if cap > 0 else ""
         if counted:
             self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
-        if gate is not None and entered:
-            gate.started(entered)
         if counted or entered:
-            self._held[request_id] = (counted, entered, self._clock() + self._hold_s)
+            now = self._clock()
+            if gate is not None and entered:
+                gate.started(entered, now)
+            self._held[request_id] = (counted, entered, now + self._hold_s)
         return ADMIT
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str, ended_wall: float | None = None) -> bool:
+        """The request ended (its access-log entry came): at `ended_wall`, wall clock."""
         held = self._held.pop(request_id, None)
         if held is None:
             return False
-        self._drop(held)
+        self._drop(held, ended_wall)
         return True
 
     def expire(self) -> int:
@@ -89,15 +91,15 @@ class Admission:
             if held[2] > now:
                 break  # arrival order: later holds expire later
             del self._held[request_id]
-            self._drop(held)
+            self._drop(held, None)
             expired += 1
         return expired
 
     def in_flight(self, tenant: str) -> int:
         return self._in_flight.get(tenant, 0)
 
-    def _drop(self, held: tuple[str, str, float]) -> None:
-        tenant, pipeline, _ = held
+    def _drop(self, held: tuple[str, str, float], ended_wall: float | None) -> None:
+        tenant, pipeline, deadline = held
         if tenant:
             left = self._in_flight.get(tenant, 0) - 1
             if left > 0:
@@ -105,4 +107,4 @@ class Admission:
             else:
                 self._in_flight.pop(tenant, None)
         if pipeline and self.gate is not None:
-            self.gate.ended(pipeline)
+            self.gate.ended(pipeline, deadline - self._hold_s, ended_wall, self._clock())

@@ -31,7 +31,7 @@ class Shed:
 
 class PressureGate:
     __slots__ = ("_models", "_pipelines", "_routes", "_u", "samples", "sheds", "signals",
-                 "snapshot")
+                 "snapshot", "wall_offset")
 
     def __init__(self, signals: Signals) -> None:
         self.signals = signals
@@ -45,6 +45,8 @@ class PressureGate:
         # (pipeline, stage, priority, reason) -> count, and the last request of each.
         self.sheds: dict[tuple[str, str, int, str], int] = {}
         self.samples: dict[tuple[str, str], tuple[str, str, int]] = {}
+        # Wall-clock seconds minus monotonic ones: access-log times are wall clock.
+        self.wall_offset = 0.0
 
     def set_pipelines(self, pipelines: Mapping[str, Pipeline]) -> None:
         self._pipelines = {name: self.signals.pipeline(name) for name in pipelines}
@@ -74,7 +76,10 @@ class PressureGate:
         signals.arrive(priority)
         decision: Decision | None = self.snapshot.decisions.get(pipeline)
         self._u = u = (self._u + _GOLDEN) % 1.0
-        reason = shed_reason(decision, priority, u, signals.in_flight)
+        # Held requests whose access-log entries are still on the way are most likely
+        # done: the controller says how many.
+        in_flight = signals.in_flight - (decision.in_flight_offset if decision else 0)
+        reason = shed_reason(decision, priority, u, in_flight)
         if not reason or decision is None:
             signals.admitted += 1
             return None
@@ -86,13 +91,18 @@ class PressureGate:
                     f"pipeline {pipeline} is shedding load at stage "
                     f"{decision.bottleneck or '-'} ({reason}, priority {priority})")
 
-    def started(self, pipeline: str) -> None:
-        self._pipelines[pipeline].in_flight += 1
+    def started(self, pipeline: str, admitted: float) -> None:
+        """An admitted request is held in flight from `admitted` (monotonic seconds)."""
+        self._pipelines[pipeline].hold(admitted)
 
-    def ended(self, pipeline: str) -> None:
+    def ended(self, pipeline: str, admitted: float, ended_wall: float | None,
+              now: float) -> None:
+        """Its end: at `ended_wall` (wall clock, from its access-log entry), or None when
+        the hold timed out; `now` is when sitsmesh learned it."""
         signals = self._pipelines.get(pipeline)
-        if signals is not None and signals.in_flight > 0:
-            signals.in_flight -= 1
+        if signals is not None:
+            ended = ended_wall - self.wall_offset if ended_wall is not None else None
+            signals.unhold(admitted, ended, now)
 
     def rate_limited(self, pipeline: str) -> None:
         """An arrival seen by ShouldRateLimit (an adaptive rule of this pipeline)."""

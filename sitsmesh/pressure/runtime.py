@@ -30,11 +30,14 @@ LOG_EVERY_S = 5.0
 class PressureRuntime:
     def __init__(self, registry: CollectorRegistry | None, *, scrape_interval_s: float = 0.25,
                  stale_after_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         self.signals = Signals()
         self.gate = PressureGate(self.signals)
         self.controller = Controller(self.signals, clock, stale_after_s=stale_after_s)
         self._clock = clock
+        self._wall = wall
+        self._offset_known = False
         self._scrape_interval = scrape_interval_s
         self.scraping = False  # set before pipelines arrive when metrics URLs are configured
         self._pipelines: Mapping[str, Pipeline] = {}
@@ -80,8 +83,14 @@ class PressureRuntime:
         self.controller.configure(self._pipelines, self._thresholds)
 
     def on_hop(self, pipeline: str, stage: str, hop: Hop) -> None:
-        self.signals.stage(pipeline, stage).complete(self._clock(), hop.duration, hop.queue,
-                                                     hop.failed)
+        """A hop as of when it happened: its wall-clock start becomes this process's
+        monotonic time, and how late its entry came is kept."""
+        now = self._clock()
+        if not self._offset_known:
+            self._refresh_offset()
+        self.signals.stage(pipeline, stage).complete(
+            hop.request_id, hop.start - self.gate.wall_offset, hop.duration,
+            queue_s=hop.queue, failed=hop.failed, arrived=now)
 
     def on_triton(self, model: str, sample: TritonSample) -> None:
         for pipeline, stage in self._models.get(model, ()):
@@ -105,7 +114,13 @@ class PressureRuntime:
         ticks = [t.tick_ms for name, t in self._thresholds.items() if name in self._pipelines]
         return max(MIN_TICK_S, min(ticks, default=100) / 1000)
 
+    def _refresh_offset(self) -> None:
+        # Wall clock minus monotonic, refreshed each tick: NTP may slew the wall clock.
+        self.gate.wall_offset = self._wall() - self._clock()
+        self._offset_known = True
+
     def tick(self) -> Snapshot:
+        self._refresh_offset()
         snapshot = self.controller.tick()
         self.gate.snapshot = snapshot
         self._flush(snapshot)

@@ -1,22 +1,29 @@
 """Per-pipeline and per-stage signals: plain counters the request path bumps, no locks.
 
-Writers (Check, ShouldRateLimit, access logs, the Triton scraper) only add to
-counters and stamp times; the controller reads the counters once per tick and
-works out rates from the differences.
+Writers (Check, ShouldRateLimit, access logs, Envoy's stats, the Triton scraper)
+only add to counters and keep samples stamped with when they happened, plus how
+late they arrived; the controller reads them once per tick. Times are this
+process's monotonic seconds.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from sitsmesh.chains.histogram import Histogram
+from sitsmesh.pressure.estimate import BIN_S
 from sitsmesh.pressure.thresholds import PRIORITIES
+
+SAMPLES = 512     # recent end-to-end latencies and log delays kept per pipeline
+HOPS = 4096       # recent hops kept per stage (a few seconds at thousands per second)
 
 
 class PipelineSignals:
     """Arrivals at a pipeline's entry, by priority, and what is in flight inside it."""
 
-    __slots__ = ("admitted", "arrivals", "by_priority", "in_flight", "rl_arrivals", "shed")
+    __slots__ = ("admit_bins", "admitted", "arrivals", "by_priority", "ended", "in_flight",
+                 "lags", "latencies", "open_bins", "rl_arrivals", "shed")
 
     def __init__(self) -> None:
         self.arrivals = 0
@@ -26,11 +33,39 @@ class PipelineSignals:
         self.admitted = 0
         self.shed = 0
         self.by_priority = [0] * PRIORITIES
+        # Admitted and not yet seen to end (the access log ends them), in total and by
+        # admission time: the controller weighs the open ones by how likely they still run.
         self.in_flight = 0
+        self.open_bins: dict[int, int] = {}
+        self.admit_bins: dict[int, int] = {}   # every hold, by admission bin (pruned)
+        self.ended: deque[tuple[float, float]] = deque(maxlen=HOPS)  # (admitted, ended)
+        self.latencies: deque[float] = deque(maxlen=SAMPLES)  # admitted -> ended, seconds
+        self.lags: deque[float] = deque(maxlen=SAMPLES)       # ended -> its log arrived
 
     def arrive(self, priority: int) -> None:
         self.arrivals += 1
         self.by_priority[priority if 0 <= priority < PRIORITIES else 0] += 1
+
+    def hold(self, admitted: float) -> None:
+        self.in_flight += 1
+        index = int(admitted // BIN_S)
+        self.open_bins[index] = self.open_bins.get(index, 0) + 1
+        self.admit_bins[index] = self.admit_bins.get(index, 0) + 1
+
+    def unhold(self, admitted: float, ended: float | None, arrived: float) -> None:
+        """A held request ended at `ended` (None: its hold timed out), learned at `arrived`."""
+        if self.in_flight > 0:
+            self.in_flight -= 1
+        index = int(admitted // BIN_S)
+        left = self.open_bins.get(index, 0) - 1
+        if left > 0:
+            self.open_bins[index] = left
+        else:
+            self.open_bins.pop(index, None)
+        if ended is not None:
+            self.latencies.append(max(0.0, ended - admitted))
+            self.lags.append(max(0.0, arrived - ended))
+            self.ended.append((admitted, ended))
 
 
 @dataclass(slots=True)
@@ -45,11 +80,23 @@ class TritonSample:
     request_us: float = 0.0  # queue and compute: the service time is the difference
 
 
-class StageSignals:
-    """Completions, latency and errors from access logs; queue state from Triton."""
+@dataclass(slots=True)
+class EnvoySample:
+    """One Envoy's stats for one cluster at one flush: gauges, and cumulative counters."""
 
-    __slots__ = ("completions", "errors", "expects_triton", "last_completion", "latency",
-                 "service", "triton")
+    at: float              # when Envoy took it (its own timestamp)
+    active: float          # requests sent upstream and not answered yet
+    pending: float         # waiting in Envoy for a connection
+    completed: float = 0.0
+    errors: float = 0.0    # 5xx, timeouts, resets, overflow
+
+
+class StageSignals:
+    """The stage's hops (from access logs, stamped with their own times), its queue as
+    Triton or Envoy see it, and how late each kind of signal arrives."""
+
+    __slots__ = ("completions", "envoy", "errors", "expects_triton", "hops", "lags",
+                 "last_arrival", "latency", "service", "triton")
 
     def __init__(self) -> None:
         # Set when the stage names a Triton model that is scraped: until a sample comes
@@ -57,18 +104,28 @@ class StageSignals:
         self.expects_triton = False
         self.completions = 0
         self.errors = 0
-        self.last_completion = 0.0
+        self.last_arrival = 0.0         # when the last hop's entry came in
         self.latency = Histogram()      # swapped out by the controller every tick
         self.service = 0.0              # sum of seconds spent past the queue, this tick
+        # (request id, start, end, failed) of recent hops
+        self.hops: deque[tuple[str, float, float, bool]] = deque(maxlen=HOPS)
+        self.lags: deque[float] = deque(maxlen=SAMPLES)
         self.triton: list[TritonSample] = []  # the last two scrapes
+        self.envoy: dict[str, EnvoySample] = {}  # per reporting Envoy, its latest sample
 
-    def complete(self, now: float, seconds: float, queue_s: float | None, failed: bool) -> None:
+    def complete(self, request_id: str, started: float, seconds: float, *,
+                 queue_s: float | None, failed: bool, arrived: float) -> None:
+        """A hop that started at `started` (monotonic) and took `seconds`, reported at
+        `arrived`."""
         self.completions += 1
         if failed:
             self.errors += 1
-        self.last_completion = now
+        self.last_arrival = arrived
         self.latency.add(seconds)
         self.service += seconds - (queue_s or 0.0)
+        ended = started + seconds
+        self.hops.append((request_id, started, ended, failed))
+        self.lags.append(max(0.0, arrived - ended))
 
     def scraped(self, sample: TritonSample) -> None:
         self.triton = [*self.triton[-1:], sample]

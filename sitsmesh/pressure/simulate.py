@@ -4,7 +4,11 @@ Stages are queues in series with `parallelism` servers each and fixed or
 exponential service times. Arrivals are Poisson at a rate that follows the
 load profile, with priorities drawn from its mix. Every arrival meets the same
 shedding rule Check applies; the controller ticks on the simulated clock and
-reads signals fed exactly as the access logs and the Triton scrape feed them.
+reads signals fed as production feeds them, with their delays: access-log
+entries arrive in batches every `log_flush_s` (Envoy's default is 1 s), Triton
+stages are scraped every `scrape_s`, and Envoy's per-cluster gauges come every
+`stats_flush_s` when that is set. An SRE sees what a setting costs before
+changing it.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from sitsmesh.chains.pipeline import Pipeline
 from sitsmesh.errors import Code, SitsmeshError
 from sitsmesh.pressure.admit import shed_reason
 from sitsmesh.pressure.controller import Controller, Decision
-from sitsmesh.pressure.signals import Signals, TritonSample
+from sitsmesh.pressure.signals import EnvoySample, Signals, TritonSample
 from sitsmesh.pressure.thresholds import PRIORITIES, Thresholds
 
 SCRAPE_S = 0.25
+LOG_FLUSH_S = 1.0   # Envoy's default access-log buffer flush, which Istio keeps
 
 
 class InvalidProfile(SitsmeshError):
@@ -41,6 +46,9 @@ class LoadProfile:
     service: str = "fixed"                           # fixed or exp
     sla_ms: float = 0.0                              # end to end; 0 = sum of stage SLAs
     seed: int = 1
+    log_flush_s: float = LOG_FLUSH_S                 # access-log entries arrive this late
+    scrape_s: float = SCRAPE_S                       # Triton stages' /metrics
+    stats_flush_s: float = 0.0                       # Envoy's gauges; 0 = not sent
 
     def rate(self, t: float) -> float:
         steps = self.steps
@@ -63,7 +71,7 @@ def profile_from(body: Mapping[str, Any], pipeline: Pipeline,
     if not isinstance(body, Mapping):
         raise InvalidProfile(f"{source}: expected a mapping")
     unknown = set(body) - {"duration_s", "steps", "priorities", "service_ms", "service",
-                           "sla_ms", "seed"}
+                           "sla_ms", "seed", "log_flush_s", "scrape_s", "stats_flush_s"}
     if unknown:
         raise InvalidProfile(f"{source}: unknown key '{sorted(unknown)[0]}'")
     duration = number("duration_s", body.get("duration_s", 30), 1, 3600)
@@ -99,7 +107,10 @@ def profile_from(body: Mapping[str, Any], pipeline: Pipeline,
     if not isinstance(seed, int):
         raise InvalidProfile(f"{source}: seed must be an integer")
     return LoadProfile(duration, tuple(steps), tuple(mix), service, kind,
-                       number("sla_ms", body.get("sla_ms", 0), 0, 3_600_000), seed)
+                       number("sla_ms", body.get("sla_ms", 0), 0, 3_600_000), seed,
+                       number("log_flush_s", body.get("log_flush_s", LOG_FLUSH_S), 0, 60),
+                       number("scrape_s", body.get("scrape_s", SCRAPE_S), 0.01, 60),
+                       number("stats_flush_s", body.get("stats_flush_s", 0), 0, 60))
 
 
 @dataclass(slots=True)
@@ -127,6 +138,7 @@ class _Request:
     id: int
     priority: int
     arrived: float
+    admitted: float = 0.0
     stage: int = 0
     entered: float = 0.0
     started: float = 0.0
@@ -135,6 +147,7 @@ class _Request:
 class _Stage:
     def __init__(self, name: str, servers: int, service_s: float) -> None:
         self.name = name
+        self.servers = servers
         self.free = servers
         self.service_s = service_s
         self.queue: list[_Request] = []
@@ -168,9 +181,11 @@ class _Simulation:
     def run(self) -> list[Second]:
         self.push(0.0, "tick")
         self.push(0.0, "scrape")
+        if self.profile.stats_flush_s:
+            self.push(0.0, "stats")
         self.push(_next_arrival(self.rng, self.profile, 0.0), "arrive")
         handlers = {"tick": self.tick, "scrape": self.scrape, "arrive": self.arrive,
-                    "done": self.done}
+                    "done": self.done, "log": self.log, "stats": self.stats}
         # Arrivals stop at the end; the requests already in flight are followed until they
         # finish (or for as long again), so each one counts by the second it arrived in.
         end = self.profile.duration_s
@@ -178,7 +193,7 @@ class _Simulation:
             now, _, kind, payload = heapq.heappop(self.events)
             if now >= 2 * end:
                 break
-            if now >= end and kind != "done":
+            if now >= end and kind not in ("done", "log"):
                 continue
             self.now = now
             second = self.seconds[min(int(now), len(self.seconds) - 1)]
@@ -196,10 +211,33 @@ class _Simulation:
         self.push(self.now + self.thresholds.tick_ms / 1000, "tick")
 
     def scrape(self, second: Second, payload: Any) -> None:
+        """Triton's pending gauge, for the stages that are Triton models."""
+        for stage, spec in zip(self.stages, self.pipeline.stages, strict=True):
+            if spec.triton_model:
+                self.signals.stage(self.pipeline.name, stage.name).scraped(
+                    TritonSample(self.now, len(stage.queue), 0, 0, 0))
+        self.push(self.now + self.profile.scrape_s, "scrape")
+
+    def stats(self, second: Second, payload: Any) -> None:
+        """Envoy's gauge of requests active on each stage's cluster, stamped now."""
         for stage in self.stages:
-            self.signals.stage(self.pipeline.name, stage.name).scraped(
-                TritonSample(self.now, len(stage.queue), 0, 0, 0))
-        self.push(self.now + SCRAPE_S, "scrape")
+            active = len(stage.queue) + stage.servers - stage.free
+            self.signals.stage(self.pipeline.name, stage.name).envoy["sim"] = EnvoySample(
+                self.now, float(active), 0.0)
+        self.push(self.now + self.profile.stats_flush_s, "stats")
+
+    def flushed(self) -> float:
+        """When an entry logged now reaches sitsmesh: at Envoy's next buffer flush."""
+        every = self.profile.log_flush_s
+        return (math.floor(self.now / every) + 1) * every if every > 0 else self.now
+
+    def log(self, second: Second, payload: Any) -> None:
+        stage_name, request, entered, started, ended, last = payload
+        self.signals.stage(self.pipeline.name, stage_name).complete(
+            str(request.id), entered, ended - entered, queue_s=started - entered,
+            failed=False, arrived=self.now)
+        if last:
+            self.entry.unhold(request.admitted, ended, self.now)
 
     def arrive(self, second: Second, payload: Any) -> None:
         rng, entry = self.rng, self.entry
@@ -209,15 +247,17 @@ class _Simulation:
         second.offered += 1
         second.by_priority.setdefault(priority, [0, 0])[0] += 1
         entry.arrive(priority)
-        if shed_reason(self.decision, priority, rng.random(), entry.in_flight):
+        decision = self.decision
+        in_flight = entry.in_flight - (decision.in_flight_offset if decision else 0)
+        if shed_reason(decision, priority, rng.random(), in_flight):
             second.shed += 1
             entry.shed += 1
             return
         entry.admitted += 1
-        entry.in_flight += 1
+        entry.hold(self.now)
         second.admitted += 1
         self.next_id += 1
-        self.enter(_Request(self.next_id, priority, self.now), 0)
+        self.enter(_Request(self.next_id, priority, self.now, self.now), 0)
 
     def enter(self, request: _Request, index: int) -> None:
         stage = self.stages[index]
@@ -244,14 +284,13 @@ class _Simulation:
 
     def done(self, second: Second, request: _Request) -> None:
         stage = self.stages[request.stage]
-        self.signals.stage(self.pipeline.name, stage.name).complete(
-            self.now, self.now - request.entered, request.started - request.entered,
-            failed=False)
+        last = request.stage + 1 == len(self.stages)
+        self.push(self.flushed(), "log", (stage.name, request, request.entered,
+                                          request.started, self.now, last))
         self.start(stage)
-        if request.stage + 1 < len(self.stages):
+        if not last:
             self.enter(request, request.stage + 1)
             return
-        self.entry.in_flight -= 1
         took = self.now - request.arrived
         arrived = self.seconds[int(request.arrived)]
         arrived.latency.add(took)

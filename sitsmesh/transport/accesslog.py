@@ -50,7 +50,8 @@ def hop_from_entry(entry: Any) -> Hop | None:
 
 
 class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
-    def __init__(self, assembler: Assembler, release: Callable[[str], bool]) -> None:
+    def __init__(self, assembler: Assembler,
+                 release: Callable[[str, float | None], bool]) -> None:
         self._assembler = assembler
         self._release = release
         self.entries = 0
@@ -63,10 +64,10 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                 self.entries += 1
                 if entry.common_properties.intermediate_log_entry:
                     continue  # a periodic log of a long stream; its final entry follows
+                hop = hop_from_entry(entry)
                 request_id = entry.request.request_id
                 if request_id:
-                    release(request_id)
-                hop = hop_from_entry(entry)
+                    release(request_id, hop.end if hop is not None else None)
                 if hop is not None:
                     add(hop)
         return als_pb2.StreamAccessLogsResponse()

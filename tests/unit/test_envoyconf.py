@@ -83,7 +83,7 @@ def test_bootstrap_fragments_extend_lists_and_refuse_to_override(tmp_path: Path)
     assert config["stats_flush_interval"] == "0.5s"
     assert config["stats_sinks"] == [{"name": "a"}, {"name": "b"}]
     (tmp_path / "fragments" / "again.yaml").write_text("bootstrap:\n  stats_flush_interval: 1s\n")
-    with pytest.raises(ConfigError, match="again.yaml: bootstrap field 'stats_flush_interval' "
+    with pytest.raises(ConfigError, match=r"again\.yaml: bootstrap field 'stats_flush_interval' "
                                           "is already set"):
         envoyconf.render(path, {"admin_port": 1, "zone": "z", "flush": "0.5s"},
                          ["sink", "again"])

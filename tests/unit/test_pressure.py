@@ -22,15 +22,17 @@ from sitsmesh.pressure.simulate import InvalidProfile, profile_from, simulate, s
 from sitsmesh.pressure.thresholds import InvalidThresholds, thresholds_from
 
 PIPELINE = pipeline_from("demo", {"stages": [
-    {"name": "model", "match": {"upstream_cluster": "triton"}, "sla_p99_ms": 250}]})
+    {"name": "model", "match": {"upstream_cluster": "triton"}, "sla_p99_ms": 250,
+     "triton_model": "lazy"}]})
 STAGE = {"model": {"queue_capacity": 32, "parallelism": 1}}
 
 
-def _profile(steps: list[tuple[float, float]], duration: float, seed: int = 1) -> Any:
+def _profile(steps: list[tuple[float, float]], duration: float, seed: int = 1,
+             log_flush_s: float = 0.02) -> Any:
     return profile_from({"duration_s": duration,
                          "steps": [{"at_s": t, "rps": r} for t, r in steps],
                          "priorities": {0: 0.7, 9: 0.3}, "service_ms": {"model": 20},
-                         "sla_ms": 250, "seed": seed}, PIPELINE)
+                         "sla_ms": 250, "seed": seed, "log_flush_s": log_flush_s}, PIPELINE)
 
 
 def _run(policy: str, profile: Any) -> list[Any]:
@@ -95,8 +97,9 @@ def _feed(signals: Signals, clock: list[float], *, arrivals: int, done: int,
         entry.arrive(9 if i % 10 < 3 else 0)
         entry.admitted += 1
     stage = signals.stage("demo", "model")
-    for _ in range(done):
-        stage.complete(clock[0], latency_s, max(0.0, latency_s - 0.02), failed=False)
+    for i in range(done):
+        stage.complete(f"r{clock[0]}-{i}", clock[0] - latency_s, latency_s,
+                       queue_s=max(0.0, latency_s - 0.02), failed=False, arrived=clock[0])
     if scrape:
         stage.scraped(TritonSample(clock[0], pending, 0, 0, 0))
 

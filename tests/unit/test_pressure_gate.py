@@ -184,8 +184,8 @@ def test_an_overloaded_model_stage_holds_back_swaps() -> None:
 
 
 def test_triton_counters_give_capacity_and_service_time_over_one_window() -> None:
-    from sitsmesh.pressure.controller import _triton_rates
     from sitsmesh.pressure.signals import StageSignals, TritonSample
+    from sitsmesh.pressure.stages import triton_rates as _triton_rates
 
     signals = StageSignals()
     assert _triton_rates(signals) == (0.0, 0.0)
@@ -221,8 +221,10 @@ def test_capacity_stays_sane_when_the_windows_disagree() -> None:
         queues.append(queue_now)
         # Access-log hops report the queue as it was when they entered it, ticks ago.
         lagged = queues[max(0, len(queues) - 4)]
-        for _ in range(5):
-            stage.complete(clock[0], 0.02 + lagged * 0.02, None, failed=False)
+        for i in range(5):
+            took = 0.02 + lagged * 0.02
+            stage.complete(f"r{tick}-{i}", clock[0] - took, took, queue_s=None, failed=False,
+                           arrived=clock[0])
         success += 5
         queue_us += 5 * queue_now * 20_000
         request_us += 5 * (queue_now * 20_000 + 20_000)

@@ -1,0 +1,144 @@
+"""Signals read as of when they happened: the estimators, and the controller against the
+queueing model with Envoy's default 1 s access-log flush and no Triton metrics."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import pytest
+
+from sitsmesh.chains.pipeline import pipeline_from
+from sitsmesh.pressure import estimate
+from sitsmesh.pressure.signals import PipelineSignals
+from sitsmesh.pressure.simulate import InvalidProfile, profile_from, simulate, summary
+from sitsmesh.pressure.stages import chance_queue
+from sitsmesh.pressure.thresholds import thresholds_from
+
+# A plain HTTP stage: no Triton metrics, one worker, 20 ms a request (capacity 50/s).
+PLAIN = pipeline_from("plain", {"stages": [
+    {"name": "svc", "match": {"upstream_cluster": "svc"}, "sla_p99_ms": 250}]})
+ONLY_PARALLELISM = thresholds_from({"stages": {"svc": {"parallelism": 1}}})
+
+
+def _profile(steps: list[tuple[float, float]], duration: float, *, service: str,
+             flush: float, seed: int) -> Any:
+    return profile_from({"duration_s": duration,
+                         "steps": [{"at_s": t, "rps": r} for t, r in steps],
+                         "priorities": {0: 0.7, 9: 0.3}, "service_ms": {"svc": 20},
+                         "service": service, "log_flush_s": flush, "seed": seed}, PLAIN)
+
+
+# --- the estimators ----------------------------------------------------------
+
+def test_survival_reads_the_recent_latencies() -> None:
+    ordered = [0.01, 0.02, 0.03, 0.04]
+    assert estimate.survival(ordered, 0.0) == 1.0
+    assert estimate.survival(ordered, 0.025) == 0.5
+    assert estimate.survival(ordered, 1.0) == 0.0
+    assert estimate.survival([], 5.0) == 1.0  # nothing seen yet: assume it still runs
+
+
+def test_held_requests_whose_logs_are_on_the_way_count_as_ended() -> None:
+    # 20 requests admitted 0.5 s ago; every recent request took 20-40 ms; the log
+    # entries seen so far run up to 0.9 s behind (a 1 s flush).
+    bins = {int(9.5 // estimate.BIN_S): 20}
+    latencies = sorted([0.02, 0.03, 0.04] * 10)
+    expected = estimate.in_flight(bins, now=10.0, watermark=9.1, latencies=latencies)
+    assert expected == 0.0
+    # Admitted before the watermark and still open: known to have run 0.4 s already,
+    # longer than anything recent: a genuinely long request, still running.
+    bins = {int(8.7 // estimate.BIN_S): 3}
+    assert estimate.in_flight(bins, now=10.0, watermark=9.1, latencies=latencies) == 3.0
+
+
+def test_with_no_latency_seen_every_held_request_counts() -> None:
+    assert estimate.in_flight({1: 2, 5: 3}, now=1.0, watermark=0.0, latencies=[]) == 5.0
+
+
+def test_a_fluid_backlog_grows_at_arrivals_past_capacity_and_drains_when_they_stop() -> None:
+    # 100/s admitted for 1 s into a 50/s stage that held 2 at the start.
+    admits = {i: 1 for i in range(100, 200)}  # one per 10 ms bin from t=1.0 to t=2.0
+    grown = estimate.backlog(1.0, 2.0, admits, now=2.0, rate=50.0)
+    assert grown == pytest.approx(2 + 100 - 50, abs=1.5)
+    drained = estimate.backlog(1.0, 2.0, admits, now=4.0, rate=50.0)
+    assert drained == 0.0
+
+
+def test_present_at_the_watermark_counts_open_and_spanning_requests() -> None:
+    open_bins = {int(1.0 // estimate.BIN_S): 2, int(3.0 // estimate.BIN_S): 5}
+    ended = [(0.5, 2.5), (0.5, 1.5), (2.1, 2.2)]
+    # At t=2: the 2 open ones admitted at 1.0, and the one that spanned 0.5-2.5.
+    assert estimate.present_at(2.0, open_bins, ended) == 3
+
+
+def test_occupancy_gives_the_service_time_queue_or_not() -> None:
+    # One server, 20 ms each, ten requests arriving at once: they queue, and the
+    # intervals overlap; busy time is still 10 x 20 ms.
+    hops = [([(0.0, 0.02 * (i + 1))], 0.02 * (i + 1), False) for i in range(10)]
+    work = estimate.occupancy(hops, 0.0, 1.0, servers=1)
+    assert work.completions == 10
+    assert work.busy == pytest.approx(0.2)
+    assert work.services == (0.02,)  # only the first found the server free
+    # Two servers: twice the work in the same span.
+    assert estimate.occupancy(hops, 0.0, 1.0, servers=2).busy == pytest.approx(0.38)
+
+
+def test_own_segments_leave_out_the_stages_a_stage_waited_on() -> None:
+    assert estimate.own_segments(0.0, 1.0, [(0.2, 0.5), (0.4, 0.7)]) == [(0.0, 0.2),
+                                                                        (0.7, 1.0)]
+    assert estimate.own_segments(0.0, 1.0, [(2.0, 3.0)]) == [(0.0, 1.0)]  # not nested
+
+
+def test_unhold_keeps_latency_and_lag_of_each_end() -> None:
+    signals = PipelineSignals()
+    signals.hold(10.0)
+    signals.hold(10.001)
+    assert signals.in_flight == 2
+    signals.unhold(10.0, ended=10.05, arrived=11.0)
+    signals.unhold(10.001, ended=None, arrived=70.0)  # timed out: no sample
+    assert signals.in_flight == 0 and signals.open_bins == {}
+    assert list(signals.latencies) == [pytest.approx(0.05)]
+    assert list(signals.lags) == [pytest.approx(0.95)]
+
+
+def test_chance_queues_are_longer_for_varied_service_times() -> None:
+    fixed, exponential = chance_queue(0.0, 0.001), chance_queue(1.0, 0.001)
+    assert 10 < fixed < 15 and exponential == pytest.approx(2 * fixed)
+
+
+# --- the controller with the delays of real meshes ----------------------------
+
+@pytest.mark.parametrize("service", ["fixed", "exp"])
+@pytest.mark.parametrize("flush", [0.02, 1.0])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_no_false_sheds_at_70_percent_of_capacity(service: str, flush: float,
+                                                  seed: int) -> None:
+    """Poisson arrivals at 0.7x: chance queues, not overload. At most 0.5 % is shed,
+    with only the pipeline, its SLA and `parallelism` set, and the access log flushed
+    every 20 ms or every second (Envoy's and Istio's default)."""
+    profile = _profile([(0, 35)], 60, service=service, flush=flush, seed=seed)
+    result = summary(simulate(PLAIN, ONLY_PARALLELISM, profile))
+    assert result["shed_fraction"] <= 0.005, result
+
+
+@pytest.mark.parametrize("flush", [0.02, 1.0])
+def test_a_step_to_twice_capacity_keeps_goodput_and_high_priority(flush: float) -> None:
+    profile = _profile([(0, 25), (9.99, 25), (10, 100), (20, 100), (20.01, 25)], 30,
+                       service="fixed", flush=flush, seed=1)
+    seconds = simulate(PLAIN, ONLY_PARALLELISM, profile)
+    overload = [s for s in seconds if 11 <= s.at < 20]
+    assert statistics.mean(s.good for s in overload) >= 0.9 * 50
+    high = [s.by_priority.get(9, [0, 0]) for s in seconds]
+    assert sum(g for _, g in high) / sum(o for o, _ in high) >= 0.999
+    # Back at 0.5x: nothing shed from 2 s after the drop.
+    assert all(s.shed == 0 for s in seconds if s.at >= 22)
+
+
+def test_simulate_profiles_take_the_signal_delays() -> None:
+    profile = profile_from({"steps": [{"at_s": 0, "rps": 10}], "service_ms": {"svc": 20},
+                            "log_flush_s": 1, "scrape_s": 0.5, "stats_flush_s": 0.25}, PLAIN)
+    assert (profile.log_flush_s, profile.scrape_s, profile.stats_flush_s) == (1.0, 0.5, 0.25)
+    with pytest.raises(InvalidProfile, match="log_flush_s must be a number from 0 to 60"):
+        profile_from({"steps": [{"at_s": 0, "rps": 10}], "service_ms": {"svc": 20},
+                      "log_flush_s": -1}, PLAIN)
