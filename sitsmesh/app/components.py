@@ -43,6 +43,9 @@ from sitsmesh.transport.accesslog import AccessLogServicer
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
 from sitsmesh.transport.authz import AuthorizationServicer
 from sitsmesh.transport.authz import add_to_server as add_authz
+from sitsmesh.transport.metrics import SERVICE_NAME as METRICS_SERVICE
+from sitsmesh.transport.metrics import MetricsServicer
+from sitsmesh.transport.metrics import add_to_server as add_metrics
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
 from sitsmesh.transport.ratelimit import RateLimitServicer
 from sitsmesh.transport.ratelimit import add_to_server as add_ratelimit
@@ -185,7 +188,12 @@ class PressureComponent:
         return self.runtime.gate if self.runtime is not None else None
 
     def services(self) -> list[DataService]:
-        return []
+        """Envoy's stats sink, where the controller runs: each stage's queue as Envoy
+        sees it."""
+        if self.runtime is None:
+            return []
+        servicer = MetricsServicer(self.runtime.on_envoy)
+        return [DataService(METRICS_SERVICE, lambda server: add_metrics(servicer, server))]
 
     def attach(self, chains: ChainsComponent) -> None:
         """The controller learns pipelines from the catalog and hops from the assembler."""

@@ -58,7 +58,9 @@ class Graph:
 
     def data_services(self) -> list[DataService]:
         """The Envoy-facing services this process serves (none in a supervisor)."""
-        return [*self.authz.services(), *self.ratelimit.services(), *self.chains.services()]
+        pressure = self.pressure.services() if self.pressure is not None else []
+        return [*self.authz.services(), *self.ratelimit.services(), *self.chains.services(),
+                *pressure]
 
     async def start(self) -> None:
         for part in self.parts:

@@ -50,7 +50,7 @@ def _load(path: Path) -> Any:
 def local_values(*, sitsmesh_addr: str, upstream_port: int, listen_port: int,
                  envoy_admin_port: int, health_interval: str = "1s",
                  ratelimit_domain: str = "sitsmesh-local",
-                 upstream_host: str = "127.0.0.1", access_log_flush: str = "0.02s",
+                 upstream_host: str = "127.0.0.1", access_log_flush: str = "1s",
                  stats_flush: str = "0.25s") -> dict[str, object]:
     """The placeholder values of filters/local/bootstrap.yaml and its fragments."""
     host, _, port = sitsmesh_addr.rpartition(":")

@@ -182,21 +182,21 @@ class Envoy(Proc):
 
 
 def envoy_values(sitsmesh_addr: str, upstream_port: int, listen_port: int,
-                 admin_port: int) -> dict[str, object]:
+                 admin_port: int, access_log_flush: str = "0.02s") -> dict[str, object]:
     # A fast health interval: tests watch Envoy notice sitsmesh draining.
     return envoyconf.local_values(sitsmesh_addr=sitsmesh_addr, upstream_port=upstream_port,
                                   listen_port=listen_port, envoy_admin_port=admin_port,
-                                  health_interval="0.25s")
+                                  health_interval="0.25s", access_log_flush=access_log_flush)
 
 
 def start_envoy(tmp: Path, sitsmesh_addr: str, upstream_port: int,
                 bootstrap: Path = REPO / "filters" / "local" / "bootstrap.yaml",
-                fragments: list[str] | None = None) -> Envoy:
+                fragments: list[str] | None = None, *,
+                access_log_flush: str = "0.02s") -> Envoy:
     listen, admin = free_port(), free_port()
-    config = envoyconf.write(
-        envoyconf.render(bootstrap, envoy_values(sitsmesh_addr, upstream_port, listen, admin),
-                         fragments),
-        tmp / "envoy.yaml")
+    values = envoy_values(sitsmesh_addr, upstream_port, listen, admin, access_log_flush)
+    config = envoyconf.write(envoyconf.render(bootstrap, values, fragments),
+                             tmp / "envoy.yaml")
     return launch_envoy(config, listen, admin, tmp / "envoy.log")
 
 

@@ -19,11 +19,12 @@ from sitsmesh.chains.pipeline import Pipeline
 from sitsmesh.pressure import scrape
 from sitsmesh.pressure.controller import Controller, Snapshot
 from sitsmesh.pressure.gate import PressureGate
-from sitsmesh.pressure.signals import Signals, TritonSample
+from sitsmesh.pressure.signals import EnvoySample, Signals, TritonSample
 from sitsmesh.pressure.thresholds import Thresholds
 
 _log = logs.get("sitsmesh.pressure")
 MIN_TICK_S = 0.01
+MAX_ENVOYS = 1024   # Envoys whose latest stats one stage keeps
 LOG_EVERY_S = 5.0
 
 
@@ -38,11 +39,16 @@ class PressureRuntime:
         self._clock = clock
         self._wall = wall
         self._offset_known = False
+        self._envoy_flushes = Counter("sitsmesh_envoy_stats_flushes_total",
+                                      "Stats flushes received from Envoys (MetricsService) "
+                                      "that reported on a cluster a stage calls.",
+                                      registry=registry)
         self._scrape_interval = scrape_interval_s
         self.scraping = False  # set before pipelines arrive when metrics URLs are configured
         self._pipelines: Mapping[str, Pipeline] = {}
         self._thresholds: Mapping[str, Thresholds] = {}
         self._models: dict[str, list[tuple[str, str]]] = {}  # triton model -> stages
+        self._clusters: dict[str, list[tuple[str, str]]] = {}  # envoy cluster -> stages
         self._watchers: set[asyncio.Queue[Snapshot]] = set()
         self._logged: dict[tuple[str, str], float] = {}
         self._sheds = Counter("sitsmesh_shed_total",
@@ -63,8 +69,12 @@ class PressureRuntime:
         self._pipelines = dict(pipelines)
         self.gate.set_pipelines(pipelines)
         self._models = {}
+        self._clusters = {}
         for pipeline in pipelines.values():
             for stage in pipeline.stages:
+                if stage.match_key == "upstream_cluster":
+                    self._clusters.setdefault(stage.match_value, []).append(
+                        (pipeline.name, stage.name))
                 if not stage.triton_model:
                     continue
                 self._models.setdefault(stage.triton_model, []).append(
@@ -91,6 +101,23 @@ class PressureRuntime:
         self.signals.stage(pipeline, stage).complete(
             hop.request_id, hop.start - self.gate.wall_offset, hop.duration,
             queue_s=hop.queue, failed=hop.failed, arrived=now)
+
+    def on_envoy(self, node: str, samples: Mapping[str, EnvoySample]) -> None:
+        """One Envoy's stats flush: each cluster a stage calls gets that Envoy's sample,
+        stamped in this process's monotonic time."""
+        if not self._offset_known:
+            self._refresh_offset()
+        used = False
+        for cluster, sample in samples.items():
+            for pipeline, stage in self._clusters.get(cluster, ()):
+                used = True
+                reports = self.signals.stage(pipeline, stage).envoy
+                if node not in reports and len(reports) >= MAX_ENVOYS:
+                    del reports[next(iter(reports))]  # the longest-known Envoy goes
+                reports[node] = EnvoySample(sample.at - self.gate.wall_offset, sample.active,
+                                            sample.pending, sample.completed, sample.errors)
+        if used:
+            self._envoy_flushes.inc()
 
     def on_triton(self, model: str, sample: TritonSample) -> None:
         for pipeline, stage in self._models.get(model, ()):
