@@ -49,6 +49,7 @@ class PressureRuntime:
         self._thresholds: Mapping[str, Thresholds] = {}
         self._models: dict[str, list[tuple[str, str]]] = {}  # triton model -> stages
         self._clusters: dict[str, list[tuple[str, str]]] = {}  # envoy cluster -> stages
+        self._instances: dict[str, int] = {}  # triton model -> instances, as Triton says
         self._watchers: set[asyncio.Queue[Snapshot]] = set()
         self._logged: dict[tuple[str, str], float] = {}
         self._sheds = Counter("sitsmesh_shed_total",
@@ -86,11 +87,31 @@ class PressureRuntime:
                                  "configured; its queue is estimated from requests in flight",
                                  pipeline=pipeline.name, stage=stage.name,
                                  model=stage.triton_model)
-        self.controller.configure(self._pipelines, self._thresholds)
+        self._configure()
 
     def set_thresholds(self, thresholds: Mapping[str, Thresholds]) -> None:
         self._thresholds = dict(thresholds)
-        self.controller.configure(self._pipelines, self._thresholds)
+        self._configure()
+
+    def triton_models(self) -> list[str]:
+        """The Triton models the pipelines' stages name."""
+        return sorted(self._models)
+
+    def set_instances(self, model: str, count: int) -> None:
+        """How many instances Triton runs of `model`: the parallelism of its stages where
+        the thresholds do not set one."""
+        if count > 0 and self._instances.get(model) != count:
+            self._instances[model] = count
+            _log.info("triton instances", model=model, count=count)
+            self._configure()
+
+    def _configure(self) -> None:
+        effective = dict(self._thresholds)
+        for model, count in self._instances.items():
+            for pipeline, stage in self._models.get(model, ()):
+                effective[pipeline] = effective.get(pipeline, Thresholds()).with_parallelism(
+                    stage, count)
+        self.controller.configure(self._pipelines, effective)
 
     def on_hop(self, pipeline: str, stage: str, hop: Hop) -> None:
         """A hop as of when it happened: its wall-clock start becomes this process's

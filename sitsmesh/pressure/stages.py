@@ -41,7 +41,7 @@ LATENCY_TICKS = 10       # rt99 over the last this many ticks (0.5 s at the defa
 MIN_RT_SAMPLES = 5       # and only once that window holds this many requests
 # Chance queues: Poisson arrivals at CALM_LOAD of capacity make a queue past
 # chance_queue(cs2, tail) only `tail` of the time (Kingman's heavy-traffic tail);
-# about 11 queued for fixed service times and 22 for exponential ones at 0.1 %.
+# about 13 queued for fixed service times and 27 for exponential ones at 0.1 %.
 CALM_LOAD = 0.75        # a margin over the 70 % that must never see a shed: the tail formula is
                          # a heavy-traffic approximation, optimistic at moderate load
 CALM_TAIL = 0.001        # where the cap sits when no overload is seen

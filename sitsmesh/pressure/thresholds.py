@@ -57,9 +57,20 @@ class Thresholds:
     shed_priorities: tuple[int, ...] = (0, 1, 2, 3, 4)
     defaults: StageThresholds = field(default_factory=StageThresholds)
     stages: Mapping[str, StageThresholds] = field(default_factory=dict)
+    # Stages whose parallelism the document sets ("*": all of them, set at the top):
+    # elsewhere a Triton model's instance count may stand in for it.
+    explicit_parallelism: frozenset[str] = frozenset()
 
     def stage(self, name: str) -> StageThresholds:
         return self.stages.get(name, self.defaults)
+
+    def with_parallelism(self, stage: str, servers: int) -> Thresholds:
+        """These thresholds with `servers` as the stage's parallelism, unless the document
+        set it (an SRE's number wins over what Triton reports)."""
+        if {"*", stage} & self.explicit_parallelism or self.stage(stage).parallelism == servers:
+            return self
+        stages = {**self.stages, stage: replace(self.stage(stage), parallelism=servers)}
+        return replace(self, stages=stages)
 
     @property
     def protected_from(self) -> int:
@@ -73,9 +84,16 @@ class Thresholds:
             "hysteresis_ticks": self.hysteresis_ticks,
             "min_concurrency": self.min_concurrency, "max_concurrency": self.max_concurrency,
             "shed_priorities": list(self.shed_priorities), **asdict(self.defaults)}
+        # A parallelism nobody set stays unset, so Triton's instance count can fill it.
+        if "*" not in self.explicit_parallelism:
+            del body["parallelism"]
         if self.stages:
-            body["stages"] = {name: _stage_diff(s, self.defaults)
-                              for name, s in sorted(self.stages.items())}
+            body["stages"] = {}
+            for name, stage in sorted(self.stages.items()):
+                diff = _stage_diff(stage, self.defaults)
+                if name in self.explicit_parallelism:
+                    diff["parallelism"] = stage.parallelism
+                body["stages"][name] = diff
         return body
 
 
@@ -159,5 +177,9 @@ def thresholds_from(body: Mapping[str, Any], source: str = "thresholds") -> Thre
                                 "overrides")
     stages = {str(name): _stage(raw, defaults, f"{source}: stages.{name}")
               for name, raw in stages_raw.items()}
+    explicit = {str(name) for name, raw in stages_raw.items()
+                if isinstance(raw, Mapping) and "parallelism" in raw}
+    if "parallelism" in body:
+        explicit.add("*")
     return Thresholds(policy, tick_ms, hysteresis, low, high, tuple(sorted(set(shed))),
-                      defaults, stages)
+                      defaults, stages, frozenset(explicit))

@@ -122,3 +122,13 @@ class TritonServer:
     async def close(self) -> None:
         await self._client.close()
 
+
+def instance_count(config: dict[str, Any]) -> int:
+    """How many requests a model executes at once: its instance groups' counts (one per
+    listed GPU for a GPU group). A config without groups gets Triton's default, one."""
+    total = 0
+    for group in config.get("instance_group", []) or []:
+        count = int(group.get("count", 1) or 1)
+        gpus = group.get("gpus") or []
+        total += count * len(gpus) if group.get("kind") == "KIND_GPU" and gpus else count
+    return total or 1

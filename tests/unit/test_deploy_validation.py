@@ -72,13 +72,54 @@ EXT_AUTHZ_GRPC = _obj({
     }),
 }, ["service", "port"])
 
+# istio.mesh.v1alpha1 MeshConfig.ExtensionProvider, envoy_http_als (gRPC access logs, v3).
+HTTP_ALS = _obj({
+    "service": STR,
+    "port": PORT,
+    "logName": STR,
+    "filterStateObjectsToLog": STRS,
+    "additionalRequestHeadersToLog": STRS,
+    "additionalResponseHeadersToLog": STRS,
+    "additionalResponseTrailersToLog": STRS,
+}, ["service", "port"])
+
 ISTIO_OPERATOR = _top("install.istio.io/v1alpha1", "IstioOperator", _obj({
     "meshConfig": _obj({
-        "extensionProviders": _list(
+        "extensionProviders": _list({"oneOf": [
             _obj({"name": STR, "envoyExtAuthzGrpc": EXT_AUTHZ_GRPC}, ["name", "envoyExtAuthzGrpc"]),
-            min_items=1),
+            _obj({"name": STR, "envoyHttpAls": HTTP_ALS}, ["name", "envoyHttpAls"]),
+        ]}, min_items=1),
     }, ["extensionProviders"]),
 }, ["meshConfig"]))
+
+_SELECTOR = _obj({"matchLabels": STR_MAP}, ["matchLabels"])
+
+# telemetry.istio.io/v1 Telemetry, access logging only.
+TELEMETRY = _top("telemetry.istio.io/v1", "Telemetry", _obj({
+    "selector": _SELECTOR,
+    "accessLogging": _list(_obj({
+        "providers": _list(_obj({"name": STR}, ["name"]), min_items=1),
+        "disabled": BOOL,
+        "match": _obj({"mode": {"enum": ["CLIENT_AND_SERVER", "CLIENT", "SERVER"]}}),
+        "filter": _obj({"expression": STR}, ["expression"]),
+    }, ["providers"]), min_items=1),
+}, ["accessLogging"]))
+
+# networking.istio.io/v1alpha3 EnvoyFilter; the patch value is Envoy's own config.
+ENVOY_FILTER = _top("networking.istio.io/v1alpha3", "EnvoyFilter", _obj({
+    "workloadSelector": _obj({"labels": STR_MAP}, ["labels"]),
+    "priority": {"type": "integer"},
+    "configPatches": _list(_obj({
+        "applyTo": {"enum": ["BOOTSTRAP", "CLUSTER", "LISTENER", "HTTP_FILTER",
+                             "NETWORK_FILTER", "ROUTE_CONFIGURATION", "VIRTUAL_HOST",
+                             "HTTP_ROUTE", "EXTENSION_CONFIG", "FILTER_CHAIN",
+                             "LISTENER_FILTER"]},
+        "match": {"type": "object"},
+        "patch": _obj({"operation": {"enum": ["MERGE", "ADD", "REMOVE", "INSERT_BEFORE",
+                                              "INSERT_AFTER", "INSERT_FIRST", "REPLACE"]},
+                       "value": {"type": "object"}}, ["operation"]),
+    }, ["applyTo", "patch"]), min_items=1),
+}, ["configPatches"]))
 
 _TARGET_REF = _obj({"group": {"type": "string"}, "kind": STR, "name": STR, "namespace": STR},
                    ["kind", "name"])
@@ -119,6 +160,8 @@ KUSTOMIZATION = _obj({
 SCHEMAS: dict[tuple[str, str], Schema] = {
     ("install.istio.io/v1alpha1", "IstioOperator"): ISTIO_OPERATOR,
     ("security.istio.io/v1", "AuthorizationPolicy"): AUTHORIZATION_POLICY,
+    ("telemetry.istio.io/v1", "Telemetry"): TELEMETRY,
+    ("networking.istio.io/v1alpha3", "EnvoyFilter"): ENVOY_FILTER,
     ("kustomize.config.k8s.io/v1beta1", "Kustomization"): KUSTOMIZATION,
 }
 
@@ -168,7 +211,8 @@ def check_ext_authz_wiring(kube: Sequence[Doc], istio: Sequence[Doc]) -> None:
     pod_labels = _only(kube, "Deployment")["spec"]["template"]["metadata"]["labels"]
 
     providers = {p["name"]: p for d in istio if d["kind"] == "IstioOperator"
-                 for p in d["spec"]["meshConfig"]["extensionProviders"]}
+                 for p in d["spec"]["meshConfig"]["extensionProviders"]
+                 if "envoyExtAuthzGrpc" in p}
     policies = [d for d in istio if d["kind"] == "AuthorizationPolicy"]
     assert policies, "no AuthorizationPolicy"
     for policy in policies:
@@ -192,6 +236,30 @@ def check_ext_authz_wiring(kube: Sequence[Doc], istio: Sequence[Doc]) -> None:
         assert labels, "select the inference workload; no namespace- or mesh-wide policy"
         assert policy["metadata"]["namespace"] != namespace or not labels.items() <= \
             pod_labels.items(), "the policy must not select sitsmesh itself"
+
+
+def check_signal_wiring(kube: Sequence[Doc], istio: Sequence[Doc]) -> None:
+    """Backpressure's signals reach sitsmesh: a Telemetry resource enables an access-log
+    provider that points at the data port, and the stats sink dials the same place."""
+    service = _only(kube, "Service")
+    namespace = _only(kube, "Kustomization").get("namespace") or "default"
+    host = f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
+    data_port = {p.get("name"): p["port"] for p in service["spec"]["ports"]}[DATA_PORT_NAME]
+    logs = {p["name"]: p["envoyHttpAls"] for d in istio if d["kind"] == "IstioOperator"
+            for p in d["spec"]["meshConfig"]["extensionProviders"] if "envoyHttpAls" in p}
+    enabled = {provider["name"] for d in istio if d["kind"] == "Telemetry"
+               for entry in d["spec"]["accessLogging"] for provider in entry["providers"]}
+    assert enabled and enabled <= set(logs), f"Telemetry enables {enabled}, defined {set(logs)}"
+    for name in enabled:
+        assert logs[name]["service"].rpartition("/")[2] == host
+        assert logs[name]["port"] == data_port
+        assert "x-sits-stage" in logs[name].get("additionalRequestHeadersToLog", [])
+    sinks = [sink for d in istio if d["kind"] == "EnvoyFilter"
+             for patch in d["spec"]["configPatches"] if patch["applyTo"] == "BOOTSTRAP"
+             for sink in patch["patch"]["value"].get("stats_sinks", [])]
+    assert [s["name"] for s in sinks] == ["envoy.stat_sinks.metrics_service"]
+    target = sinks[0]["typed_config"]["grpc_service"]["google_grpc"]["target_uri"]
+    assert target == f"{host}:{data_port}"
 
 
 def _kube_docs() -> list[Doc]:
@@ -221,6 +289,23 @@ def test_manifest_validates(where: str, doc: Doc) -> None:
 
 def test_ext_authz_wiring() -> None:
     check_ext_authz_wiring(_kube_docs(), _istio_docs())
+
+
+def test_access_logs_and_stats_reach_the_data_port() -> None:
+    check_signal_wiring(_kube_docs(), _istio_docs())
+
+
+@pytest.mark.parametrize(("kind", "path", "value"), [
+    ("Telemetry", "spec.accessLogging.0.providers.0.name", "elsewhere"),
+    ("EnvoyFilter", "spec.configPatches.0.patch.value.stats_sinks.0.typed_config.grpc_service."
+                    "google_grpc.target_uri", "sitsmesh.other.svc.cluster.local:50051"),
+])
+def test_signal_wiring_check_rejects_a_broken_setup(kind: str, path: str,
+                                                    value: object) -> None:
+    kube, istio = _kube_docs(), _istio_docs()
+    _break(_only(istio, kind), path, value)
+    with pytest.raises(AssertionError):
+        check_signal_wiring(kube, istio)
 
 
 # --- and broken copies of them --------------------------------------------------------
@@ -269,6 +354,9 @@ SCHEMA_BREAKS = [
     ("AuthorizationPolicy", "spec.provider.nam", "x"),
     ("AuthorizationPolicy", "spec.rules.0.to", [{"operation": {"path": ["/"]}}]),
     ("AuthorizationPolicy", "metadata.namespace", DELETE),
+    ("Telemetry", "spec.accessLogging.0.provider", []),
+    ("EnvoyFilter", "spec.configPatches.0.applyTo", "bootstrap"),
+    ("EnvoyFilter", "spec.configPatches.0.patch.operation", "merge"),
     ("Kustomization", "resource", []),
     ("Kustomization", "images.0.newtag", "1"),
 ]
