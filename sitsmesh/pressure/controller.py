@@ -34,11 +34,13 @@ from sitsmesh.pressure.stages import (
     OVERLOADED,
     STALE,
     TAU_S,
+    WINDOW_S,
     PipelineState,
     StageJudge,
     StagePressure,
     Tick,
     chance_queue,
+    elsewhere,
     stage_sla_s,
 )
 from sitsmesh.pressure.thresholds import PRIORITIES, Thresholds
@@ -134,6 +136,12 @@ class Controller:
         dt = (now - state.last) if state.last is not None else 0.0
         state.last = now
         _count(state, signals, dt)
+        # Over the same window as the stages' own times (see StageJudge.windows).
+        watermark = now - max(signals.lags, default=0.0)
+        recent = [ended - admitted for admitted, ended in signals.ended
+                  if watermark - WINDOW_S <= ended < watermark]
+        if recent:
+            state.e2e_s = sum(recent) / len(recent)
         expected = _in_flight(state, signals, thresholds, now)
         tick = Tick(pipeline, thresholds, state, now, dt, expected,
                     max(0, round(signals.in_flight - expected)))
@@ -219,9 +227,7 @@ class Controller:
             return tick.thresholds.min_concurrency if view is not None and view.stale else 0
         limits = tick.thresholds.stage(stage.name)
         sla_s = stage_sla_s(stage, limits) or 1.0
-        others = sum(tick.state.admitted_rate * tick.thresholds.stage(s.name).fanout
-                     * tick.state.stages[s.name].mean_s
-                     for s in tick.pipeline.stages if s.name != stage.name)
+        others = elsewhere(tick, stage.name)
         queued = view.capacity * sla_s * share
         if calm:
             # Past the chance queues of moderate load: a request is shed there for a

@@ -50,8 +50,11 @@ def in_flight(open_bins: Mapping[int, int], now: float, watermark: float,
         seen_alive = watermark - admitted
         if seen_alive > 0:
             known = survival(latencies, seen_alive)
-            # Older than anything seen recently and still open: a genuinely long request.
-            alive_now = alive_now / known if known > 0 else 1.0
+            # Open past anything seen lately: most likely an entry that never came (an
+            # Envoy that went away). The hold timeout ends it; until then it is not
+            # counted, or one lost batch would read as a standing queue for a minute.
+            # A backlog that does build shows in the fluid estimate from admissions.
+            alive_now = alive_now / known if known > 0 else 0.0
         expected += count * alive_now
     return expected
 

@@ -100,6 +100,7 @@ class PipelineState:
     admitted: int = 0
     lam: float = 0.0
     lam_slow: float = 0.0
+    e2e_s: float = 0.0        # mean time from Check to the end, recent requests
     admitted_rate: float = 0.0
     by_priority: list[int] = field(default_factory=lambda: [0] * PRIORITIES)
     shares: list[float] = field(default_factory=lambda: [0.0] * PRIORITIES)
@@ -181,7 +182,10 @@ class StageJudge:
         queue, stale = self._queue(tick, stage, signals, limits)
         lam = tick.state.admitted_rate * limits.fanout
         if tick.dt > 0 and signals.triton:
-            _triton_capacity(own, signals, queue, limits, tick.dt)
+            # Triton's own gauge says whether its queue stands, not the inferred queue,
+            # which would feed the capacity it is derived from back into itself.
+            _triton_capacity(own, signals, float(signals.triton[-1].pending), limits,
+                             tick.dt)
         mu = own.mu or 0.0
         sla_s = stage_sla_s(stage, limits)
         # A queue is full when waiting in it would use up the SLA, or at its capacity.
@@ -251,10 +255,7 @@ class StageJudge:
         follows admissions at once; a direct view (Triton's pending gauge, Envoy's
         requests active on the stage's cluster), a flush interval old, where there is
         one. The larger of the two: each can lag the other."""
-        others = sum(tick.state.admitted_rate * tick.thresholds.stage(s.name).fanout
-                     * tick.state.stages[s.name].mean_s
-                     for s in tick.pipeline.stages if s.name != stage.name)
-        held = max(0.0, tick.in_flight - others) * limits.fanout
+        held = max(0.0, tick.in_flight - elsewhere(tick, stage.name)) * limits.fanout
         inferred = max(0.0, held - limits.parallelism)
         if signals.expects_triton and not signals.triton:
             return inferred, True  # scraped, but nothing came back yet: fail safe
@@ -274,6 +275,15 @@ class StageJudge:
         stale = waiting and signals.completions > 0 and (
             tick.now - signals.last_arrival > self._stale_after + expected_lag)
         return inferred, stale
+
+
+def elsewhere(tick: Tick, stage: str) -> float:
+    """Pipeline requests in flight but not at `stage` (Little's law): the admitted rate
+    times the part of their time spent outside it, in other stages and in the proxies
+    between them, which no stage's own time counts."""
+    own = tick.state.stages[stage]
+    outside = max(0.0, tick.state.e2e_s - own.mean_s) if own.mean_s else 0.0
+    return tick.state.admitted_rate * outside
 
 
 def _triton_capacity(own: StageState, signals: StageSignals, queue: float,

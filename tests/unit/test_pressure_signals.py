@@ -46,10 +46,15 @@ def test_held_requests_whose_logs_are_on_the_way_count_as_ended() -> None:
     latencies = sorted([0.02, 0.03, 0.04] * 10)
     expected = estimate.in_flight(bins, now=10.0, watermark=9.1, latencies=latencies)
     assert expected == 0.0
-    # Admitted before the watermark and still open: known to have run 0.4 s already,
-    # longer than anything recent: a genuinely long request, still running.
+    # Admitted before the watermark and still open after 0.4 s, when recent requests
+    # took 40 ms at most: an entry that never came (an Envoy gone), not a queue.
     bins = {int(8.7 // estimate.BIN_S): 3}
-    assert estimate.in_flight(bins, now=10.0, watermark=9.1, latencies=latencies) == 3.0
+    assert estimate.in_flight(bins, now=10.0, watermark=9.1, latencies=latencies) == 0.0
+    # Seen running at the watermark (25 ms old), now 35 ms old: of the requests that
+    # run past 25 ms, half run past 35 ms, so half of these still count.
+    bins = {int(9.08 // estimate.BIN_S): 10}
+    weighed = estimate.in_flight(bins, now=9.11, watermark=9.1, latencies=latencies)
+    assert weighed == pytest.approx(5.0)
 
 
 def test_with_no_latency_seen_every_held_request_counts() -> None:
