@@ -50,6 +50,7 @@ __all__ = ["HIGH", "OK", "OVERLOADED", "STALE", "Controller", "Decision", "Snaps
            "StagePressure", "cutoff_for"]
 
 TAU_SLOW_S = 2.0         # memory of the slower arrival rate that judges sustained overload
+LATENCY_WINDOW_S = 5.0   # the end-to-end latencies that weigh held requests
 ADMIT_BINS = 6000        # admission bins kept for the fluid backlog (a minute at 10 ms)
 DECREASE_FLOOR = 0.8     # overload cuts the admitted fraction by at most 20 % a tick
 INCREASE_STEP = 0.1
@@ -284,7 +285,12 @@ def _in_flight(state: PipelineState, signals: PipelineSignals, thresholds: Thres
     # Every end up to the watermark has arrived: the log delay seen lately says how far
     # behind now that is.
     watermark = now - max(signals.lags, default=0.0)
-    expected = estimate.in_flight(signals.open_bins, now, watermark, sorted(signals.latencies))
+    # The latency distribution of the last few seconds only: after an overload (or one
+    # that another controller let run) the long latencies of then would keep counting
+    # today's held requests as still running.
+    recent = sorted(ended - admitted for admitted, ended in signals.ended
+                    if ended >= watermark - LATENCY_WINDOW_S)
+    expected = estimate.in_flight(signals.open_bins, now, watermark, recent)
     # The latencies are as old as the watermark: when a queue builds, they promise ends
     # that cannot have happened. Since the watermark, at most the bottleneck's capacity
     # worth of requests can have finished.

@@ -15,7 +15,7 @@ from sitsmesh.chains.histogram import Histogram
 from sitsmesh.pressure.estimate import BIN_S
 from sitsmesh.pressure.thresholds import PRIORITIES
 
-SAMPLES = 512     # recent end-to-end latencies and log delays kept per pipeline
+SAMPLES = 512     # recent log delays kept per pipeline and per stage
 HOPS = 4096       # recent hops kept per stage (a few seconds at thousands per second)
 
 
@@ -23,7 +23,7 @@ class PipelineSignals:
     """Arrivals at a pipeline's entry, by priority, and what is in flight inside it."""
 
     __slots__ = ("admit_bins", "admitted", "arrivals", "by_priority", "ended", "in_flight",
-                 "lags", "latencies", "open_bins", "rl_arrivals", "shed")
+                 "lags", "open_bins", "rl_arrivals", "shed")
 
     def __init__(self) -> None:
         self.arrivals = 0
@@ -39,7 +39,6 @@ class PipelineSignals:
         self.open_bins: dict[int, int] = {}
         self.admit_bins: dict[int, int] = {}   # every hold, by admission bin (pruned)
         self.ended: deque[tuple[float, float]] = deque(maxlen=HOPS)  # (admitted, ended)
-        self.latencies: deque[float] = deque(maxlen=SAMPLES)  # admitted -> ended, seconds
         self.lags: deque[float] = deque(maxlen=SAMPLES)       # ended -> its log arrived
 
     def arrive(self, priority: int) -> None:
@@ -63,7 +62,6 @@ class PipelineSignals:
         else:
             self.open_bins.pop(index, None)
         if ended is not None:
-            self.latencies.append(max(0.0, ended - admitted))
             self.lags.append(max(0.0, arrived - ended))
             self.ended.append((admitted, ended))
 

@@ -103,7 +103,7 @@ def test_unhold_keeps_latency_and_lag_of_each_end() -> None:
     signals.unhold(10.0, ended=10.05, arrived=11.0)
     signals.unhold(10.001, ended=None, arrived=70.0)  # timed out: no sample
     assert signals.in_flight == 0 and signals.open_bins == {}
-    assert list(signals.latencies) == [pytest.approx(0.05)]
+    assert list(signals.ended) == [(10.0, 10.05)]
     assert list(signals.lags) == [pytest.approx(0.95)]
 
 
