@@ -170,7 +170,8 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
     values = envoyconf.local_values(sitsmesh_addr=ports.data_addr, upstream_port=ports.upstream,
                                     listen_port=ports.listen, envoy_admin_port=ports.envoy_admin)
     bootstrap = envoyconf.render(filters_dir / "local" / "bootstrap.yaml", values,
-                                 fragments=["ext_authz", "ratelimit", "access_log"])
+                                 fragments=["ext_authz", "ratelimit", "access_log",
+                                            "metrics_service"])
     triton = _start_triton(run_dir, ports)
     if triton is not None:
         # The demo model's requests go to Triton, through the same filters.
