@@ -147,3 +147,29 @@ def test_simulate_profiles_take_the_signal_delays() -> None:
     with pytest.raises(InvalidProfile, match="log_flush_s must be a number from 0 to 60"):
         profile_from({"steps": [{"at_s": 0, "rps": 10}], "service_ms": {"svc": 20},
                       "log_flush_s": -1}, PLAIN)
+
+
+def test_a_stage_that_fails_fast_under_load_is_overloaded_not_idle() -> None:
+    """5xx answered in 2 ms look like a stage with room to spare; they are overload."""
+    from sitsmesh.pressure.controller import Controller
+    from sitsmesh.pressure.signals import Signals
+
+    signals, clock = Signals(), [0.0]
+    controller = Controller(signals, lambda: clock[0])
+    controller.configure({"plain": PLAIN}, {"plain": ONLY_PARALLELISM})
+    entry, stage = signals.pipeline("plain"), signals.stage("plain", "svc")
+    decision = None
+    for tick in range(60):
+        clock[0] += 0.05
+        for i in range(5):  # 100 requests/s, 40 % of them failing in 2 ms
+            entry.arrive(0)
+            entry.admitted += 1
+            failed = i < 2
+            took = 0.002 if failed else 0.02
+            stage.complete(f"r{tick}-{i}", clock[0] - took, took, queue_s=None,
+                           failed=failed, arrived=clock[0])
+        decision = controller.tick().decisions["plain"]
+    assert decision is not None
+    [view] = decision.stages
+    assert view.level == "overloaded" and view.reason == "errors"
+    assert decision.fraction < 1.0  # what it answered well is what it gets
