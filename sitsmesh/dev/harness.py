@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,11 +36,31 @@ SITSMESH = str(BIN / "sitsmesh")
 ENVOY = str(BIN / "envoy")
 
 
+# Below Linux's ephemeral range (32768-60999): a port the OS hands out for "any free
+# port" can meanwhile become the source port of some process's outgoing connection
+# (Envoy's health checks, say) before the server meant for it binds.
+_PORTS = (20000, 32000)
+_issued: set[int] = set()
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on, outside the ephemeral range, not handed out
+    before by this process."""
+    for _ in range(200):
+        port = random.randrange(*_PORTS)  # noqa: S311 - picking a port, not a secret
+        if port in _issued:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _issued.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        fallback: int = s.getsockname()[1]
+        return fallback
 
 
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> None:
