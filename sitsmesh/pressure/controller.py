@@ -137,13 +137,15 @@ class Controller:
         dt = (now - state.last) if state.last is not None else 0.0
         state.last = now
         _count(state, signals, dt)
-        # Over the same window as the stages' own times (see StageJudge.windows).
+        # Every end up to the watermark has arrived: the log delay seen lately says how far
+        # behind now that is.
         watermark = now - max(signals.lags, default=0.0)
+        # Over the same window as the stages' own times (see StageJudge.windows).
         recent = [ended - admitted for admitted, ended in signals.ended
                   if watermark - WINDOW_S <= ended < watermark]
         if recent:
             state.e2e_s = sum(recent) / len(recent)
-        expected = _in_flight(state, signals, thresholds, now)
+        expected = _in_flight(state, signals, thresholds, now, watermark)
         tick = Tick(pipeline, thresholds, state, now, dt, expected,
                     max(0, round(signals.in_flight - expected)))
         self._judge.windows(tick)
@@ -164,7 +166,6 @@ class Controller:
             return self._seed(tick)
 
         overloaded = any(v.level in (OVERLOADED, STALE) for v in tick.views)
-        tick.overloaded = overloaded
         # A surge alone only tightens the cap, which sheds a request only once the queue
         # is there; the fraction (shedding whole priorities) waits for overload that lasts.
         lasting = any(v.level == STALE or (v.level == OVERLOADED and v.reason != "surge")
@@ -280,11 +281,9 @@ def _count(state: PipelineState, signals: PipelineSignals, dt: float) -> None:
 
 
 def _in_flight(state: PipelineState, signals: PipelineSignals, thresholds: Thresholds,
-               now: float) -> float:
-    """Admitted requests still running, with their access-log entries possibly on the way."""
-    # Every end up to the watermark has arrived: the log delay seen lately says how far
-    # behind now that is.
-    watermark = now - max(signals.lags, default=0.0)
+               now: float, watermark: float) -> float:
+    """Admitted requests still running, with their access-log entries possibly on the way
+    (every end up to `watermark` has arrived)."""
     # The latency distribution of the last few seconds only: after an overload (or one
     # that another controller let run) the long latencies of then would keep counting
     # today's held requests as still running.

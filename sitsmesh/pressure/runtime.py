@@ -121,7 +121,7 @@ class PressureRuntime:
             self._refresh_offset()
         self.signals.stage(pipeline, stage).complete(
             hop.request_id, hop.start - self.gate.wall_offset, hop.duration,
-            queue_s=hop.queue, failed=hop.failed, arrived=now)
+            failed=hop.failed, arrived=now)
 
     def on_envoy(self, node: str, samples: Mapping[str, EnvoySample]) -> None:
         """One Envoy's stats flush: each cluster a stage calls gets that Envoy's sample,

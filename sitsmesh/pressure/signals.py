@@ -93,34 +93,29 @@ class StageSignals:
     """The stage's hops (from access logs, stamped with their own times), its queue as
     Triton or Envoy see it, and how late each kind of signal arrives."""
 
-    __slots__ = ("completions", "envoy", "errors", "expects_triton", "hops", "lags",
-                 "last_arrival", "latency", "service", "triton")
+    __slots__ = ("completions", "envoy", "expects_triton", "hops", "lags", "last_arrival",
+                 "latency", "triton")
 
     def __init__(self) -> None:
         # Set when the stage names a Triton model that is scraped: until a sample comes
         # (and whenever the last one is old) the stage counts as saturated.
         self.expects_triton = False
         self.completions = 0
-        self.errors = 0
         self.last_arrival = 0.0         # when the last hop's entry came in
         self.latency = Histogram()      # swapped out by the controller every tick
-        self.service = 0.0              # sum of seconds spent past the queue, this tick
         # (request id, start, end, failed) of recent hops
         self.hops: deque[tuple[str, float, float, bool]] = deque(maxlen=HOPS)
         self.lags: deque[float] = deque(maxlen=SAMPLES)
         self.triton: list[TritonSample] = []  # the last two scrapes
         self.envoy: dict[str, EnvoySample] = {}  # per reporting Envoy, its latest sample
 
-    def complete(self, request_id: str, started: float, seconds: float, *,
-                 queue_s: float | None, failed: bool, arrived: float) -> None:
+    def complete(self, request_id: str, started: float, seconds: float, *, failed: bool,
+                 arrived: float) -> None:
         """A hop that started at `started` (monotonic) and took `seconds`, reported at
         `arrived`."""
         self.completions += 1
-        if failed:
-            self.errors += 1
         self.last_arrival = arrived
         self.latency.add(seconds)
-        self.service += seconds - (queue_s or 0.0)
         ended = started + seconds
         self.hops.append((request_id, started, ended, failed))
         self.lags.append(max(0.0, arrived - ended))

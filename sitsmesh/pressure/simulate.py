@@ -141,7 +141,6 @@ class _Request:
     admitted: float = 0.0
     stage: int = 0
     entered: float = 0.0
-    started: float = 0.0
 
 
 class _Stage:
@@ -232,10 +231,9 @@ class _Simulation:
         return (math.floor(self.now / every) + 1) * every if every > 0 else self.now
 
     def log(self, second: Second, payload: Any) -> None:
-        stage_name, request, entered, started, ended, last = payload
+        stage_name, request, entered, ended, last = payload
         self.signals.stage(self.pipeline.name, stage_name).complete(
-            str(request.id), entered, ended - entered, queue_s=started - entered,
-            failed=False, arrived=self.now)
+            str(request.id), entered, ended - entered, failed=False, arrived=self.now)
         if last:
             self.entry.unhold(request.admitted, ended, self.now)
 
@@ -261,7 +259,7 @@ class _Simulation:
 
     def enter(self, request: _Request, index: int) -> None:
         stage = self.stages[index]
-        request.stage, request.entered, request.started = index, self.now, self.now
+        request.stage, request.entered = index, self.now
         if stage.free > 0:
             stage.free -= 1
             self.push(self.now + self.service(stage), "done", request)
@@ -271,9 +269,7 @@ class _Simulation:
     def start(self, stage: _Stage) -> None:
         """A server of the stage freed up: the next queued request starts."""
         if stage.queue:
-            waiting = stage.queue.pop(0)
-            waiting.started = self.now
-            self.push(self.now + self.service(stage), "done", waiting)
+            self.push(self.now + self.service(stage), "done", stage.queue.pop(0))
         else:
             stage.free += 1
 
@@ -285,8 +281,8 @@ class _Simulation:
     def done(self, second: Second, request: _Request) -> None:
         stage = self.stages[request.stage]
         last = request.stage + 1 == len(self.stages)
-        self.push(self.flushed(), "log", (stage.name, request, request.entered,
-                                          request.started, self.now, last))
+        self.push(self.flushed(), "log", (stage.name, request, request.entered, self.now,
+                                          last))
         self.start(stage)
         if not last:
             self.enter(request, request.stage + 1)

@@ -123,7 +123,6 @@ class Tick:
     bottleneck: str = ""
     level: str = OK
     retry_after: int = 1
-    overloaded: bool = False
 
 
 class StageJudge:
@@ -238,7 +237,6 @@ class StageJudge:
         A p99 of a few dozen requests is their slowest one, so the decision reads the
         p90; the p99 is reported."""
         hist, signals.latency = signals.latency, Histogram()
-        signals.service = 0.0
         own.recent = [*own.recent[-(LATENCY_TICKS - 1):], hist]
         merged = Histogram()
         for item in own.recent:

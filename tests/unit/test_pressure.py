@@ -99,7 +99,7 @@ def _feed(signals: Signals, clock: list[float], *, arrivals: int, done: int,
     stage = signals.stage("demo", "model")
     for i in range(done):
         stage.complete(f"r{clock[0]}-{i}", clock[0] - latency_s, latency_s,
-                       queue_s=max(0.0, latency_s - 0.02), failed=False, arrived=clock[0])
+                       failed=False, arrived=clock[0])
     if scrape:
         stage.scraped(TritonSample(clock[0], pending, 0, 0, 0))
 

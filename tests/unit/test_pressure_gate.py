@@ -223,7 +223,7 @@ def test_capacity_stays_sane_when_the_windows_disagree() -> None:
         lagged = queues[max(0, len(queues) - 4)]
         for i in range(5):
             took = 0.02 + lagged * 0.02
-            stage.complete(f"r{tick}-{i}", clock[0] - took, took, queue_s=None, failed=False,
+            stage.complete(f"r{tick}-{i}", clock[0] - took, took, failed=False,
                            arrived=clock[0])
         success += 5
         queue_us += 5 * queue_now * 20_000

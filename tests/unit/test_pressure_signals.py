@@ -166,8 +166,8 @@ def test_a_stage_that_fails_fast_under_load_is_overloaded_not_idle() -> None:
             entry.admitted += 1
             failed = i < 2
             took = 0.002 if failed else 0.02
-            stage.complete(f"r{tick}-{i}", clock[0] - took, took, queue_s=None,
-                           failed=failed, arrived=clock[0])
+            stage.complete(f"r{tick}-{i}", clock[0] - took, took, failed=failed,
+                           arrived=clock[0])
         decision = controller.tick().decisions["plain"]
     assert decision is not None
     [view] = decision.stages
