@@ -83,14 +83,7 @@ def start_sitsmesh(tmp: Path, backend: Backend, exits: contextlib.ExitStack) -> 
 
 
 def pressure_once(stack: Stack) -> admin_pb2.PipelinePressure:
-    node = stack.node
-    with grpc.insecure_channel(node.admin_addr) as channel:
-        stream = admin_pb2_grpc.AdminStub(channel).WatchPressure(
-            admin_pb2.WatchPressureRequest(pipeline=stack.backend.pipeline, count=1),
-            metadata=node.admin_metadata(), timeout=5)
-        [snapshot] = list(stream)
-    [pipeline] = snapshot.pipelines
-    return pipeline
+    return stack.node.pressure(stack.backend.pipeline)
 
 
 def _pressure_is(stack: Stack, test: Callable[[admin_pb2.PipelinePressure], bool]) -> bool:

@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import envoyconf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,6 +137,16 @@ class Sitsmesh(Proc):
             timeout: float = 20) -> subprocess.CompletedProcess[str]:
         return run_cli(*args, "--admin", self.admin_addr, "--state-dir", str(self.state_dir),
                        env=env, timeout=timeout)
+
+    def pressure(self, pipeline: str) -> admin_pb2.PipelinePressure:
+        """One WatchPressure snapshot of `pipeline`: the controller's latest decision."""
+        with grpc.insecure_channel(self.admin_addr) as channel:
+            stream = admin_pb2_grpc.AdminStub(channel).WatchPressure(
+                admin_pb2.WatchPressureRequest(pipeline=pipeline, count=1),
+                metadata=self.admin_metadata(), timeout=5)
+            [snapshot] = list(stream)
+        [decision] = snapshot.pipelines
+        return decision
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://{self.metrics_addr}/metrics", timeout=5) as resp:

@@ -16,11 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 import tritonclient.grpc as triton_grpc
 
-from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import demo_model, harness
 from sitsmesh.dev.triton import TritonServer
 
@@ -140,15 +138,6 @@ def _drive(stack: Stack, rate: float, seconds: float, high_share: float,
     return sorted(results, key=lambda r: r.sent)
 
 
-def _pressure(node: harness.Sitsmesh) -> admin_pb2.PipelinePressure:
-    with grpc.insecure_channel(node.admin_addr) as channel:
-        stream = admin_pb2_grpc.AdminStub(channel).WatchPressure(
-            admin_pb2.WatchPressureRequest(pipeline="demo", count=1),
-            metadata=node.admin_metadata(), timeout=5)
-        [snapshot] = list(stream)
-    [pipeline] = snapshot.pipelines
-    return pipeline
-
 
 def test_overload_sheds_low_priority_keeps_high_within_sla_and_recovers(
         stack: Stack) -> None:
@@ -183,7 +172,7 @@ def test_overload_sheds_low_priority_keeps_high_within_sla_and_recovers(
     # The load drops: admission is back to everything within a few ticks.
     dropped = time.monotonic()
     while True:
-        pressure = _pressure(stack.node)
+        pressure = stack.node.pressure("demo")
         if pressure.fraction == 1.0 and pressure.level == "ok":
             break
         assert time.monotonic() - dropped < 2.0, f"no recovery within 2 s: {pressure}"

@@ -17,10 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
-from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.dev.stagesvc import StageService
 
@@ -125,15 +123,6 @@ def _drive(stack: Stack, rate: float, seconds: float, high_share: float = 0.3,
     return sorted(results, key=lambda r: r.sent)
 
 
-def _pressure(node: harness.Sitsmesh) -> admin_pb2.PipelinePressure:
-    with grpc.insecure_channel(node.admin_addr) as channel:
-        stream = admin_pb2_grpc.AdminStub(channel).WatchPressure(
-            admin_pb2.WatchPressureRequest(pipeline="plain", count=1),
-            metadata=node.admin_metadata(), timeout=5)
-        [snapshot] = list(stream)
-    [pipeline] = snapshot.pipelines
-    return pipeline
-
 
 def test_half_load_sheds_nothing_twice_sheds_low_priority_and_it_recovers(
         stack: Stack) -> None:
@@ -141,7 +130,7 @@ def test_half_load_sheds_nothing_twice_sheds_low_priority_and_it_recovers(
     shed = [r for r in calm if r.status == 429]
     assert len(shed) <= 0.005 * len(calm), f"{len(shed)} of {len(calm)} shed at 0.5x"
     assert {r.status for r in calm} <= {200, 429}
-    capacity = _pressure(stack.node).stages[0].capacity
+    capacity = stack.node.pressure("plain").stages[0].capacity
     assert 35 <= capacity <= 70, capacity  # learned from the stage's own work: ~50/s
 
     results = _drive(stack, rate=100, seconds=8)
@@ -162,7 +151,7 @@ def test_half_load_sheds_nothing_twice_sheds_low_priority_and_it_recovers(
 
     dropped = time.monotonic()
     while True:
-        pressure = _pressure(stack.node)
+        pressure = stack.node.pressure("plain")
         if pressure.fraction == 1.0 and pressure.level == "ok":
             break
         assert time.monotonic() - dropped < 3.0, f"no recovery within 3 s: {pressure}"
