@@ -64,3 +64,14 @@ def test_the_envoys_one_stage_keeps_are_bounded() -> None:
         runtime.on_envoy(f"node-{i}", {"svc": EnvoySample(1.0, 1.0, 0.0)})
     reports = runtime.signals.stage("p", "svc").envoy
     assert len(reports) == MAX_ENVOYS and "node-0" not in reports
+
+
+def test_one_message_reports_on_a_bounded_number_of_clusters() -> None:
+    """A caller pushing a flood of made-up clusters costs at most MAX_CLUSTERS samples."""
+    from sitsmesh.transport.metrics import MAX_CLUSTERS
+
+    flood: list[tuple[str, str, list[tuple[dict[str, str], float]]]] = [
+        (f"cluster.c{i}.upstream_rq_active", "gauge", [({}, 1.0)])
+             for i in range(MAX_CLUSTERS + 50)]
+    samples = samples_from(_message(*flood))
+    assert len(samples) == MAX_CLUSTERS
