@@ -124,7 +124,8 @@ class Assembler:
         # resent entry) must not open a new chain that would expire as incomplete.
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._sequence = 0
-        # Backpressure reads every first hop of a stage as a completion of that stage.
+        # Backpressure reads every hop as work its stage did, the calls of a fan-out and
+        # retries included (the chain keeps one per stage; the stage did them all).
         self.on_hop: Callable[[str, str, Hop], None] | None = None
         self.duplicates = 0
         self.unmatched = 0
@@ -154,6 +155,8 @@ class Assembler:
             self.unmatched += 1
             return
         pipeline, stage = matched
+        if self.on_hop is not None:
+            self.on_hop(pipeline.name, stage.name, hop)
         if hop.request_id in self._closed:
             self.duplicates += 1
             return
@@ -166,8 +169,6 @@ class Assembler:
             self.duplicates += 1  # a retried hop or a resent entry: the first one stands
             return
         chain.hops[stage.name] = hop
-        if self.on_hop is not None:
-            self.on_hop(pipeline.name, stage.name, hop)
         if len(chain.hops) == len(pipeline.stages):
             self._close(hop.request_id, complete=True)
 

@@ -136,7 +136,7 @@ class StageJudge:
         """Each stage's work over the last window before its watermark: every hop that
         ended in it has arrived, whatever the log flush interval. A stage's own time
         excludes the stages nested in it (the ones it called and waited on)."""
-        spans: dict[str, list[tuple[float, float]]] = {}
+        spans: dict[str, list[tuple[str, float, float]]] = {}
         windows = []
         for stage in tick.pipeline.stages:
             signals = self.signals.stage(tick.pipeline.name, stage.name)
@@ -144,13 +144,15 @@ class StageJudge:
             recent = [h for h in signals.hops if h[2] >= watermark - WINDOW_S]
             windows.append((stage, watermark, recent))
             for request_id, started, ended, _ in recent:
-                spans.setdefault(request_id, []).append((started, ended))
+                spans.setdefault(request_id, []).append((stage.name, started, ended))
         for stage, watermark, recent in windows:
             limits = tick.thresholds.stage(stage.name)
             own = tick.state.stages.setdefault(stage.name, StageState())
+            # Only other stages nest in a hop: a call of the same stage beside it is a
+            # sibling of a fan-out (or a retry), running in parallel, not called by it.
             hops = [(estimate.own_segments(started, ended, (
-                        span for span in spans.get(request_id, ())
-                        if span != (started, ended))), ended, failed)
+                        (s, e) for name, s, e in spans.get(request_id, ())
+                        if name != stage.name)), ended, failed)
                     for request_id, started, ended, failed in recent]
             work = estimate.occupancy(hops, watermark - WINDOW_S, watermark, limits.parallelism)
             done, busy = work.completions, work.busy

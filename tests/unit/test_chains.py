@@ -146,6 +146,25 @@ def test_a_hop_resent_after_its_chain_closed_is_a_duplicate() -> None:
     assert report is not None and (report.chains, report.incomplete) == (1, 0)
 
 
+def test_backpressure_sees_every_hop_the_chain_keeps_one_per_stage() -> None:
+    """A fan-out calls a stage twice per request: the chain keeps the first call, but the
+    stage did both, so backpressure must count both (or it halves the stage's work)."""
+    clock = Clock()
+    asm = Assembler({"demo": DEMO}, clock=clock, ttl_s=5)
+    seen: list[tuple[str, float]] = []
+    asm.on_hop = lambda pipeline, stage, hop: seen.append((stage, hop.start))
+    pre, feat, model = _hops("r", 0.0, 0.05, 0.04, 0.02)
+    sibling = Hop("r", 0.0025, 0.02, upstream_cluster="model")
+    late = Hop("r", 0.03, 0.001, upstream_cluster="model")  # after the chain closed
+    for hop in (model, sibling, feat, pre, late):
+        asm.add(hop)
+    assert seen == [("model", 0.002), ("model", 0.0025), ("feat", 0.001), ("pre", 0.0),
+                    ("model", 0.03)]
+    assert asm.duplicates == 2  # the chain itself still keeps one hop per stage
+    report = asm.report("demo", 60)
+    assert report is not None and report.chains == 1
+
+
 def test_failed_hops_and_queue_times_are_reported() -> None:
     asm = Assembler({"demo": DEMO}, clock=Clock())
     for i in range(10):

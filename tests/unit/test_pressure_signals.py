@@ -95,6 +95,36 @@ def test_own_segments_leave_out_the_stages_a_stage_waited_on() -> None:
     assert estimate.own_segments(0.0, 1.0, [(2.0, 3.0)]) == [(0.0, 1.0)]  # not nested
 
 
+def test_a_fanned_out_stage_is_judged_by_all_its_calls_not_their_overlap() -> None:
+    """feat calls model twice at once per request; model has two workers and 20 ms a
+    call, so 100 calls/s. The sibling calls run in parallel: neither is nested in the
+    other, whichever started first (the old reading took one as the other's child)."""
+    from sitsmesh.pressure.controller import Controller
+    from sitsmesh.pressure.signals import Signals
+
+    pipeline = pipeline_from("fan", {"stages": [
+        {"name": "feat", "match": {"upstream_cluster": "feat"}},
+        {"name": "model", "match": {"upstream_cluster": "model"}, "sla_p99_ms": 250}]})
+    thresholds = thresholds_from({"stages": {"feat": {"parallelism": 8},
+                                             "model": {"parallelism": 2, "fanout": 2}}})
+    signals, clock = Signals(), [0.0]
+    controller = Controller(signals, lambda: clock[0])
+    controller.configure({"fan": pipeline}, {"fan": thresholds})
+    feat, model = signals.stage("fan", "feat"), signals.stage("fan", "model")
+    for n in range(200):  # 40 requests/s, 80 calls/s: 80 % busy
+        t0 = n * 0.025
+        clock[0] = t0 + 0.05
+        rid = f"r{n}"
+        # The second call starts 0.2 ms later and ends 0.1 ms sooner: "nested" in time.
+        model.complete(rid, t0 + 0.001, 0.0200, failed=False, arrived=clock[0])
+        model.complete(rid, t0 + 0.0012, 0.0197, failed=False, arrived=clock[0])
+        feat.complete(rid, t0, 0.023, failed=False, arrived=clock[0])
+        if n % 2:
+            controller.tick()
+    view = {v.name: v for v in controller.tick().decisions["fan"].stages}["model"]
+    assert view.capacity == pytest.approx(100, rel=0.05)
+
+
 def test_unhold_keeps_latency_and_lag_of_each_end() -> None:
     signals = PipelineSignals()
     signals.hold(10.0)
