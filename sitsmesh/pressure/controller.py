@@ -76,6 +76,9 @@ class Decision:
     # way: Check subtracts them from its in-flight count before it meets the cap.
     in_flight_offset: int = 0
     in_flight: float = 0.0   # the estimate itself, for reports
+    # Pipeline requests/s the bottleneck can take: the budget a shedding level spends
+    # (see admit.Budget); 0 = none, the level sheds its share of every arrival.
+    admit_rate: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +219,8 @@ class Controller:
             tick, SLA_SHARE, calm=state.since_overload >= thresholds.hysteresis_ticks)
         cutoff = cutoff_for(state.fraction, state.shares, thresholds.protected_from)
         return self._publish(tick, fraction=state.fraction, cutoff=cutoff,
-                             concurrency=concurrency, protected_from=thresholds.protected_from)
+                             concurrency=concurrency, protected_from=thresholds.protected_from,
+                             admit_rate=0.0 if math.isinf(rate) else OVERSHOOT * rate)
 
     @staticmethod
     def _concurrency(tick: Tick, share: float, *, calm: bool) -> int:
@@ -255,11 +259,12 @@ class Controller:
 
     @staticmethod
     def _publish(tick: Tick, *, fraction: float, cutoff: float, concurrency: int,
-                 protected_from: int) -> Decision:
+                 protected_from: int, admit_rate: float = 0.0) -> Decision:
         return Decision(tick.pipeline.name, tick.thresholds.policy, round(fraction, 4),
                         round(cutoff, 4), concurrency, protected_from, tick.retry_after,
                         tick.bottleneck, tick.level, round(tick.state.lam, 3),
-                        tuple(tick.views), tick.now, tick.offset, round(tick.in_flight, 2))
+                        tuple(tick.views), tick.now, tick.offset, round(tick.in_flight, 2),
+                        round(admit_rate, 3))
 
     # --- one stage -------------------------------------------------------
 

@@ -9,11 +9,12 @@ log samples off the request path.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sitsmesh.chains.pipeline import Pipeline
-from sitsmesh.pressure.admit import shed_reason
+from sitsmesh.pressure.admit import Budget, admitted, shed_reason
 from sitsmesh.pressure.controller import Decision, Snapshot
 from sitsmesh.pressure.signals import PipelineSignals, Signals
 
@@ -30,13 +31,16 @@ class Shed:
 
 
 class PressureGate:
-    __slots__ = ("_models", "_pipelines", "_routes", "_u", "samples", "sheds", "signals",
-                 "snapshot", "wall_offset")
+    __slots__ = ("_budgets", "_clock", "_models", "_pipelines", "_routes", "_u", "samples",
+                 "sheds", "signals", "snapshot", "wall_offset")
 
-    def __init__(self, signals: Signals) -> None:
+    def __init__(self, signals: Signals,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.signals = signals
         self.snapshot = Snapshot()
+        self._clock = clock
         self._pipelines: dict[str, PipelineSignals] = {}
+        self._budgets: dict[str, Budget] = {}
         self._models: tuple[tuple[str, str], ...] = ()
         self._routes: dict[str, str] = {}
         # A low-discrepancy sequence places each request inside its priority: a level
@@ -50,6 +54,7 @@ class PressureGate:
 
     def set_pipelines(self, pipelines: Mapping[str, Pipeline]) -> None:
         self._pipelines = {name: self.signals.pipeline(name) for name in pipelines}
+        self._budgets = {name: self._budgets.get(name) or Budget() for name in pipelines}
         self._models = tuple((pattern, p.name) for p in pipelines.values()
                              for pattern in p.models)
         self._routes = {}
@@ -79,9 +84,13 @@ class PressureGate:
         # Held requests whose access-log entries are still on the way are most likely
         # done: the controller says how many.
         in_flight = signals.in_flight - (decision.in_flight_offset if decision else 0)
-        reason = shed_reason(decision, priority, u, in_flight)
+        budget = self._budgets[pipeline]
+        # The clock only while a level sheds: the budget is spent then, and only then.
+        now = self._clock() if decision is not None and decision.cutoff > 0 else 0.0
+        reason = shed_reason(decision, priority, u, in_flight, budget=budget, now=now)
         if not reason or decision is None:
             signals.admitted += 1
+            admitted(decision, budget, now)
             return None
         signals.shed += 1
         key = (pipeline, decision.bottleneck, priority, reason)

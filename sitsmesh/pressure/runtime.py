@@ -34,7 +34,7 @@ class PressureRuntime:
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
         self.signals = Signals()
-        self.gate = PressureGate(self.signals)
+        self.gate = PressureGate(self.signals, clock)
         self.controller = Controller(self.signals, clock, stale_after_s=stale_after_s)
         self._clock = clock
         self._wall = wall

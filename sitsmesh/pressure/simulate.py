@@ -24,7 +24,7 @@ from typing import Any
 from sitsmesh.chains.histogram import Histogram
 from sitsmesh.chains.pipeline import Pipeline
 from sitsmesh.errors import Code, SitsmeshError
-from sitsmesh.pressure.admit import shed_reason
+from sitsmesh.pressure.admit import Budget, admitted, shed_reason
 from sitsmesh.pressure.controller import Controller, Decision
 from sitsmesh.pressure.signals import EnvoySample, Signals, TritonSample
 from sitsmesh.pressure.thresholds import PRIORITIES, Thresholds
@@ -176,6 +176,7 @@ class _Simulation:
         self.sequence = 0
         self.next_id = 0
         self.decision: Decision | None = None
+        self.budget = Budget()
 
     def run(self) -> list[Second]:
         self.push(0.0, "tick")
@@ -247,10 +248,12 @@ class _Simulation:
         entry.arrive(priority)
         decision = self.decision
         in_flight = entry.in_flight - (decision.in_flight_offset if decision else 0)
-        if shed_reason(decision, priority, rng.random(), in_flight):
+        if shed_reason(decision, priority, rng.random(), in_flight, budget=self.budget,
+                       now=self.now):
             second.shed += 1
             entry.shed += 1
             return
+        admitted(decision, self.budget, self.now)
         entry.admitted += 1
         entry.hold(self.now)
         second.admitted += 1

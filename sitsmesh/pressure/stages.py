@@ -349,7 +349,9 @@ def _overloaded(tick: Tick, own: StageState, limits: StageThresholds, *, mu: flo
     # moderate load while arrivals run past capacity: a queue is building.
     surge = own.surging >= SURGE_S
     building = bool(mu) and offered >= mu and queue >= chance_queue(own.spread, BUILDING_TAIL)
-    full = bool(mu) and sustained >= SUSTAINED * mu
+    # Past capacity on the slow rate, unless the fast one says the load has dropped: the
+    # slow rate takes a second and more to follow, and nothing stands in between.
+    full = bool(mu) and min(sustained, offered) >= SUSTAINED * mu
     if errors >= ERROR_SHARE and own.failed >= MIN_ERRORS:
         return "errors"
     if own.standing >= STANDING_S and busy:

@@ -63,6 +63,37 @@ def test_the_admission_level_sheds_exactly_its_share_of_a_priority() -> None:
                                                                   len(shed))
 
 
+def test_a_shedding_level_spends_a_budget_so_a_drop_in_arrivals_stops_it_at_once() -> None:
+    """The level sheds half of priority 0, the bottleneck takes 50 requests/s. At 200
+    arrivals/s the budget runs out and the level sheds; once arrivals fall to 20/s every
+    request gets in, though the decision (a tick or more old) still says shed."""
+    clock = [100.0]
+    gate = PressureGate(Signals(), lambda: clock[0])
+    gate.set_pipelines({"demo": PIPELINE})
+    gate.snapshot = Snapshot({"demo": _decision(cutoff=0.5, admit_rate=50.0)}, 0.0)
+
+    def run(rate: float, seconds: float) -> tuple[int, int]:
+        admitted = shed = 0
+        for i in range(int(rate * seconds)):
+            clock[0] += 1 / rate
+            if gate.admit("demo", 0 if i % 10 < 7 else 9, f"r{i}", "acme") is None:
+                admitted += 1
+            else:
+                shed += 1
+        return admitted, shed
+
+    # 400 arrivals: 120 protected and 140 of priority 0 above the level get in and spend
+    # far more than the 100 the budget gives in 2 s; the 140 under the level are shed
+    # but for the first burst's worth.
+    admitted, shed = run(200, 2.0)
+    assert 130 <= shed <= 140 and admitted == 400 - shed
+    admitted, shed = run(20, 2.0)
+    assert (admitted, shed) == (40, 0)
+    # Without a rate (a stale bottleneck), the level sheds its share as before.
+    gate.snapshot = Snapshot({"demo": _decision(cutoff=0.5)}, 0.0)
+    assert run(20, 2.0)[1] > 0
+
+
 def test_admission_holds_count_in_flight_until_the_access_log_ends_them() -> None:
     clock = [0.0]
     gate = _gate(_decision(concurrency=2))
