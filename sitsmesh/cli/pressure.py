@@ -117,16 +117,30 @@ def cmd_thresholds_history(args: argparse.Namespace) -> int:
 def _pressure_rows(snapshot: Any) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = [
         ("PIPELINE", "STAGE", "LEVEL", "PRESSURE", "LAMBDA/S", "MU/S", "QUEUE", "RT99 MS",
-         "ADMIT", "CUTOFF", "CONC", "SHED")]
+         "ADMIT", "CUTOFF", "CONC", "SHED", "SIGNAL AGES")]
     for p in snapshot.pipelines:
         rows.append((p.pipeline, f"[{p.bottleneck or '-'}]", p.level, "",
                      f"{p.arrival_rate:.1f}", "", str(p.in_flight), "", f"{p.fraction:.0%}",
-                     f"{p.cutoff:.2f}", str(p.concurrency or "-"), str(p.shed_total)))
+                     f"{p.cutoff:.2f}", str(p.concurrency or "-"), str(p.shed_total), ""))
         for s in p.stages:
-            rows.append(("", s.name, s.level, f"{s.pressure:.2f}", f"{s.arrival_rate:.1f}",
+            level = f"{s.level} ({s.reason})" if s.reason else s.level
+            rows.append(("", s.name, level, f"{s.pressure:.2f}", f"{s.arrival_rate:.1f}",
                          f"{s.capacity:.1f}", f"{s.queue:.0f}", f"{s.rt99_ms:.1f}", "", "", "",
-                         ""))
+                         "", _ages(s.signals)))
     return rows
+
+
+SOURCES = {"access_log": "log", "envoy_stats": "envoy", "triton_metrics": "triton"}
+
+
+def _ages(signals: Any) -> str:
+    """'log 0.95s envoy 0.20s': each source's age, marked when it is stale."""
+    parts = []
+    for age in signals:
+        shown = "none" if age.age_s < 0 else f"{age.age_s:.2f}s"
+        parts.append(f"{SOURCES.get(age.source, age.source)} {shown}"
+                     + (" STALE" if age.stale else ""))
+    return " ".join(parts) or "-"
 
 
 def cmd_pressure_watch(args: argparse.Namespace) -> int:

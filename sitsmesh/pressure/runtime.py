@@ -63,6 +63,11 @@ class PressureRuntime:
                                "Stage pressure (1 = overloaded): max of queue fill over its "
                                "high mark, p99 over SLA, and utilisation.",
                                ["pipeline", "stage"], registry=registry)
+        self._ages = Gauge("sitsmesh_stage_signal_age_seconds",
+                           "How old the newest sample of each signal source of a stage is "
+                           "(access-log entries are a flush interval behind by design); "
+                           "-1 until one came.",
+                           ["pipeline", "stage", "source"], registry=registry)
 
     # --- configuration -----------------------------------------------------
 
@@ -215,3 +220,5 @@ class PressureRuntime:
             self._fraction.labels(name).set(decision.fraction)
             for view in decision.stages:
                 self._pressure.labels(name, view.name).set(view.pressure)
+                for age in view.signals:
+                    self._ages.labels(name, view.name, age.source).set(age.age_s)

@@ -11,6 +11,7 @@ load is not overload.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -66,6 +67,20 @@ class StagePressure:
     headroom_rps: float      # more arrivals before the M/M/1 p99 passes the SLA
     stale: bool
     reason: str = ""         # why it is overloaded: surge, full, standing, errors or late
+    signals: tuple[SignalAge, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SignalAge:
+    """How old the newest sample of one signal source is, as of its own timestamp.
+
+    An access-log view is as old as its newest request end (a flush interval behind by
+    design); Envoy's stats and Triton's metrics as old as their last sample. `stale`
+    is the controller's verdict: late past what the source's own cadence explains."""
+
+    source: str              # access_log, envoy_stats or triton_metrics
+    age_s: float             # -1 when none came yet
+    stale: bool
 
 
 @dataclass(slots=True)
@@ -230,8 +245,32 @@ class StageJudge:
                              round(mu, 3), round(lam / mu, 4) if mu else 0.0, queue,
                              round(fill, 4), round(rt99 * 1000, 3),
                              round(min(mm1_p99(lam, mu), 3600.0) * 1000, 3),
-                             round(headroom, 3), stale, overloaded)
+                             round(headroom, 3), stale, overloaded,
+                             self._ages(tick, signals))
         return view, rate, drain
+
+    def _ages(self, tick: Tick, signals: StageSignals) -> tuple[SignalAge, ...]:
+        """Each source's age, for reports: the same rules `_queue` applies."""
+        ages = []
+        if signals.hops:
+            # Entries come in roughly in order of their ends: the last few hold the newest.
+            newest = max(hop[2] for hop in itertools.islice(reversed(signals.hops), 64))
+            waiting = tick.state.admitted_rate > 0 or tick.in_flight >= 1
+            late = tick.now - signals.last_arrival > (self._stale_after
+                                                      + max(signals.lags, default=0.0))
+            ages.append(SignalAge("access_log", round(max(0.0, tick.now - newest), 3),
+                                  waiting and late))
+        if signals.envoy:
+            age = tick.now - max(e.at for e in signals.envoy.values())
+            ages.append(SignalAge("envoy_stats", round(max(0.0, age), 3),
+                                  age > self._stale_after))
+        if signals.triton:
+            age = tick.now - signals.triton[-1].at
+            ages.append(SignalAge("triton_metrics", round(max(0.0, age), 3),
+                                  age > self._stale_after))
+        elif signals.expects_triton:
+            ages.append(SignalAge("triton_metrics", -1.0, True))
+        return tuple(ages)
 
     @staticmethod
     def _latency(own: StageState, signals: StageSignals) -> tuple[float, float]:

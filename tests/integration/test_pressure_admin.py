@@ -96,10 +96,14 @@ def test_watch_shows_the_unobservable_stage_as_stale_and_shedding(
     [pipeline] = snapshots[-1]["pipelines"]
     assert pipeline["pipeline"] == "demo"
     assert pipeline["level"] == "stale" and pipeline["stages"][0]["stale"]
+    # Scraped but nothing came back: the source says so, with no age to give.
+    assert pipeline["stages"][0]["signals"] == [
+        {"source": "triton_metrics", "age_s": -1.0, "stale": True}]
     assert pipeline["concurrency"] == 1  # fail safe: the minimum, not unbounded
     table = node.cli("pressure", "watch", "--count", "1")
     assert table.returncode == 0
     assert table.stdout.splitlines()[0].split()[:3] == ["PIPELINE", "STAGE", "LEVEL"]
+    assert "triton none STALE" in table.stdout
     missing = node.cli("pressure", "watch", "nope", "--count", "1")
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
 

@@ -146,8 +146,17 @@ def test_half_load_sheds_nothing_twice_sheds_low_priority_and_it_recovers(
     assert served >= 0.8 * 50, served  # the stage kept busy
 
     # Envoy's stats reached sitsmesh: the stage's queue as Envoy saw it.
-    assert harness.metric_value(stack.node.metrics(),
-                                "sitsmesh_envoy_stats_flushes_total") > 0
+    metrics = stack.node.metrics()
+    assert harness.metric_value(metrics, "sitsmesh_envoy_stats_flushes_total") > 0
+    # Each signal says how old it is: the access log a flush (1 s) behind and not stale
+    # for it, Envoy's stats (flushed every 0.25 s here) fresher.
+    ages = {a.source: a for a in stack.node.pressure("plain").stages[0].signals}
+    assert set(ages) == {"access_log", "envoy_stats"}, ages
+    assert 0 <= ages["access_log"].age_s <= 2.5 and not ages["access_log"].stale
+    assert 0 <= ages["envoy_stats"].age_s <= 1.0 and not ages["envoy_stats"].stale
+    assert 'source="access_log"' in metrics  # exported (the value is 0.0 when absent)
+    assert harness.metric_value(metrics, "sitsmesh_stage_signal_age_seconds",
+                                pipeline="plain", stage="svc", source="access_log") > 0
 
     dropped = time.monotonic()
     while True:

@@ -125,6 +125,47 @@ def test_a_fanned_out_stage_is_judged_by_all_its_calls_not_their_overlap() -> No
     assert view.capacity == pytest.approx(100, rel=0.05)
 
 
+def test_each_signal_says_how_old_it_is_and_late_by_design_is_not_stale() -> None:
+    from sitsmesh.pressure.controller import Controller
+    from sitsmesh.pressure.signals import EnvoySample, Signals
+
+    signals, clock = Signals(), [0.0]
+    controller = Controller(signals, lambda: clock[0])
+    controller.configure({"plain": PLAIN}, {"plain": ONLY_PARALLELISM})
+    entry, stage = signals.pipeline("plain"), signals.stage("plain", "svc")
+
+    def ages() -> dict[str, tuple[float, bool]]:
+        [view] = controller.tick().decisions["plain"].stages
+        return {a.source: (a.age_s, a.stale) for a in view.signals}
+
+    assert ages() == {}  # nothing came yet, and nothing is expected
+    n = 0
+    for second in range(4):  # 20 requests/s, their entries flushed once a second
+        for i in range(20):
+            clock[0] = second + i / 20
+            entry.arrive(0)
+            entry.admitted += 1
+            if i % 5 == 0:
+                ages()
+        flushed = clock[0] + 0.05
+        for i in range(20):
+            started = second + i / 20
+            stage.complete(f"r{n}", started, 0.02, failed=False, arrived=flushed)
+            n += 1
+        stage.envoy["envoy-1"] = EnvoySample(flushed, 1.0, 0.0)
+    clock[0] = 4.6  # 0.6 s after the last flush: a log a flush behind, as designed
+    age, stale = ages()["access_log"]
+    assert age == pytest.approx(4.6 - 3.97, abs=0.01) and not stale
+    age, stale = ages()["envoy_stats"]
+    assert age == pytest.approx(0.6, abs=0.01) and not stale
+    for i in range(40):  # traffic goes on, but no entry and no stats for 2 s
+        clock[0] = 4.6 + i * 0.05
+        entry.arrive(0)
+        entry.admitted += 1
+        found = ages()
+    assert found["access_log"][1] and found["envoy_stats"][1]
+
+
 def test_unhold_keeps_latency_and_lag_of_each_end() -> None:
     signals = PipelineSignals()
     signals.hold(10.0)

@@ -90,7 +90,7 @@ class WatchPressureRequest(_message.Message):
     def __init__(self, pipeline: _Optional[str] = ..., interval_ms: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StagePressure(_message.Message):
-    __slots__ = ("name", "level", "pressure", "arrival_rate", "capacity", "utilisation", "queue", "queue_fill", "rt99_ms", "predicted_p99_ms", "headroom_rps", "stale")
+    __slots__ = ("name", "level", "pressure", "arrival_rate", "capacity", "utilisation", "queue", "queue_fill", "rt99_ms", "predicted_p99_ms", "headroom_rps", "stale", "reason", "signals")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     PRESSURE_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class StagePressure(_message.Message):
     PREDICTED_P99_MS_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_RPS_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SIGNALS_FIELD_NUMBER: _ClassVar[int]
     name: str
     level: str
     pressure: float
@@ -115,7 +117,19 @@ class StagePressure(_message.Message):
     predicted_p99_ms: float
     headroom_rps: float
     stale: bool
-    def __init__(self, name: _Optional[str] = ..., level: _Optional[str] = ..., pressure: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., capacity: _Optional[float] = ..., utilisation: _Optional[float] = ..., queue: _Optional[float] = ..., queue_fill: _Optional[float] = ..., rt99_ms: _Optional[float] = ..., predicted_p99_ms: _Optional[float] = ..., headroom_rps: _Optional[float] = ..., stale: _Optional[bool] = ...) -> None: ...
+    reason: str
+    signals: _containers.RepeatedCompositeFieldContainer[SignalAge]
+    def __init__(self, name: _Optional[str] = ..., level: _Optional[str] = ..., pressure: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., capacity: _Optional[float] = ..., utilisation: _Optional[float] = ..., queue: _Optional[float] = ..., queue_fill: _Optional[float] = ..., rt99_ms: _Optional[float] = ..., predicted_p99_ms: _Optional[float] = ..., headroom_rps: _Optional[float] = ..., stale: _Optional[bool] = ..., reason: _Optional[str] = ..., signals: _Optional[_Iterable[_Union[SignalAge, _Mapping]]] = ...) -> None: ...
+
+class SignalAge(_message.Message):
+    __slots__ = ("source", "age_s", "stale")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    age_s: float
+    stale: bool
+    def __init__(self, source: _Optional[str] = ..., age_s: _Optional[float] = ..., stale: _Optional[bool] = ...) -> None: ...
 
 class PipelinePressure(_message.Message):
     __slots__ = ("pipeline", "policy", "fraction", "cutoff", "concurrency", "protected_from", "retry_after_s", "bottleneck", "level", "arrival_rate", "in_flight", "shed_total", "stages")

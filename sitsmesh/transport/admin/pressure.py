@@ -31,7 +31,9 @@ def pipeline_pb(decision: Decision, in_flight: int, shed: int) -> admin_pb2.Pipe
                            arrival_rate=s.arrival_rate, capacity=s.capacity,
                            utilisation=s.utilisation, queue=s.queue, queue_fill=s.queue_fill,
                            rt99_ms=s.rt99_ms, predicted_p99_ms=s.predicted_p99_ms,
-                           headroom_rps=s.headroom_rps, stale=s.stale)
+                           headroom_rps=s.headroom_rps, stale=s.stale, reason=s.reason,
+                           signals=[admin_pb2.SignalAge(source=a.source, age_s=a.age_s,
+                                                        stale=a.stale) for a in s.signals])
     return message
 
 
