@@ -238,7 +238,8 @@ class Controller:
         if calm:
             # Past the chance queues of moderate load: a request is shed there for a
             # surge, never for a burst the stage had room for.
-            queued = max(queued, chance_queue(tick.state.stages[stage.name].spread, CALM_TAIL))
+            queued = max(queued, chance_queue(tick.state.stages[stage.name].spread, CALM_TAIL,
+                                              limits.fanout))
         cap = (queued + limits.parallelism) / limits.fanout + others
         return int(max(tick.thresholds.min_concurrency,
                        min(tick.thresholds.max_concurrency, cap)))

@@ -209,7 +209,8 @@ class StageJudge:
         if sla_s and mu:
             room = max(1.0, min(room, sla_s * mu - limits.parallelism))
         fill = queue / room
-        standing = max(limits.queue_fill_high * room, chance_queue(own.spread, BUILDING_TAIL))
+        standing = max(limits.queue_fill_high * room,
+                       chance_queue(own.spread, BUILDING_TAIL, limits.fanout))
         own.standing = own.standing + tick.dt if queue >= standing else 0.0
         errors = own.failed / own.done if own.done >= MIN_ERRORS else 0.0
         overloaded = _overloaded(tick, own, limits, mu=mu, queue=queue, fill=fill, rt90=rt90,
@@ -341,10 +342,14 @@ def _triton_capacity(own: StageState, signals: StageSignals, queue: float,
                       dt, TAU_S)
 
 
-def chance_queue(cs2: float, tail: float) -> float:
-    """The queue length Poisson arrivals at CALM_LOAD of capacity pass only `tail` of the
-    time, for service times of squared coefficient of variation `cs2`."""
-    return math.log(CALM_LOAD / tail) * (1 + cs2) / (2 * (1 - CALM_LOAD))
+def chance_queue(cs2: float, tail: float, batch: float = 1.0) -> float:
+    """The queue length (in calls) Poisson arrivals at CALM_LOAD of capacity pass only
+    `tail` of the time, for service times of squared coefficient of variation `cs2`.
+
+    A fan-out sends `batch` calls at once: the calls arrive in clumps, with `batch`
+    times the variance of Poisson arrivals (the ca² of Kingman's formula), so its
+    chance queues are that much longer."""
+    return math.log(CALM_LOAD / tail) * (batch + cs2) / (2 * (1 - CALM_LOAD))
 
 
 def stage_sla_s(stage: Stage, limits: StageThresholds) -> float | None:
@@ -387,7 +392,8 @@ def _overloaded(tick: Tick, own: StageState, limits: StageThresholds, *, mu: flo
     # A fast rate well past capacity that lasts, or a queue longer than chance makes at
     # moderate load while arrivals run past capacity: a queue is building.
     surge = own.surging >= SURGE_S
-    building = bool(mu) and offered >= mu and queue >= chance_queue(own.spread, BUILDING_TAIL)
+    building = bool(mu) and offered >= mu and queue >= chance_queue(own.spread, BUILDING_TAIL,
+                                                                   limits.fanout)
     # Past capacity on the slow rate, unless the fast one says the load has dropped: the
     # slow rate takes a second and more to follow, and nothing stands in between.
     full = bool(mu) and min(sustained, offered) >= SUSTAINED * mu

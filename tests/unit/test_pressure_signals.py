@@ -183,6 +183,32 @@ def test_chance_queues_are_longer_for_varied_service_times() -> None:
     assert 10 < fixed < 15 and exponential == pytest.approx(2 * fixed)
 
 
+def test_a_fan_out_of_two_doubles_the_chance_queue_and_the_bound_holds() -> None:
+    """Calls that come in pairs (a fan-out of 2) to a stage of two 20 ms workers at 75 %:
+    the queue a pair finds passes chance_queue(0, tail, batch=2) at most `tail` of the
+    time, while the Poisson bound is passed far more often."""
+    import random
+
+    assert chance_queue(0.0, 0.001, 2) == pytest.approx(2 * chance_queue(0.0, 0.001))
+    rng = random.Random(7)
+    free, waiting, seen = [0.0, 0.0], [], []
+    t = 0.0
+    for _ in range(30_000):
+        t += rng.expovariate(0.75 * 100 / 2)  # pairs/s: 75 calls/s of 100
+        waiting = [start for start in waiting if start > t]
+        seen.append(len(waiting))
+        for _ in range(2):
+            server = min(range(2), key=free.__getitem__)
+            start = max(t, free[server])
+            free[server] = start + 0.02
+            if start > t:
+                waiting.append(start)
+    def passed(bound: float) -> float:
+        return sum(q > bound for q in seen) / len(seen)
+    assert passed(chance_queue(0.0, 0.001, 2)) <= 0.001
+    assert passed(chance_queue(0.0, 0.001)) > 0.005
+
+
 # --- the controller with the delays of real meshes ----------------------------
 
 @pytest.mark.parametrize("service", ["fixed", "exp"])
