@@ -191,7 +191,9 @@ def test_a_fan_out_of_two_doubles_the_chance_queue_and_the_bound_holds() -> None
 
     assert chance_queue(0.0, 0.001, 2) == pytest.approx(2 * chance_queue(0.0, 0.001))
     rng = random.Random(7)
-    free, waiting, seen = [0.0, 0.0], [], []
+    free = [0.0, 0.0]
+    waiting: list[float] = []
+    seen: list[int] = []
     t = 0.0
     for _ in range(30_000):
         t += rng.expovariate(0.75 * 100 / 2)  # pairs/s: 75 calls/s of 100
