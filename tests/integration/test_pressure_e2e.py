@@ -1,6 +1,8 @@
 """Backpressure end to end: real Envoy (ext_authz + access logs to sitsmesh) in front of a
 real Triton model with a fixed 20 ms service time and one instance (about 45 requests/s
-here), driven at about twice that, 30 % of it at high priority.
+here), driven at about twice that, 30 % of it at high priority: once with a 20 ms
+access-log flush and tuned thresholds, once as a new user runs it (Envoy's default 1 s
+flush, default thresholds).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ shed_priorities: [0, 1, 2, 3, 4]
 stages:
   model: {queue_capacity: 32, parallelism: 1}
 """
+# As a new user runs it: Envoy's and Istio's default 1 s access-log flush, and nothing
+# set but the pipeline (Triton's model config gives the stage's parallelism).
+DEFAULTS = "policy: sitsmesh\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +67,10 @@ class Stack:
     key: str
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
+@pytest.fixture(params=[("0.02s", THRESHOLDS), ("1s", DEFAULTS)],
+                ids=["flush-20ms-tuned", "flush-1s-defaults"])
+def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
+    flush, thresholds = request.param
     repo = tmp_path / "models"
     demo_model.write_lazy_model(repo, MODEL, [1], context_ms=20, service_ms=20)
     triton = TritonServer(tmp_path / "triton", repo)
@@ -76,7 +83,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         node = harness.start_sitsmesh(tmp_path, "--triton-url", triton.grpc_url,
                                       "--triton-metrics-url", triton.metrics_url)
         (tmp_path / "demo.yaml").write_text(PIPELINE)
-        (tmp_path / "thresholds.yaml").write_text(THRESHOLDS)
+        (tmp_path / "thresholds.yaml").write_text(thresholds)
         for args in (("pipelines", "apply", str(tmp_path / "demo.yaml")),
                      ("thresholds", "set", "demo", str(tmp_path / "thresholds.yaml")),
                      ("tenants", "create", "acme", "--models", "*", "--priority", "0",
@@ -86,7 +93,8 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         made = node.cli("apikeys", "create", "--tenant", "acme", "--output", "json")
         key = json.loads(made.stdout)["key"]
         envoy = harness.start_envoy(tmp_path, node.data_addr, triton.http_port,
-                                    fragments=["ext_authz", "access_log"])
+                                    fragments=["ext_authz", "access_log"],
+                                    access_log_flush=flush)
         yield Stack(triton, node, envoy, key)
     finally:
         for proc in (envoy, node):
