@@ -33,6 +33,7 @@ from sitsmesh.pressure.stages import (
     OK,
     OVERLOADED,
     STALE,
+    SURGE,
     TAU_S,
     WINDOW_S,
     PipelineState,
@@ -215,8 +216,14 @@ class Controller:
         # The cap stays tight through the hysteresis too: a surge that pauses for a tick
         # has not ended.
         state.since_overload = 0 if overloaded else state.since_overload + 1
+        # Arrivals well past a stage's capacity on the fast rate: a surge most likely (at
+        # 70 % load, chance gets there about never). The loose cap would let it queue up
+        # to the cap before the surge is confirmed, so the cap tightens at once.
+        arriving = any(0 < SURGE * v.capacity <= state.lam * thresholds.stage(v.name).fanout
+                       for v in tick.views)
         concurrency = self._concurrency(
-            tick, SLA_SHARE, calm=state.since_overload >= thresholds.hysteresis_ticks)
+            tick, SLA_SHARE,
+            calm=state.since_overload >= thresholds.hysteresis_ticks and not arriving)
         cutoff = cutoff_for(state.fraction, state.shares, thresholds.protected_from)
         return self._publish(tick, fraction=state.fraction, cutoff=cutoff,
                              concurrency=concurrency, protected_from=thresholds.protected_from,
