@@ -335,11 +335,16 @@ def _triton_capacity(own: StageState, signals: StageSignals, queue: float,
         if own.triton_service_s is None:
             own.mu = None  # Triton's counters replace what the access logs suggested
         own.triton_service_s = ewma(own.triton_service_s, service, dt, TAU_S)
-    if queue >= 2 * limits.parallelism and served:
-        own.mu = ewma(own.mu, served, dt, TAU_S)
-    elif own.triton_service_s:
-        own.mu = ewma(own.mu, limits.parallelism / max(own.triton_service_s, MIN_SERVICE_S),
-                      dt, TAU_S)
+    if not own.triton_service_s:
+        return
+    capacity = limits.parallelism / max(own.triton_service_s, MIN_SERVICE_S)
+    # What it served is at most its capacity, and equal to it only while a queue stood
+    # the whole window: a model that batches serves more than its per-request compute
+    # time says. A queue seen at one scrape does not make the window busy, so the served
+    # rate only ever raises the estimate.
+    if queue >= 2 * limits.parallelism and served > capacity:
+        capacity = served
+    own.mu = ewma(own.mu, capacity, dt, TAU_S)
 
 
 def chance_queue(cs2: float, tail: float, batch: float = 1.0) -> float:

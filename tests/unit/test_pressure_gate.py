@@ -230,6 +230,33 @@ def test_triton_counters_give_capacity_and_service_time_over_one_window() -> Non
     assert _triton_rates(signals) == (0.0, 0.0)
 
 
+@pytest.mark.parametrize(("batched", "capacity"), [(False, 50.0), (True, 80.0)])
+def test_a_passing_triton_queue_does_not_read_as_capacity(batched: bool,
+                                                          capacity: float) -> None:
+    """At 38 requests/s a scrape now and then finds 2 queued; what was served over the
+    window (38/s) is not what the model can serve (20 ms a request: 50/s). Only a model
+    that serves more than its compute time says, under a standing queue (batching:
+    80/s), raises it."""
+    from sitsmesh.pressure.signals import TritonSample
+
+    clock = [0.0]
+    runtime = PressureRuntime(None, clock=lambda: clock[0])
+    runtime.scraping = True
+    runtime.set_pipelines({"demo": PIPELINE})
+    served = 80.0 if batched else 38.0
+    done = request_us = 0.0
+    for scrape in range(40):
+        clock[0] = scrape * 0.25
+        done += served * 0.25
+        request_us += served * 0.25 * 20_000
+        pending = 4 if batched else 2 if scrape % 4 == 0 else 0
+        runtime.on_triton("resnet", TritonSample(clock[0], pending, done, 0, 0, request_us))
+        runtime.tick()
+        if scrape >= 20:
+            [view] = runtime.gate.snapshot.decisions["demo"].stages
+            assert view.capacity == pytest.approx(capacity, rel=0.05), scrape
+
+
 def test_capacity_stays_sane_when_the_windows_disagree() -> None:
     """A queue that empties fast made hop time minus queue time come out near zero, and
     the capacity estimate jump to ~1e6/s; Triton's service time keeps it near 50/s."""
