@@ -149,7 +149,8 @@ class Controller:
                   if watermark - WINDOW_S <= ended < watermark]
         if recent:
             state.e2e_s = sum(recent) / len(recent)
-        expected = _in_flight(state, signals, thresholds, now, watermark)
+        expected = _in_flight(state, signals, thresholds, now, watermark,
+                              views=self._direct_views(pipeline, thresholds))
         tick = Tick(pipeline, thresholds, state, now, dt, expected,
                     max(0, round(signals.in_flight - expected)))
         self._judge.windows(tick)
@@ -229,6 +230,27 @@ class Controller:
                              concurrency=concurrency, protected_from=thresholds.protected_from,
                              admit_rate=0.0 if math.isinf(rate) else OVERSHOOT * rate)
 
+    def _direct_views(self, pipeline: Pipeline, thresholds: Thresholds
+                      ) -> list[tuple[float, float, str]]:
+        """(when, pipeline requests at the stage then, stage) from each stage's freshest
+        direct view: Triton's pending gauge (plus the instances busy when there is a
+        queue) or Envoy's requests active on the stage's cluster. A quarter second old
+        where a log entry may be a second old."""
+        views = []
+        for stage in pipeline.stages:
+            signals = self.signals.stage(pipeline.name, stage.name)
+            limits = thresholds.stage(stage.name)
+            if signals.triton:
+                sample = signals.triton[-1]
+                queued = float(sample.pending)
+                held = queued + (limits.parallelism if queued else 0)
+                views.append((sample.at, held / limits.fanout, stage.name))
+            elif signals.envoy:
+                at = max(e.at for e in signals.envoy.values())
+                held = sum(e.active + e.pending for e in signals.envoy.values())
+                views.append((at, held / limits.fanout, stage.name))
+        return views
+
     @staticmethod
     def _concurrency(tick: Tick, share: float, *, calm: bool) -> int:
         """Little's law on the bottleneck: in flight = capacity x the time the SLA leaves
@@ -294,9 +316,11 @@ def _count(state: PipelineState, signals: PipelineSignals, dt: float) -> None:
 
 
 def _in_flight(state: PipelineState, signals: PipelineSignals, thresholds: Thresholds,
-               now: float, watermark: float) -> float:
+               now: float, watermark: float, *,
+               views: list[tuple[float, float, str]]) -> float:
     """Admitted requests still running, with their access-log entries possibly on the way
-    (every end up to `watermark` has arrived)."""
+    (every end up to `watermark` has arrived). `views`: (when, requests there, stage)
+    from direct views of stages' queues, fresher than the watermark."""
     # The latency distribution of the last few seconds only: after an overload (or one
     # that another controller let run) the long latencies of then would keep counting
     # today's held requests as still running.
@@ -314,6 +338,15 @@ def _in_flight(state: PipelineState, signals: PipelineSignals, thresholds: Thres
         at_watermark = estimate.present_at(watermark, signals.open_bins, signals.ended)
         expected = max(expected, estimate.backlog(watermark, at_watermark,
                                                   signals.admit_bins, now, min(rates)))
+        # The same from each direct view, where it is newer: what the stage held then,
+        # every admission since, drained at its capacity (a lower bound: the admissions
+        # may not have reached it yet, but they will).
+        for at, present, name in views:
+            own = state.stages.get(name)
+            if watermark < at <= now and own is not None and own.mu:
+                rate = own.mu / thresholds.stage(name).fanout
+                expected = max(expected, estimate.backlog(at, present, signals.admit_bins,
+                                                          now, rate))
     if len(signals.admit_bins) > ADMIT_BINS:
         oldest = int((now - ADMIT_BINS * estimate.BIN_S / 2) // estimate.BIN_S)
         for index in [i for i in signals.admit_bins if i < oldest]:

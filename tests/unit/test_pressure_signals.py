@@ -166,6 +166,49 @@ def test_each_signal_says_how_old_it_is_and_late_by_design_is_not_stale() -> Non
     assert found["access_log"][1] and found["envoy_stats"][1]
 
 
+def test_a_direct_view_of_the_queue_anchors_the_in_flight_estimate() -> None:
+    """The stage served 10 ms requests all minute (100/s); now it takes 20 ms, and a surge
+    comes. Logs flushed every second still drain the surge at 100/s; Envoy's gauge, a
+    quarter second old, shows the queue it really holds, and the estimate starts there."""
+    from sitsmesh.pressure.controller import Controller
+    from sitsmesh.pressure.signals import EnvoySample, Signals
+
+    def run(gauge: bool) -> float:
+        signals, clock = Signals(), [0.0]
+        controller = Controller(signals, lambda: clock[0])
+        controller.configure({"plain": PLAIN}, {"plain": ONLY_PARALLELISM})
+        entry, stage = signals.pipeline("plain"), signals.stage("plain", "svc")
+        held: list[float] = []
+        for tick in range(400):  # 20 s at 40 requests/s: 10 ms each, logged 1 s late
+            clock[0] = tick * 0.05
+            for _ in range(2):
+                entry.arrive(0)
+                entry.admitted += 1
+                entry.hold(clock[0])
+                held.append(clock[0])
+            for i in range(2 if tick >= 20 else 0):
+                admitted = held[(tick - 20) * 2 + i]
+                started = admitted + i * 0.01
+                entry.unhold(admitted, started + 0.01, clock[0])
+                stage.complete(f"r{tick}-{i}", started, 0.01, failed=False,
+                               arrived=clock[0])
+            controller.tick()
+        for tick in range(10):  # then 0.5 s at 200 requests/s, nothing logged yet
+            clock[0] = 20.0 + tick * 0.05
+            for _ in range(10):
+                entry.arrive(0)
+                entry.admitted += 1
+                entry.hold(clock[0])
+            if gauge and tick == 5:  # 0.25 s ago: 45 on the stage's cluster
+                stage.envoy["e1"] = EnvoySample(clock[0], 45.0, 0.0)
+            decision = controller.tick().decisions["plain"]
+        return decision.in_flight
+
+    blind, anchored = run(gauge=False), run(gauge=True)
+    assert anchored >= 45 + 40 - 100 * 0.25 - 1  # 45 then, 40 admitted since, 25 served
+    assert anchored > blind + 10
+
+
 def test_unhold_keeps_latency_and_lag_of_each_end() -> None:
     signals = PipelineSignals()
     signals.hold(10.0)
