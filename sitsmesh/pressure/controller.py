@@ -57,6 +57,7 @@ DECREASE_FLOOR = 0.8     # overload cuts the admitted fraction by at most 20 % a
 INCREASE_STEP = 0.1
 OVERSHOOT = 1.15         # admitted-rate aim over capacity (see _decide)
 SLA_SHARE = 0.4          # of the SLA that queueing may take under pressure (concurrency cap)
+ROOM_TAIL = 0.005        # the calm cap stops at the SLA's room if chance passes it this rarely
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,9 +267,15 @@ class Controller:
         queued = view.capacity * sla_s * share
         if calm:
             # Past the chance queues of moderate load: a request is shed there for a
-            # surge, never for a burst the stage had room for.
-            queued = max(queued, chance_queue(tick.state.stages[stage.name].spread, CALM_TAIL,
-                                              limits.fanout))
+            # surge, never for a burst the stage had room for. But not past the queue the
+            # SLA has room for where chance reaches that only rarely (fixed service times):
+            # a request waiting longer misses its SLA anyway, and a surge that is not yet
+            # confirmed fills the cap before it tightens.
+            spread = tick.state.stages[stage.name].spread
+            room = view.capacity * sla_s - limits.parallelism
+            queued = max(queued, min(chance_queue(spread, CALM_TAIL, limits.fanout),
+                                     max(room, chance_queue(spread, ROOM_TAIL,
+                                                            limits.fanout))))
         cap = (queued + limits.parallelism) / limits.fanout + others
         return int(max(tick.thresholds.min_concurrency,
                        min(tick.thresholds.max_concurrency, cap)))
