@@ -162,7 +162,9 @@ class Authorizer:
         if key.expires_at is not None and key.expires_at <= self._clock():
             return _deny_401("API key expired")
         tenant = snapshot.tenants.get(key.tenant)
-        if tenant is None:
+        if tenant is None or tenant.uid != key.tenant_uid:
+            # Gone, or deleted and created again: a new tenant of the same name is not
+            # the one this key was made for.
             return _deny_401("API key's tenant no longer exists")
         return tenant
 

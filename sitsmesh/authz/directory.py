@@ -23,10 +23,11 @@ from sitsmesh.authz.model import (
     apikey_from,
     digest,
     new_key,
+    new_uid,
     tenant_from,
 )
 from sitsmesh.errors import ConflictError, NotFoundError
-from sitsmesh.state import StateStore
+from sitsmesh.state import Delete, Put, StateStore
 from sitsmesh.state.watch import RevisionFollower
 
 _log = logs.get("sitsmesh.authz.directory")
@@ -58,7 +59,7 @@ class TenantDirectory(RevisionFollower):
     # --- admin operations -------------------------------------------------
 
     async def create_tenant(self, name: str, body: dict[str, Any]) -> Tenant:
-        tenant = tenant_from(name, body)
+        tenant = tenant_from(name, {**body, "uid": new_uid()})  # never the caller's
         await self._state.create(TENANT_KIND, name, tenant.to_body())
         await self.refresh()
         return tenant
@@ -67,7 +68,7 @@ class TenantDirectory(RevisionFollower):
         record = await self._state.get(TENANT_KIND, name)
         if record is None:
             raise NotFoundError(f"tenant {name} does not exist")
-        tenant = tenant_from(name, body)
+        tenant = tenant_from(name, {**body, "uid": record.body.get("uid", "")})
         await self._state.put(TENANT_KIND, name, tenant.to_body(),
                               expect_revision=record.revision)
         await self.refresh()
@@ -82,19 +83,31 @@ class TenantDirectory(RevisionFollower):
     async def list_tenants(self) -> list[Tenant]:
         return [tenant_from(r.name, r.body) for r in await self._state.list(TENANT_KIND)]
 
-    async def delete_tenant(self, name: str) -> None:
-        if not await self._state.delete(TENANT_KIND, name):
+    async def delete_tenant(self, name: str) -> int:
+        """Delete the tenant and revoke its keys in one transaction; returns how many keys
+        it revoked. (A key made for it in between is bound to its uid, so it is dead too.)"""
+        record = await self._state.get(TENANT_KIND, name)
+        if record is None:
             raise NotFoundError(f"tenant {name} does not exist")
+        keys = [r for r in await self._state.list(APIKEY_KIND)
+                if r.body.get("tenant") == name and not r.body.get("revoked")]
+        await self._state.apply([
+            Delete(TENANT_KIND, name),
+            *(Put(APIKEY_KIND, r.name, {**r.body, "revoked": True},
+                  expect_revision=r.revision) for r in keys)])
         await self.refresh()
+        return len(keys)
 
     async def create_key(self, tenant: str, *, name: str = "",
                          expires_at: float | None = None) -> tuple[ApiKey, str]:
-        if await self._state.get(TENANT_KIND, tenant) is None:
+        record = await self._state.get(TENANT_KIND, tenant)
+        if record is None:
             raise NotFoundError(f"tenant {tenant} does not exist")
         if expires_at is not None and expires_at <= self._clock():
             raise InvalidObject("expires_at is in the past")
         key_id, secret = new_key()
-        key = ApiKey(key_id, tenant, digest(secret), self._clock(), expires_at, False, name)
+        key = ApiKey(key_id, tenant, digest(secret), self._clock(), expires_at, False, name,
+                     str(record.body.get("uid", "")))
         try:
             await self._state.create(APIKEY_KIND, key_id, key.to_body())
         except ConflictError:  # 48 random bits collided; vanishingly rare, refuse cleanly

@@ -16,6 +16,7 @@ from sitsmesh.errors import Code, SitsmeshError
 TENANT_KIND = "tenant"
 APIKEY_KIND = "apikey"
 MAX_PRIORITY = 9
+MAX_UID = 64
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 KEY_PREFIX = "smk_"
 _KEY = re.compile(r"^smk_([0-9a-f]{12})_([A-Za-z0-9_-]{20,100})$")
@@ -33,14 +34,21 @@ class Tenant:
     max_priority: int = 0
     max_concurrency: int = 0  # 0: no cap
     labels: Mapping[str, str] = field(default_factory=dict)
+    # Given at creation and never changed: keys bind to it, so a tenant deleted and created
+    # again under the same name does not revive the old one's keys. "" on tenants stored
+    # before uids existed.
+    uid: str = ""
 
     def allows(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
 
     def to_body(self) -> dict[str, Any]:
-        return {"models": list(self.models), "priority": self.priority,
+        body = {"models": list(self.models), "priority": self.priority,
                 "max_priority": self.max_priority, "max_concurrency": self.max_concurrency,
                 "labels": dict(self.labels)}
+        if self.uid:
+            body["uid"] = self.uid
+        return body
 
 
 def tenant_from(name: str, body: Mapping[str, Any]) -> Tenant:
@@ -64,7 +72,14 @@ def tenant_from(name: str, body: Mapping[str, Any]) -> Tenant:
     if not isinstance(labels, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
         raise InvalidObject(f"tenant {name}: labels must map strings to strings")
-    return Tenant(name, tuple(models), labels=dict(labels), **numbers)
+    uid = body.get("uid", "")
+    if not isinstance(uid, str) or len(uid) > MAX_UID:
+        raise InvalidObject(f"tenant {name}: uid must be a string of at most {MAX_UID} chars")
+    return Tenant(name, tuple(models), labels=dict(labels), uid=uid, **numbers)
+
+
+def new_uid() -> str:
+    return secrets.token_hex(8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,16 +91,18 @@ class ApiKey:
     expires_at: float | None = None
     revoked: bool = False
     name: str = ""
+    tenant_uid: str = ""  # the uid of the tenant it was made for (see Tenant.uid)
 
     def to_body(self) -> dict[str, Any]:
         return {"tenant": self.tenant, "digest": self.digest, "created_at": self.created_at,
-                "expires_at": self.expires_at, "revoked": self.revoked, "name": self.name}
+                "expires_at": self.expires_at, "revoked": self.revoked, "name": self.name,
+                "tenant_uid": self.tenant_uid}
 
 
 def apikey_from(key_id: str, body: Mapping[str, Any]) -> ApiKey:
     return ApiKey(key_id, str(body["tenant"]), str(body["digest"]), float(body["created_at"]),
                   body.get("expires_at"), bool(body.get("revoked", False)),
-                  str(body.get("name", "")))
+                  str(body.get("name", "")), str(body.get("tenant_uid", "")))
 
 
 def digest(key: str) -> str:

@@ -4,7 +4,7 @@ Callers depend on the StateStore contract only; SQLite backs it on one replica,
 and another backend (Redis) can implement the same contract for several.
 """
 
-from sitsmesh.state.contract import Record, StateStore
+from sitsmesh.state.contract import Delete, Put, Record, StateStore
 from sitsmesh.state.sqlite import SqliteStore
 
-__all__ = ["Record", "SqliteStore", "StateStore"]
+__all__ = ["Delete", "Put", "Record", "SqliteStore", "StateStore"]

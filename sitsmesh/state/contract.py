@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -14,6 +15,20 @@ class Record:
     # Store-wide revision of the write that produced this version of the record.
     revision: int
     updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    kind: str
+    name: str
+    body: dict[str, Any]
+    expect_revision: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    kind: str
+    name: str
 
 
 class StateStore(Protocol):
@@ -34,6 +49,11 @@ class StateStore(Protocol):
         ...
 
     async def delete(self, kind: str, name: str) -> bool: ...
+
+    async def apply(self, writes: Sequence[Put | Delete]) -> int:
+        """Every write in one transaction, or none (ConflictError on a failed expected
+        revision; NotFoundError when a Delete finds nothing). Returns the revision."""
+        ...
 
     async def revision(self) -> int: ...
 

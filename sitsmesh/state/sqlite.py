@@ -10,12 +10,13 @@ import asyncio
 import json
 import sqlite3
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sitsmesh.errors import ConflictError, StartupError
-from sitsmesh.state.contract import Record
+from sitsmesh.errors import ConflictError, NotFoundError, StartupError
+from sitsmesh.state.contract import Delete, Put, Record
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 10.0
@@ -134,6 +135,40 @@ class SqliteStore:
             raise
         return cur.rowcount > 0
 
+    def _apply(self, writes: Sequence[Put | Delete]) -> int:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            revision = self._bump()
+            now = time.time()
+            for write in writes:
+                row = conn.execute("SELECT revision FROM objects WHERE kind=? AND name=?",
+                                   (write.kind, write.name)).fetchone()
+                if isinstance(write, Delete):
+                    if row is None:
+                        raise NotFoundError(f"{write.kind} '{write.name}' does not exist")
+                    conn.execute("DELETE FROM objects WHERE kind=? AND name=?",
+                                 (write.kind, write.name))
+                    continue
+                if write.expect_revision is not None and (
+                        row is None or row[0] != write.expect_revision):
+                    current = "absent" if row is None else f"at revision {row[0]}"
+                    raise ConflictError(f"{write.kind} '{write.name}' is {current}, not at "
+                                        f"revision {write.expect_revision}")
+                conn.execute(
+                    "INSERT INTO objects (kind, name, body, revision, updated_at) "
+                    "VALUES (?,?,?,?,?) ON CONFLICT(kind, name) DO UPDATE SET "
+                    "body=excluded.body, revision=excluded.revision, "
+                    "updated_at=excluded.updated_at",
+                    (write.kind, write.name,
+                     json.dumps(write.body, sort_keys=True, separators=(",", ":")), revision,
+                     now))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return revision
+
     def _revision(self) -> int:
         row = self._conn.execute("SELECT value FROM meta WHERE key='revision'").fetchone()
         return int(row[0])
@@ -158,6 +193,10 @@ class SqliteStore:
 
     async def delete(self, kind: str, name: str) -> bool:
         result: bool = await self._run(self._delete, kind, name)
+        return result
+
+    async def apply(self, writes: Sequence[Put | Delete]) -> int:
+        result: int = await self._run(self._apply, list(writes))
         return result
 
     async def revision(self) -> int:

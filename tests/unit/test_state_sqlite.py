@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sitsmesh.errors import ConflictError, StartupError
-from sitsmesh.state import SqliteStore
+from sitsmesh.errors import ConflictError, NotFoundError, StartupError
+from sitsmesh.state import Delete, Put, SqliteStore
 
 
 @pytest.fixture
@@ -58,6 +58,28 @@ async def test_put_with_expected_revision_is_compare_and_swap(store: SqliteStore
         await store.put("tenant", "ghost", {}, expect_revision=1)
     got = await store.get("tenant", "acme")
     assert got is not None and got.body == {"v": 2}
+
+
+async def test_apply_writes_all_or_nothing(store: SqliteStore) -> None:
+    acme = await store.create("tenant", "acme", {"v": 1})
+    key = await store.create("apikey", "k1", {"tenant": "acme"})
+    revision = await store.apply([Delete("tenant", "acme"),
+                                  Put("apikey", "k1", {"tenant": "acme", "revoked": True},
+                                      expect_revision=key.revision)])
+    assert revision == await store.revision() == 3  # one transaction, one revision
+    assert await store.get("tenant", "acme") is None
+    got = await store.get("apikey", "k1")
+    assert got is not None and got.body["revoked"] and got.revision == 3
+    # A failed write undoes the ones before it in the same batch.
+    await store.create("tenant", "acme", {"v": 2})
+    with pytest.raises(ConflictError, match="not at revision 1"):
+        await store.apply([Delete("tenant", "acme"),
+                           Put("apikey", "k1", {}, expect_revision=acme.revision)])
+    with pytest.raises(NotFoundError, match="tenant 'ghost' does not exist"):
+        await store.apply([Put("apikey", "k2", {}), Delete("tenant", "ghost")])
+    assert await store.get("tenant", "acme") is not None
+    assert await store.get("apikey", "k2") is None
+    assert await store.revision() == 4
 
 
 async def test_survives_reopen_in_wal_mode(tmp_path: Path) -> None:

@@ -47,8 +47,8 @@ class TenantAdmin:
     async def DeleteTenant(self, request: admin_pb2.DeleteTenantRequest,
                            context: aio.ServicerContext[Any, Any]
                            ) -> admin_pb2.DeleteTenantResponse:
-        await self._directory.delete_tenant(request.name)
-        _log.info("tenant deleted", tenant=request.name)
+        revoked = await self._directory.delete_tenant(request.name)
+        _log.info("tenant deleted", tenant=request.name, keys_revoked=revoked)
         return admin_pb2.DeleteTenantResponse()
 
     async def CreateApiKey(self, request: admin_pb2.CreateApiKeyRequest,
