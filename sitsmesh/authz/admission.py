@@ -6,6 +6,13 @@ concurrency cap, and the backpressure decision of the request's pipeline
 (sitsmesh.pressure.gate). Both count a request from Check to its end: the
 access-log entry with the same x-request-id, or a hold timeout when no access
 log arrives.
+
+Every admit is counted. Holds are reference-counted by request id: N Checks
+with one id hold N slots, each access-log entry for the id releases the oldest
+one, and the hold timeout releases the rest. A client that repeats an id (or
+sends none) therefore cannot get past a cap; it only keeps its own slots
+busy longer. A request without an id cannot be matched to its end at all: it
+is held until its hold timeout.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ ADMIT = Verdict(True)
 
 
 class Admission:
-    __slots__ = ("_clock", "_held", "_hold_s", "_in_flight", "gate", "policy")
+    __slots__ = ("_clock", "_held", "_hold_s", "_ids", "_in_flight", "gate", "policy")
 
     def __init__(self, policy: AdmissionPolicy, *, hold_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic,
@@ -46,9 +53,13 @@ class Admission:
         self._hold_s = hold_s
         self._clock = clock
         self._in_flight: dict[str, int] = {}
-        # request id -> (tenant counted or "", pipeline counted or "", release deadline);
-        # dict order is arrival order.
-        self._held: dict[str, tuple[str, str, float]] = {}
+        # (request id, n) -> (tenant counted or "", pipeline counted or "", release
+        # deadline); dict order is arrival order, and so deadline order.
+        self._held: dict[tuple[str, int], tuple[str, str, float]] = {}
+        # request id -> [n of its oldest live hold, n of its next one]: an id's live
+        # holds are always a contiguous range, since both its releases (oldest first)
+        # and its timeouts (arrival order) take them from the front.
+        self._ids: dict[str, list[int]] = {}
 
     def admit(self, tenant: str, model: str, priority: int, pipeline: str,
               request_id: str) -> Verdict:
@@ -61,10 +72,6 @@ class Admission:
             shed = gate.admit(entered, priority, request_id, tenant)
             if shed is not None:
                 return Verdict(False, shed.message, float(shed.retry_after_s), shed.reason)
-        if not request_id or request_id in self._held:
-            # Without a unique id the end of the request cannot be matched; a retried
-            # Check for the same id must not count twice.
-            return ADMIT
         counted = tenant if cap > 0 else ""
         if counted:
             self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
@@ -72,31 +79,49 @@ class Admission:
             now = self._clock()
             if gate is not None and entered:
                 gate.started(entered, now)
-            self._held[request_id] = (counted, entered, now + self._hold_s)
+            ids = self._ids.get(request_id)
+            if ids is None:
+                self._ids[request_id] = ids = [0, 0]
+            self._held[request_id, ids[1]] = (counted, entered, now + self._hold_s)
+            ids[1] += 1
         return ADMIT
 
     def release(self, request_id: str, ended_wall: float | None = None) -> bool:
-        """The request ended (its access-log entry came): at `ended_wall`, wall clock."""
-        held = self._held.pop(request_id, None)
-        if held is None:
+        """The request ended (its access-log entry came): at `ended_wall`, wall clock.
+        Releases the oldest hold of the id; an id-less request waits for its timeout."""
+        ids = self._ids.get(request_id) if request_id else None
+        if ids is None:
             return False
+        held = self._held.pop((request_id, ids[0]))
+        self._advance(request_id, ids)
         self._drop(held, ended_wall)
         return True
 
     def expire(self) -> int:
         """Release holds past their deadline (the access log never came)."""
         now = self._clock()
-        expired = 0
-        for request_id, held in list(self._held.items()):
+        due: list[tuple[str, int]] = []
+        for key, held in self._held.items():
             if held[2] > now:
                 break  # arrival order: later holds expire later
-            del self._held[request_id]
+            due.append(key)
+        for key in due:
+            held = self._held.pop(key)
+            # All older holds of this id are gone already: this one is its front.
+            self._advance(key[0], self._ids[key[0]])
             self._drop(held, None)
-            expired += 1
-        return expired
+        return len(due)
+
+    def held(self) -> int:
+        return len(self._held)
 
     def in_flight(self, tenant: str) -> int:
         return self._in_flight.get(tenant, 0)
+
+    def _advance(self, request_id: str, ids: list[int]) -> None:
+        ids[0] += 1
+        if ids[0] == ids[1]:
+            del self._ids[request_id]
 
     def _drop(self, held: tuple[str, str, float], ended_wall: float | None) -> None:
         tenant, pipeline, deadline = held
