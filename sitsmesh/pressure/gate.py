@@ -60,9 +60,12 @@ class PressureGate:
         self._routes = {}
 
     def pipeline_for(self, hint: str, model: str) -> str:
-        """The pipeline a request enters: named by the hint header, or by its model."""
-        if hint:
-            return hint if hint in self._pipelines else ""
+        """The pipeline a request enters: named by the hint header, or by its model.
+
+        A hint that names no pipeline falls back to the model: a made-up name must
+        not take a request out of its model's pipeline, and past its shedding."""
+        if hint and hint in self._pipelines:
+            return hint
         if not model or not self._models:
             return ""
         found = self._routes.get(model)

@@ -44,7 +44,8 @@ def _gate(decision: Decision | None = None) -> PressureGate:
 def test_requests_find_their_pipeline_by_hint_or_model() -> None:
     gate = _gate()
     assert gate.pipeline_for("demo", "") == "demo"
-    assert gate.pipeline_for("nope", "resnet50") == ""  # an unknown hint is ignored
+    assert gate.pipeline_for("nope", "resnet50") == "demo"  # an unknown hint is ignored
+    assert gate.pipeline_for("nope", "") == ""
     assert gate.pipeline_for("", "resnet50") == "demo"
     assert gate.pipeline_for("", "bert") == ""
 
