@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from sitsmesh.authz.extract import open_path
 from sitsmesh.errors import ConfigError
 
 ENV_PREFIX = "SITSMESH_"
@@ -97,6 +98,11 @@ class Settings:
     authz_jwt_tenant_claim: str = "tenant"
     authz_priority_header: str = "x-priority"
     admission_hold_seconds: float = 60.0
+    # --- authz request-path policy (issue 13): README "Request-path policy" ---
+    authz_jwt_trusted_principals: tuple[str, ...] = ()
+    authz_trust_pipeline_hint: bool = False
+    authz_open_paths: tuple[str, ...] = ()
+    authz_jwt_metadata_key: str = ""
     chain_ttl_seconds: float = 30.0
     pressure_scrape_seconds: float = 0.25
     pressure_stale_seconds: float = 1.0
@@ -326,6 +332,17 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "triton_metrics_url": _http_url,
     "triton_preflight_url": _grpc_target,
 }
+
+
+# --- authz request-path policy (issue 13): README "Request-path policy" ---
+def _strings(raw: Any) -> tuple[str, ...]:
+    items = raw if isinstance(raw, list) else str(raw).split(",")
+    return tuple(str(i).strip() for i in items if str(i).strip())
+
+
+PARSERS.update(authz_jwt_trusted_principals=_strings, authz_trust_pipeline_hint=_bool,
+               authz_open_paths=lambda raw: tuple(map(open_path, _strings(raw))),
+               authz_jwt_metadata_key=_string)
 FILE_KEYS = tuple(PARSERS)
 
 

@@ -264,7 +264,11 @@ class AuthzComponent:
                 peer_tenants=dict(settings.authz_peer_tenants),
                 jwt_header=settings.authz_jwt_header,
                 jwt_tenant_claim=settings.authz_jwt_tenant_claim,
-                priority_header=settings.authz_priority_header), admission)
+                priority_header=settings.authz_priority_header,
+                jwt_trusted_principals=frozenset(settings.authz_jwt_trusted_principals),
+                trust_pipeline_hint=settings.authz_trust_pipeline_hint,
+                open_paths=frozenset(settings.authz_open_paths),
+                jwt_metadata_key=settings.authz_jwt_metadata_key), admission)
 
             def swap(snapshot: AuthzSnapshot, policy: AdmissionPolicy) -> None:
                 authorizer.snapshot = snapshot

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sitsmesh.authz import extract
 from sitsmesh.authz.admission import Admission
-from sitsmesh.authz.extract import model_and_class
 from sitsmesh.authz.model import ApiKey, Tenant, key_id_of, matches
 
 HEADER_PREFIX = "x-sits-"
@@ -32,6 +33,18 @@ class AuthzSettings:
     jwt_tenant_claim: str = "tenant"
     priority_header: str = "x-priority"
     pipeline_header: str = "x-sits-pipeline-hint"
+    # The JWT-payload header is a claim any workload can send: read it only from
+    # these mesh peers (the ingress gateway that ran RequestAuthentication).
+    jwt_trusted_principals: frozenset[str] = frozenset()
+    # A client-sent hint could name a pipeline that is not shedding; off, the
+    # pipeline comes from the model alone.
+    trust_pipeline_hint: bool = False
+    # Normalized paths of non-model entry points (a preprocess service) that any
+    # identified tenant may call; every other unknown path is refused.
+    open_paths: frozenset[str] = frozenset()
+    # The `payload_in_metadata` name of Envoy's jwt_authn provider: the payload it
+    # verified reaches Check as metadata, which no client can write ("" = unused).
+    jwt_metadata_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +55,7 @@ class CheckInput:
     principal: str = ""
     request_id: str = ""
     http: bool = True
+    jwt_tenant: str = ""  # the tenant claim of a JWT Envoy's jwt_authn verified
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,15 +70,33 @@ class Allowed:
 
 @dataclass(frozen=True, slots=True)
 class Denied:
-    status: int  # HTTP status: 401, 403, 429 or 503
+    status: int  # HTTP status: 400, 401, 403, 429 or 503
     code: str
     message: str
     retry_after_s: float = 0.0
     grpc: bool = False  # the caller speaks gRPC: the answer carries a gRPC status too
 
 
-def _kserve(path: str) -> bool:
-    return path.startswith("/v2/models/")
+_REFUSED = {
+    extract.INVALID_PATH: Denied(400, "path_invalid", "the request path cannot be read: a "
+                                 "bad percent-escape, a control, space, backslash or "
+                                 "non-ASCII character"),
+    extract.CONTROL_API: Denied(403, "control_api_not_allowed", "Triton repository and "
+                                "control APIs (load, unload, index, config, statistics, "
+                                "shared memory, trace, logging) are not open to tenants"),
+    extract.UNKNOWN_ROUTE: Denied(403, "route_not_allowed", "this path is not an inference, "
+                                  "health or metadata route"),
+    extract.DUPLICATE_KEY: Denied(400, "json_duplicate_key", "the JSON body gives a key more "
+                                  "than once; send each key once"),
+    extract.MIXED_MODELS: Denied(403, "model_mixed", "the messages of this gRPC stream name "
+                                 "different models"),
+}
+_PARTIAL = Denied(403, "body_too_large", "request body is larger than the authorization "
+                  "buffer; the model cannot be verified")
+_NO_MODEL = Denied(403, "model_unknown", "cannot determine the model of this request from "
+                   "its body")
+_AS_GRPC = {d: dataclasses.replace(d, grpc=True) for d in (*_REFUSED.values(), _PARTIAL,
+                                                           _NO_MODEL)}
 
 
 def _deny_401(message: str) -> Denied:
@@ -83,6 +115,10 @@ class Authorizer:
         self.admission = admission
         self._clock = clock
 
+    @property
+    def settings(self) -> AuthzSettings:
+        return self._settings
+
     def check(self, request: CheckInput) -> Allowed | Denied:
         snapshot = self.snapshot
         tenant_or_denial = self._identify(request, snapshot)
@@ -92,29 +128,40 @@ class Authorizer:
         if not request.http:
             # A TCP ext_authz check: identity is all there is to decide on.
             return Allowed(tenant.name, tenant.priority, "", "tcp", (), ())
-        model, request_class = model_and_class(request.path, request.body)
-        if request_class in ("grpc", "openai", "stream") and not _kserve(request.path):
+        model, request_class, from_body = extract.classify(request.path, request.body)
+        grpc = request_class == "grpc" or request.headers.get(
+            "content-type", "").startswith("application/grpc")
+        if request_class[0] == "!":
+            open_paths = self._settings.open_paths
+            if request_class == extract.UNKNOWN_ROUTE and open_paths and \
+                    extract.normalize(request.path) in open_paths:
+                request_class = "other"
+            else:
+                refused = _REFUSED[request_class]
+                return _AS_GRPC[refused] if grpc else refused
+        elif from_body:
             # The model is in the body: a body cut short by Envoy's buffer limit, or
             # one we cannot read, could hide the real model. Fail safe.
             if request.headers.get("x-envoy-auth-partial-body") == "true":
-                return Denied(403, "body_too_large",
-                              "request body is larger than the authorization buffer; the "
-                              "model cannot be verified")
+                return _AS_GRPC[_PARTIAL] if grpc else _PARTIAL
             if not model:
-                return Denied(403, "model_unknown", "cannot determine the model of this "
-                              "request from its body")
+                return _AS_GRPC[_NO_MODEL] if grpc else _NO_MODEL
         if model and not tenant.allows(model):
             return Denied(403, "model_not_allowed",
-                          f"tenant {tenant.name} may not call model {model}")
+                          f"tenant {tenant.name} may not call model {model}", grpc=grpc)
         priority = self._priority(request.headers, tenant)
-        pipeline = request.headers.get(self._settings.pipeline_header, "")[:128]
-        verdict = self.admission.admit(tenant.name, model, priority, pipeline,
-                                       request.request_id)
+        if request_class == "metadata":
+            # Health and metadata calls are counted against the tenant's cap, but they
+            # are no arrivals at the model: they never enter a pipeline's pressure.
+            verdict = self.admission.admit(tenant.name, "", priority, "", request.request_id)
+        else:
+            hint = request.headers.get(self._settings.pipeline_header, "")[:128] \
+                if self._settings.trust_pipeline_hint else ""
+            verdict = self.admission.admit(tenant.name, model, priority, hint,
+                                           request.request_id)
         if not verdict.admit:
             return Denied(429, verdict.code, verdict.reason, verdict.retry_after_s,
-                          grpc=request_class == "grpc"
-                          or request.headers.get("content-type", "").startswith(
-                              "application/grpc"))
+                          grpc=grpc)
         set_headers = (("x-sits-tenant", tenant.name), ("x-sits-priority", str(priority)),
                        ("x-sits-model", model), ("x-sits-request-class", request_class))
         ours = {name for name, _ in set_headers}
@@ -145,10 +192,14 @@ class Authorizer:
                     return Denied(403, "unknown_tenant",
                                   f"peer maps to tenant {mapped}, which does not exist")
                 return tenant
-            if self._settings.jwt_header:
+            if self._settings.jwt_header and \
+                    request.principal in self._settings.jwt_trusted_principals:
                 payload = headers.get(self._settings.jwt_header)
                 if payload:
                     return self._by_jwt(payload, snapshot)
+        if request.jwt_tenant:
+            tenant = snapshot.tenants.get(request.jwt_tenant)
+            return tenant if tenant is not None else _deny_401("JWT names no known tenant")
         return _deny_401("no credentials: send an API key in x-api-key or "
                          "'authorization: Bearer <key>'")
 

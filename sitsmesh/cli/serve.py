@@ -35,10 +35,17 @@ _FLAG_HELP = {
     "reload_interval_seconds": "how often config files and applied configs are checked",
     "authz_api_key_headers": "headers that may carry an API key (comma-separated)",
     "authz_peer_tenants": "SPIFFE principal=tenant pairs for mTLS callers (comma-separated)",
-    "authz_jwt_header": "header with Istio's verified JWT payload (trusted from mesh peers)",
+    "authz_jwt_header": "header with Istio's verified JWT payload (trusted principals only)",
     "authz_jwt_tenant_claim": "JWT claim that names the tenant",
     "authz_priority_header": "header a caller uses to ask for a priority",
     "admission_hold_seconds": "how long a request counts against a concurrency cap at most",
+    "authz_jwt_trusted_principals": "mesh principals whose JWT-payload header is read "
+                                    "(comma-separated; default none: header ignored)",
+    "authz_trust_pipeline_hint": "true: a known x-sits-pipeline-hint picks the pipeline "
+                                 "(only where the edge sets or strips it)",
+    "authz_open_paths": "non-model paths any identified tenant may call (comma-separated)",
+    "authz_jwt_metadata_key": "payload_in_metadata of Envoy's jwt_authn: read its verified "
+                              "payload from the Check's metadata_context",
     "chain_ttl_seconds": "how long a latency chain waits for its missing hops",
     "pressure_scrape_seconds": "how often Triton's /metrics is scraped (default 0.25)",
     "pressure_stale_seconds": "a stage signal older than this counts as saturated (default 1)",

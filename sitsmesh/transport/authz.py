@@ -18,9 +18,11 @@ from sitsmesh.authz.check import Allowed, Authorizer, CheckInput, Denied
 
 SERVICE_NAME = external_auth_pb2.DESCRIPTOR.services_by_name["Authorization"].full_name
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_RPC_CODE = {401: code_pb2.UNAUTHENTICATED, 403: code_pb2.PERMISSION_DENIED,
+_RPC_CODE = {400: code_pb2.INVALID_ARGUMENT, 401: code_pb2.UNAUTHENTICATED,
+             403: code_pb2.PERMISSION_DENIED,
              429: code_pb2.RESOURCE_EXHAUSTED, 503: code_pb2.UNAVAILABLE}
 _OK_STATUS = status_pb2.Status(code=code_pb2.OK)
+JWT_AUTHN = "envoy.filters.http.jwt_authn"
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -54,6 +56,19 @@ def _denied(decision: Denied) -> Any:
             body=json.dumps(body)))
 
 
+def _verified_claim(context: Any, key: str, claim: str) -> str:
+    """A claim of the payload Envoy's jwt_authn verified and put in dynamic metadata
+    under `key` (its payload_in_metadata); "" when there is none."""
+    filters = context.filter_metadata
+    if JWT_AUTHN not in filters:
+        return ""
+    payload = filters[JWT_AUTHN].fields.get(key)
+    if payload is None:
+        return ""
+    value = payload.struct_value.fields.get(claim)
+    return value.string_value if value is not None else ""
+
+
 def _allowed(decision: Allowed) -> Any:
     metadata = Struct()
     metadata.update({"tenant": decision.tenant, "priority": decision.priority,
@@ -72,6 +87,8 @@ MAX_CACHED_REPLIES = 10_000
 class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
     def __init__(self, authorizer: Authorizer) -> None:
         self._authorizer = authorizer
+        self._jwt_key = authorizer.settings.jwt_metadata_key
+        self._jwt_claim = authorizer.settings.jwt_tenant_claim
         # An answer depends only on its decision, and few distinct decisions exist
         # (tenant x priority x model x class): build each reply once, not per Check.
         self._replies: dict[Allowed | Denied, Any] = {}
@@ -94,9 +111,11 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
             headers = {h.key: h.value or h.raw_value.decode(errors="replace")
                        for h in http.header_map.headers}
         body = http.raw_body or http.body.encode()
+        jwt_tenant = _verified_claim(attributes.metadata_context, self._jwt_key,
+                                     self._jwt_claim) if self._jwt_key else ""
         decision = self._authorizer.check(CheckInput(
             headers, http.path, body, attributes.source.principal,
-            headers.get("x-request-id") or http.id, is_http))
+            headers.get("x-request-id") or http.id, is_http, jwt_tenant))
         return self._reply(decision)
 
 

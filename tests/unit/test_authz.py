@@ -18,7 +18,7 @@ from sitsmesh.authz.check import (
     CheckInput,
     Denied,
 )
-from sitsmesh.authz.extract import model_and_class
+from sitsmesh.authz.extract import classify
 from sitsmesh.authz.model import ApiKey, InvalidObject, Tenant, digest, new_key, tenant_from
 
 NOW = 1_000_000.0
@@ -76,17 +76,27 @@ def test_unauthenticated(headers: dict[str, str], message: str) -> None:
     assert denied.message.startswith(message)
 
 
-def test_mtls_peer_and_jwt_only_from_mesh_peers() -> None:
-    a = _authorizer(peer_tenants={"spiffe://c/ns/a/sa/b": "mesh"}, jwt_header="x-jwt")
+def test_mtls_peer_and_jwt_only_from_trusted_principals() -> None:
+    gateway = "spiffe://c/ns/istio-system/sa/ingress"
+    a = _authorizer(peer_tenants={"spiffe://c/ns/a/sa/b": "mesh"}, jwt_header="x-jwt",
+                    jwt_trusted_principals=frozenset({gateway}))
     peer = _check(a, {}, principal="spiffe://c/ns/a/sa/b")
     assert isinstance(peer, Allowed) and peer.tenant == "mesh"
     payload = base64.urlsafe_b64encode(json.dumps({"tenant": "mesh"}).encode()).decode()
-    from_mesh = _check(a, {"x-jwt": payload.rstrip("=")}, principal="spiffe://c/ns/x/sa/y")
-    assert isinstance(from_mesh, Allowed) and from_mesh.tenant == "mesh"
+    from_gateway = _check(a, {"x-jwt": payload.rstrip("=")}, principal=gateway)
+    assert isinstance(from_gateway, Allowed) and from_gateway.tenant == "mesh"
+    # Any other workload of the mesh could write the header itself.
+    from_workload = _check(a, {"x-jwt": payload}, principal="spiffe://c/ns/x/sa/y")
+    assert isinstance(from_workload, Denied) and from_workload.status == 401
     outside = _check(a, {"x-jwt": payload})
     assert isinstance(outside, Denied) and outside.status == 401
-    garbage = _check(a, {"x-jwt": "%%%"}, principal="spiffe://c/ns/x/sa/y")
+    garbage = _check(a, {"x-jwt": "%%%"}, principal=gateway)
     assert isinstance(garbage, Denied) and garbage.status == 401
+    # The tenant claim of a JWT Envoy verified itself (jwt_authn metadata) needs no peer.
+    verified = _check(a, {}, jwt_tenant="mesh")
+    assert isinstance(verified, Allowed) and verified.tenant == "mesh"
+    unknown = _check(a, {}, jwt_tenant="nobody")
+    assert isinstance(unknown, Denied) and unknown.message == "JWT names no known tenant"
 
 
 def test_model_policy_priority_and_header_hygiene() -> None:
@@ -123,19 +133,19 @@ def test_tcp_check_uses_identity_only() -> None:
 
 
 @pytest.mark.parametrize(("path", "body", "expected"), [
-    ("/v2/models/m1/infer", b"", ("m1", "infer")),
-    ("/v2/models/m1/versions/3/generate?x=1", b"", ("m1", "generate")),
-    ("/v2/models/m1/ready", b"", ("", "other")),
+    ("/v2/models/m1/infer", b"", ("m1", "infer", False)),
+    ("/v2/models/m1/versions/3/generate?x=1", b"", ("m1", "generate", False)),
+    ("/v2/models/m1/ready", b"", ("m1", "metadata", False)),
     ("/inference.GRPCInferenceService/ModelInfer", b"\x00\x00\x00\x00\x05\x0a\x03abc",
-     ("abc", "grpc")),
+     ("abc", "grpc", True)),
     ("/inference.GRPCInferenceService/ModelInfer", b"\x00\x00\x00\x00\x05\x0a\x09ab",
-     ("", "grpc")),
-    ("/v1/chat/completions", b'{"model": "x", "stream": true}', ("x", "stream")),
-    ("/v1/completions", b"not json", ("", "openai")),
-    ("/v1/embeddings", b'["model"]', ("", "openai")),
+     ("", "grpc", True)),
+    ("/v1/chat/completions", b'{"model": "x", "stream": true}', ("x", "stream", True)),
+    ("/v1/completions", b"not json", ("", "openai", True)),
+    ("/v1/embeddings", b'["model"]', ("", "openai", True)),
 ])
-def test_model_extraction(path: str, body: bytes, expected: tuple[str, str]) -> None:
-    assert model_and_class(path, body) == expected
+def test_model_extraction(path: str, body: bytes, expected: tuple[str, str, bool]) -> None:
+    assert classify(path, body) == expected
 
 
 def test_tenant_validation() -> None:
@@ -174,16 +184,18 @@ def test_random_requests_never_crash_and_never_admit_without_identity(
 @settings(max_examples=150, deadline=None)
 @given(path=_text, body=st.binary(max_size=4000))
 def test_model_extraction_never_crashes(path: str, body: bytes) -> None:
-    model, request_class = model_and_class(path, body)
+    model, request_class, _ = classify(path, body)
     assert isinstance(model, str) and len(model) <= 256
-    assert request_class in {"infer", "generate", "stream", "grpc", "openai", "other"}
+    assert request_class in {"infer", "generate", "stream", "grpc", "openai", "metadata",
+                             "!invalid_path", "!control_api", "!unknown_route",
+                             "!duplicate_key", "!mixed_models"}
 
 
 def test_last_model_name_wins_in_grpc_bodies() -> None:
     # Protobuf (and so Triton) keeps the last model_name; the check must see the same.
     body = b"\x00\x00\x00\x00\x0c\x0a\x04bert\x0a\x04evil"
-    assert model_and_class("/inference.GRPCInferenceService/ModelInfer", body) == (
-        "evil", "grpc")
+    assert classify("/inference.GRPCInferenceService/ModelInfer", body) == (
+        "evil", "grpc", True)
     denied = _check(_authorizer(), {"x-api-key": KEY},
                     "/inference.GRPCInferenceService/ModelInfer", body=body)
     assert isinstance(denied, Denied) and denied.status == 403

@@ -1,0 +1,230 @@
+"""Issue 13, request-path policy: each attack a probe found against `sitsmesh serve` with
+its defaults, replayed through the real server (and real Envoy where the path matters).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
+from google.protobuf.struct_pb2 import Struct
+from google.rpc import code_pb2
+
+from sitsmesh.dev import harness
+
+pytestmark = pytest.mark.integration
+
+GATEWAY = "spiffe://cluster.local/ns/istio-system/sa/ingress"
+WORKLOAD = "spiffe://cluster.local/ns/apps/sa/anything"
+
+
+@dataclass
+class Node:
+    node: harness.Sitsmesh
+    key: str   # tenant acme: model bert, at most 2 requests in flight
+    free: str  # tenant free: model bert, no cap
+
+
+def _start(tmp: Path) -> Node:
+    # No access log reaches this sitsmesh: every admitted request holds its slot for
+    # the whole 30 s hold, longer than any test here.
+    node = harness.start_sitsmesh(tmp, "--admission-hold-seconds", "30",
+                                  "--reload-interval-seconds", "0.2",
+                                  "--authz-jwt-header", "x-jwt-payload",
+                                  "--authz-jwt-trusted-principals", GATEWAY,
+                                  "--authz-jwt-metadata-key", "jwt_payload")
+    try:
+        keys = []
+        for args in (("acme", "--models", "bert", "--max-concurrency", "2"),
+                     ("free", "--models", "bert"), ("other", "--models", "secret")):
+            done = node.cli("tenants", "create", *args)
+            assert done.returncode == 0, done.stderr
+            made = node.cli("apikeys", "create", "--tenant", args[0], "--output", "json")
+            assert made.returncode == 0, made.stderr
+            keys.append(json.loads(made.stdout)["key"])
+    except BaseException:
+        node.kill()
+        raise
+    return Node(node, keys[0], keys[1])
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    started = _start(tmp_path)
+    yield started
+    started.node.kill()
+
+
+@dataclass
+class Stack:
+    node: harness.Sitsmesh
+    envoy: harness.Envoy
+    key: str
+    free: str
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("stack")
+    started = _start(tmp)
+    try:
+        with harness.echo_upstream() as port:
+            envoy = harness.start_envoy(tmp, started.node.data_addr, port,
+                                        fragments=["ext_authz"])
+            try:
+                yield Stack(started.node, envoy, started.key, started.free)
+            finally:
+                envoy.kill()
+    finally:
+        started.node.kill()
+
+
+def _check(node: harness.Sitsmesh, *, headers: dict[str, str], path: str = "",
+           principal: str = "", request_id: str = "",
+           filter_metadata: dict[str, Struct] | None = None) -> int:
+    http = attribute_context_pb2.AttributeContext.HttpRequest(
+        method="POST", path=path or "/v2/models/bert/infer", headers=headers, id=request_id)
+    request = external_auth_pb2.CheckRequest(attributes=attribute_context_pb2.AttributeContext(
+        source=attribute_context_pb2.AttributeContext.Peer(principal=principal),
+        request=attribute_context_pb2.AttributeContext.Request(http=http),
+        metadata_context=base_pb2.Metadata(filter_metadata=filter_metadata or {})))
+    with grpc.insecure_channel(node.data_addr) as channel:
+        reply = external_auth_pb2_grpc.AuthorizationStub(channel).Check(request, timeout=5)
+    code: int = reply.status.code
+    return code
+
+
+def _post(envoy: harness.Envoy, path: str, headers: dict[str, str],
+          body: bytes = b"{}") -> tuple[int, dict[str, object]]:
+    req = urllib.request.Request(envoy.url(path), data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def test_checks_sharing_one_request_id_do_not_bypass_the_concurrency_cap(node: Node) -> None:
+    codes = [_check(node.node, headers={"x-api-key": node.key, "x-request-id": "same"})
+             for _ in range(20)]
+    assert codes.count(code_pb2.OK) == 2, codes
+    assert codes[2:] == [code_pb2.RESOURCE_EXHAUSTED] * 18
+
+
+def test_checks_without_a_request_id_do_not_bypass_the_concurrency_cap(node: Node) -> None:
+    codes = [_check(node.node, headers={"x-api-key": node.key}) for _ in range(20)]
+    assert codes.count(code_pb2.OK) == 2, codes
+
+
+def test_a_client_chosen_request_id_through_envoy_does_not_bypass_the_cap(stack: Stack) -> None:
+    # Envoy keeps the id of a request from a loopback (internal) client, as a gateway
+    # with preserve_external_request_id or without use_remote_address would.
+    statuses = [_post(stack.envoy, "/v2/models/bert/infer",
+                      {"x-api-key": stack.key, "x-request-id": "chosen"})[0]
+                for _ in range(20)]
+    assert statuses.count(200) == 2, statuses
+    assert set(statuses[2:]) == {429}
+
+
+@pytest.mark.parametrize(("path", "body", "status", "code"), [
+    ("/v2/repository/models/bert/unload", b"{}", 403, "control_api_not_allowed"),
+    ("/v2/repository/index", b"{}", 403, "control_api_not_allowed"),
+    ("/v2/models/secret/infer/", b"{}", 403, "model_not_allowed"),
+    ("/v2/models/secret//infer", b"{}", 403, "model_not_allowed"),
+    ("/v2/models/%73ecret/infer", b"{}", 403, "model_not_allowed"),
+    ("/v2/models/bert/../secret/infer", b"{}", 403, "model_not_allowed"),
+    ("/V2/MODELS/secret/INFER", b"{}", 403, "model_not_allowed"),
+    ("/v1/chat/completions/", b'{"model": "secret"}', 403, "model_not_allowed"),
+    ("/v1/chat/completions", b'{"model": "secret", "model": "bert"}', 400,
+     "json_duplicate_key"),
+    ("/somewhere/else", b"{}", 403, "route_not_allowed"),
+])
+def test_paths_outside_the_tenants_models_are_refused(
+    stack: Stack, path: str, body: bytes, status: int, code: str
+) -> None:
+    got, doc = _post(stack.envoy, path, {"x-api-key": stack.free,
+                                         "content-type": "application/json"}, body)
+    assert (got, doc.get("code")) == (status, code), doc
+
+
+def test_the_tenants_own_routes_still_pass(stack: Stack) -> None:
+    for path, body in (("/v2/models/bert/infer/", b"{}"), ("/v2/health/ready", b""),
+                       ("/v2/models/bert/ready", b""),
+                       ("/v1/chat/completions/", b'{"model": "bert"}')):
+        got, doc = _post(stack.envoy, path, {"x-api-key": stack.free}, body)
+        assert got == 200, (path, doc)
+
+
+def test_grpc_streams_and_repository_calls_are_policed(stack: Stack) -> None:
+    metadata = (("x-api-key", stack.free),)
+    with grpc.insecure_channel(f"127.0.0.1:{stack.envoy.listen_port}") as channel:
+        stream: grpc.StreamStreamMultiCallable[bytes, bytes] = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer")
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream(iter([b"\x0a\x06secret"]), metadata=metadata, timeout=5))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "may not call model secret" in str(err.value.details())
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream(iter([b"\x0a\x04bert", b"\x0a\x06secret"]), metadata=metadata,
+                        timeout=5))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        unload: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            "/inference.GRPCInferenceService/RepositoryModelUnload")
+        with pytest.raises(grpc.RpcError) as err:
+            unload(b"\x12\x04bert", metadata=metadata, timeout=5)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "control APIs" in str(err.value.details())
+
+
+def test_jwt_payload_header_counts_only_from_trusted_principals(node: Node) -> None:
+    payload = base64.urlsafe_b64encode(json.dumps({"tenant": "other"}).encode()).decode()
+    headers = {"x-jwt-payload": payload.rstrip("="), "x-request-id": "j"}
+    path = "/v2/models/secret/infer"
+    assert _check(node.node, headers=headers, path=path,
+                  principal=WORKLOAD) == code_pb2.UNAUTHENTICATED
+    assert _check(node.node, headers=headers, path=path, principal=GATEWAY) == code_pb2.OK
+
+
+def test_jwt_payload_verified_by_envoy_is_read_from_dynamic_metadata(node: Node) -> None:
+    verified = Struct()
+    verified.update({"jwt_payload": {"tenant": "other", "sub": "someone"}})
+    metadata = {"envoy.filters.http.jwt_authn": verified}
+    path = "/v2/models/secret/infer"
+    assert _check(node.node, headers={"x-request-id": "m"}, path=path,
+                  filter_metadata=metadata) == code_pb2.OK
+    assert _check(node.node, headers={"x-request-id": "n"}, path=path,
+                  filter_metadata={"some.other.filter": verified}) == code_pb2.UNAUTHENTICATED
+
+
+PIPELINE = """name: demo
+models: ["bert"]
+stages:
+  - name: model
+    match: {upstream_cluster: upstream}
+"""
+
+
+def test_an_unknown_pipeline_hint_does_not_take_a_request_out_of_its_pipeline(
+    tmp_path: Path, node: Node
+) -> None:
+    (tmp_path / "demo.yaml").write_text(PIPELINE)
+    done = node.node.cli("pipelines", "apply", str(tmp_path / "demo.yaml"))
+    assert done.returncode == 0, done.stderr
+    harness.wait_until(lambda: node.node.pressure("demo").pipeline == "demo", 10,
+                       "the pipeline's first decision")
+    headers = {"x-api-key": node.key, "x-sits-pipeline-hint": "nonexistent"}
+    codes = [_check(node.node, headers={**headers, "x-request-id": f"h{i}"})
+             for i in range(2)]
+    assert codes == [code_pb2.OK] * 2
+    # Held in the pipeline, so its shedding applies to them.
+    harness.wait_until(lambda: node.node.pressure("demo").in_flight == 2, 10,
+                       "both requests to count in flight in pipeline demo")
