@@ -32,6 +32,9 @@ from sitsmesh.dev import stagesvc as stages
 from sitsmesh.dev.triton import TritonServer
 
 MODEL = "lazy"
+# The hinted scenarios enter through POST /pipeline, a non-model path, and name their
+# pipeline in x-sits-pipeline-hint: both are refused or ignored unless allowed.
+HINTED_ARGS = ("--authz-open-paths", "/pipeline", "--authz-trust-pipeline-hint", "true")
 FAST_MS, FAST_WORKERS = 1.0, 8  # pre, feat and post: capacity far above the bottleneck
 
 
@@ -140,7 +143,8 @@ def twohop(tmp: Path, exits: contextlib.ExitStack, opts: Options) -> Backend:
         pipeline="twohop",
         hops=[Hop("L1", "pre", listen["L1"], pre.port),
               Hop("L2", "svc", listen["L2"], svc.port)],
-        spec=hinted_spec("twohop"), bottleneck="svc", nominal_rps=svc.capacity_rps,
+        spec=hinted_spec("twohop"), sitsmesh_args=HINTED_ARGS,
+        bottleneck="svc", nominal_rps=svc.capacity_rps,
         stages=[_stage("pre", opts), _stage("svc", opts)],
         thresholds={"pre": {"parallelism": FAST_WORKERS}, "svc": {"parallelism": 1}},
         queued=_in_flight(pre, svc),
@@ -169,7 +173,8 @@ def fanout(tmp: Path, exits: contextlib.ExitStack, opts: Options) -> Backend:
               Hop("L2", "feat", listen["L2"], feat.port),
               Hop("L3", "model", listen["L3"], model.port),
               Hop("L4", "post", listen["L4"], post.port)],
-        spec=hinted_spec("fanout"), bottleneck="model", nominal_rps=model.capacity_rps / 2,
+        spec=hinted_spec("fanout"), sitsmesh_args=HINTED_ARGS,
+        bottleneck="model", nominal_rps=model.capacity_rps / 2,
         stages=[_stage(name, opts) for name in ("pre", "feat", "model", "post")],
         thresholds={"pre": fast, "feat": fast, "model": {"parallelism": 2, "fanout": 2},
                     "post": fast},
