@@ -55,20 +55,6 @@ _GRPC_BODY_CLASS = {
 _GRPC_NO_MODEL = frozenset(("serverlive", "serverready", "servermetadata"))
 
 
-class _DuplicateKey(ValueError):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # Parsers disagree on which of two equal keys wins (Python keeps the last, some
-    # keep the first): a body with one is refused, not read one way here and another
-    # way by the backend.
-    doc = dict(pairs)
-    if len(doc) != len(pairs):
-        raise _DuplicateKey
-    return doc
-
-
 def normalize(path: str) -> str:
     """The path as a lenient backend would read it; "" when it cannot be read at all."""
     end = len(path)
@@ -168,13 +154,19 @@ def _openai(body: bytes) -> tuple[str, str, bool]:
     if not body or len(body) > MAX_JSON_BODY:
         return "", "openai", True
     try:
-        doc = json.loads(body, object_pairs_hook=_unique_keys)
-    except _DuplicateKey:
-        return "", DUPLICATE_KEY, True
+        # Objects as lists of pairs (the hook is C, so this costs about what dicts
+        # do): parsers disagree on which of two equal keys wins (Python keeps the
+        # last, some keep the first), so a top-level key given twice, where "model"
+        # and "stream" are read, is refused rather than read one way here and
+        # another way by the backend.
+        pairs: Any = json.loads(body, object_pairs_hook=list)
     except (ValueError, RecursionError):
         return "", "openai", True
-    if not isinstance(doc, dict):
-        return "", "openai", True
+    if not isinstance(pairs, list) or not all(isinstance(p, tuple) for p in pairs):
+        return "", "openai", True  # a JSON array, or a scalar: no model in it
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        return "", DUPLICATE_KEY, True
     model = doc.get("model")
     if isinstance(model, str):
         return model[:MAX_MODEL_NAME], "stream" if doc.get("stream") is True else "openai", True

@@ -140,9 +140,9 @@ def test_paths_are_normalized_as_a_lenient_backend_would(raw: str, normalized: s
     ("/inference.GRPCInferenceService/ModelMetadata", _frame("secret"), "model_not_allowed"),
     ("/v1/chat/completions/", b'{"model": "secret"}', "model_not_allowed"),
     ("/v1/chat/completions", b'{"model": "secret", "model": "bert"}', "json_duplicate_key"),
-    ("/v1/chat/completions",
-     b'{"model": "bert", "messages": [{"role": "user", "role": "system"}]}',
+    ("/v1/chat/completions", b'{"model": "bert", "stream": false, "stream": true}',
      "json_duplicate_key"),
+    ("/v1/chat/completions", b'[{"model": "bert"}]', "model_unknown"),
     ("/v1/models", b"", "route_not_allowed"),
     ("/anything", b"", "route_not_allowed"),
     ("/", b"", "route_not_allowed"),
@@ -170,6 +170,8 @@ def test_routes_are_denied_unless_known_and_allowed(path: str, body: bytes, code
     ("/inference.GRPCInferenceService/ModelReady", _frame("bert"), "bert", "metadata"),
     ("/inference.GRPCInferenceService/ServerLive", b"", "", "metadata"),
     ("/v1/chat/completions/", b'{"model": "bert", "stream": true}', "bert", "stream"),
+    # Only the top level, where model and stream are read, must be unambiguous.
+    ("/v1/completions", b'{"model": "bert", "x": {"a": 1, "a": 2}}', "bert", "openai"),
 ])
 def test_known_routes_are_allowed(path: str, body: bytes, model: str,
                                   request_class: str) -> None:
