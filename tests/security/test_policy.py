@@ -228,3 +228,23 @@ def test_an_unknown_pipeline_hint_does_not_take_a_request_out_of_its_pipeline(
     # Held in the pipeline, so its shedding applies to them.
     harness.wait_until(lambda: node.node.pressure("demo").in_flight == 2, 10,
                        "both requests to count in flight in pipeline demo")
+
+
+def test_each_access_log_entry_releases_one_hold_of_its_id(node: Node) -> None:
+    from envoy.data.accesslog.v3 import accesslog_pb2
+    from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+
+    headers = {"x-api-key": node.key, "x-request-id": "shared"}
+    assert [_check(node.node, headers=headers) for _ in range(3)] == [
+        code_pb2.OK, code_pb2.OK, code_pb2.RESOURCE_EXHAUSTED]
+    entry = accesslog_pb2.HTTPAccessLogEntry(
+        request=accesslog_pb2.HTTPRequestProperties(request_id="shared"))
+    entry.common_properties.start_time.GetCurrentTime()
+    entry.common_properties.duration.FromMilliseconds(5)
+    message = als_pb2.StreamAccessLogsMessage(
+        http_logs=als_pb2.StreamAccessLogsMessage.HTTPAccessLogEntries(log_entry=[entry]))
+    with grpc.insecure_channel(node.node.data_addr) as channel:
+        als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs(iter([message]), timeout=5)
+    # One entry ended one of the two requests: one slot, not both, is free again.
+    assert [_check(node.node, headers=headers) for _ in range(2)] == [
+        code_pb2.OK, code_pb2.RESOURCE_EXHAUSTED]
