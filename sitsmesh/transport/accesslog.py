@@ -9,9 +9,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from sitsmesh.chains.assembler import Assembler, Hop
+from sitsmesh.errors import InvalidArgumentError
+from sitsmesh.transport.errors import abort
 
 SERVICE_NAME = als_pb2.DESCRIPTOR.services_by_name["AccessLogService"].full_name
 STAGE_HEADER = "x-sits-stage"
@@ -66,6 +69,17 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                                context: aio.ServicerContext[Any, Any]) -> Any:
         add, release = self._assembler.add, self._release
         max_request_id = self._max_request_id
+        try:
+            await self._consume(request_iterator, add, release, max_request_id)
+        except DecodeError:
+            # grpc would answer UNKNOWN with an exception name; say what was wrong.
+            await abort(context, InvalidArgumentError(
+                "a StreamAccessLogsMessage could not be parsed"))
+        return als_pb2.StreamAccessLogsResponse()
+
+    async def _consume(self, request_iterator: AsyncIterator[Any], add: Callable[[Hop], None],
+                       release: Callable[[str, float | None], bool],
+                       max_request_id: int) -> None:
         async for message in request_iterator:
             for entry in message.http_logs.log_entry:
                 self.entries += 1
@@ -84,4 +98,3 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                     release(request_id, hop.end if hop is not None else None)
                 if hop is not None:
                     add(hop)
-        return als_pb2.StreamAccessLogsResponse()

@@ -16,6 +16,7 @@ from typing import Any
 from envoy.config.core.v3 import base_pb2
 from envoy.service.auth.v3 import external_auth_pb2
 from envoy.type.v3 import http_status_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, status_pb2
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
@@ -23,13 +24,14 @@ DEFAULT_MAX_HEADERS = 128
 DEFAULT_MAX_HEADER_BYTES = 64 << 10
 
 
-class _TooLarge:
-    """Stands in for a Check request that was too big to parse."""
+class _Unparsed:
+    """Stands in for a Check request that was too big to parse, or could not be."""
 
     __slots__ = ()
 
 
-_TOO_LARGE = _TooLarge()
+_TOO_LARGE = _Unparsed()
+_MALFORMED = _Unparsed()
 
 
 def _deny(status: int, code: str, message: str) -> Any:
@@ -44,8 +46,8 @@ def _deny(status: int, code: str, message: str) -> Any:
 
 
 class CheckLimits:
-    __slots__ = ("_many", "_max_header_bytes", "_max_headers", "_too_large", "_wide",
-                 "max_message_bytes")
+    __slots__ = ("_malformed", "_many", "_max_header_bytes", "_max_headers", "_too_large",
+                 "_wide", "max_message_bytes")
 
     def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  max_headers: int = DEFAULT_MAX_HEADERS,
@@ -59,19 +61,27 @@ class CheckLimits:
         self._many = _deny(431, "too_many_headers", f"more than {max_headers} headers")
         self._wide = _deny(431, "headers_too_large",
                            f"headers over {max_header_bytes} bytes")
+        self._malformed = _deny(400, "malformed_check",
+                                "the CheckRequest could not be parsed")
 
     def deserializer(self) -> Callable[[bytes], Any]:
         limit, parse = self.max_message_bytes, external_auth_pb2.CheckRequest.FromString
 
         def deserialize(data: bytes) -> Any:
-            return _TOO_LARGE if len(data) > limit else parse(data)
+            if len(data) > limit:
+                return _TOO_LARGE
+            # grpc would answer a parse failure with UNKNOWN; Envoy deserves a deny.
+            try:
+                return parse(data)
+            except DecodeError:
+                return _MALFORMED
 
         return deserialize
 
     def screen(self, request: Any) -> Any | None:
         """The deny for a request over a bound, or None when it is within them all."""
-        if request is _TOO_LARGE:
-            return self._too_large
+        if type(request) is _Unparsed:
+            return self._too_large if request is _TOO_LARGE else self._malformed
         http = request.attributes.request.http
         headers = http.headers
         listed = http.header_map.headers

@@ -19,9 +19,12 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 from grpc import aio
 
+from sitsmesh.errors import InvalidArgumentError
 from sitsmesh.pressure.signals import EnvoySample
+from sitsmesh.transport.errors import abort
 
 SERVICE_NAME = "envoy.service.metrics.v3.MetricsService"
 _METHOD = "StreamMetrics"
@@ -123,13 +126,18 @@ class MetricsServicer:
     async def StreamMetrics(self, request_iterator: AsyncIterator[Any],
                             context: aio.ServicerContext[Any, Any]) -> Any:
         node = ""
-        async for message in request_iterator:
-            if message.HasField("identifier"):
-                # Sent on the stream's first message only.
-                node = message.identifier.node.id or context.peer()
-            samples = samples_from(message)
-            if samples:
-                self._on_samples(node or context.peer(), samples)
+        try:
+            async for message in request_iterator:
+                if message.HasField("identifier"):
+                    # Sent on the stream's first message only.
+                    node = message.identifier.node.id or context.peer()
+                samples = samples_from(message)
+                if samples:
+                    self._on_samples(node or context.peer(), samples)
+        except DecodeError:
+            # grpc would answer UNKNOWN with an exception name; say what was wrong.
+            await abort(context, InvalidArgumentError(
+                "a StreamMetricsMessage could not be parsed"))
         return StreamMetricsResponse()
 
 
