@@ -3,13 +3,15 @@
 Random bytes, mutated valid messages and random well-formed messages go to
 Check, ShouldRateLimit, StreamAccessLogs and MetricsService/StreamMetrics as
 raw bytes. Every call must end with a gRPC status from the server (never a
-lost connection or a hang), no Check may be admitted (the server knows no
-tenant, so nothing carries an identity), and the server must still serve at
-the end. The run lasts SITSMESH_FUZZ_SECONDS (60 when unset) in batches.
+lost connection or a hang), no Check may be admitted unless it carries the one
+valid API key (the seed Check does; mutations of it may keep it or break it),
+and the server must still serve at the end. The run lasts
+SITSMESH_FUZZ_SECONDS (60 when unset) in batches.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -58,11 +60,11 @@ class Method:
     seeds: tuple[bytes, ...]
 
 
-def _check_seed() -> bytes:
+def _check_seed(key: str) -> bytes:
     request = external_auth_pb2.CheckRequest()
     http = request.attributes.request.http
     http.path, http.method = "/v2/models/bert/infer", "POST"
-    http.headers.update({"x-api-key": "sk-abc.def", "x-request-id": "r1", "x-priority": "1"})
+    http.headers.update({"x-api-key": key, "x-request-id": "r1", "x-priority": "1"})
     http.body = '{"model": "bert"}'
     request.attributes.source.principal = "spiffe://cluster.local/ns/a/sa/b"
     return bytes(request.SerializeToString())
@@ -100,8 +102,8 @@ def _metrics_seed() -> bytes:
     return bytes(message.SerializeToString())
 
 
-METHODS = (
-    Method("/envoy.service.auth.v3.Authorization/Check", False, (_check_seed(),)),
+CHECK = "/envoy.service.auth.v3.Authorization/Check"
+OTHER_METHODS = (
     Method("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit", False,
            (_ratelimit_seed(),)),
     Method("/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs", True,
@@ -183,14 +185,14 @@ def _structured(draw: st.DrawFn, method: Method) -> bytes:
 
 
 @st.composite
-def _call(draw: st.DrawFn) -> tuple[Method, list[bytes]]:
-    method = draw(st.sampled_from(METHODS))
+def _call(draw: st.DrawFn, methods: tuple[Method, ...]) -> tuple[Method, list[bytes]]:
+    method = draw(st.sampled_from(methods))
     one = st.binary(max_size=2048) | _mutated(method.seeds[0]) | _structured(method)
     count = draw(st.integers(0, 3)) if method.streaming else 1
     return method, [draw(one) for _ in range(count)]
 
 
-def _invoke(channel: grpc.Channel, method: Method, payloads: list[bytes]) -> bytes | None:
+def _invoke(channel: grpc.Channel, method: Method, payloads: list[bytes]) -> bytes:
     # No serializers: the payloads go out as the raw bytes they are.
     call: Any = (channel.stream_unary(method.path) if method.streaming
                  else channel.unary_unary(method.path))
@@ -203,21 +205,44 @@ def _invoke(channel: grpc.Channel, method: Method, payloads: list[bytes]) -> byt
 def node(tmp_path: Path) -> Iterator[harness.Sitsmesh]:
     config = tmp_path / "edge.yaml"
     config.write_text(CONFIG)
-    started = harness.start_sitsmesh(tmp_path, "--ratelimit-config", str(config))
+    started = harness.start_sitsmesh(tmp_path, "--ratelimit-config", str(config),
+                                     "--reload-interval-seconds", "0.2")
     yield started
     started.kill()
 
 
-def test_fuzzed_data_plane_rpcs_always_get_a_status_and_admit_nothing(
+def _api_key(node: harness.Sitsmesh) -> str:
+    created = node.cli("tenants", "create", "acme", "--models", "*")
+    assert created.returncode == 0, created.stderr
+    made = node.cli("apikeys", "create", "--tenant", "acme", "--output", "json")
+    assert made.returncode == 0, made.stderr
+    key: str = json.loads(made.stdout)["key"]
+    return key
+
+
+def _admitted(channel: grpc.Channel, payload: bytes) -> bool:
+    reply = _invoke(channel, Method(CHECK, False, ()), [payload])
+    code: int = external_auth_pb2.CheckResponse.FromString(reply).status.code
+    return code == 0
+
+
+def test_fuzzed_data_plane_rpcs_always_get_a_status_and_admit_only_the_key(
     node: harness.Sitsmesh,
 ) -> None:
-    seen: dict[str, set[grpc.StatusCode]] = {m.path: set() for m in METHODS}
+    key = _api_key(node)
+    seed = _check_seed(key)
+    methods = (Method(CHECK, False, (seed,)), *OTHER_METHODS)
+    seen: dict[str, set[grpc.StatusCode]] = {m.path: set() for m in methods}
+    admitted = 0
     with grpc.insecure_channel(node.data_addr) as channel:
+        # The property below means something only once the key is live.
+        harness.wait_until(lambda: _admitted(channel, seed), 10, "the seed Check admitted")
 
         @settings(max_examples=BATCH, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
-        @given(_call())
+        @given(_call(methods))
         def batch(call: tuple[Method, list[bytes]]) -> None:
+            nonlocal admitted
             method, payloads = call
             try:
                 reply = _invoke(channel, method, payloads)
@@ -226,16 +251,17 @@ def test_fuzzed_data_plane_rpcs_always_get_a_status_and_admit_nothing(
                 reply, code = None, exc.code()
             seen[method.path].add(code)
             assert code in ANSWERS, f"{method.path}: {code} for {payloads!r:.300}"
-            if reply is not None and method.path.endswith("/Check"):
-                answer = external_auth_pb2.CheckResponse.FromString(reply)
-                assert answer.status.code != 0, f"admitted without identity: {payloads!r:.300}"
+            if (reply is not None and method.path == CHECK
+                    and external_auth_pb2.CheckResponse.FromString(reply).status.code == 0):
+                assert key.encode() in payloads[0], f"admitted without the key: {payloads!r}"
+                admitted += 1
 
         deadline = time.monotonic() + FUZZ_SECONDS
         batches = 0
         while time.monotonic() < deadline:
             batch()
             batches += 1
-    print(f"\n{batches * BATCH} fuzzed calls; statuses seen: "
+    print(f"\n{batches * BATCH} fuzzed calls, {admitted} Checks admitted; statuses seen: "
           f"{ {m.rsplit('/', 1)[1]: sorted(c.name for c in codes) for m, codes in seen.items()} }")
     assert node.proc.poll() is None, node.output()[-3000:]
     assert harness.health_status(node.data_addr) == health_pb2.HealthCheckResponse.SERVING
