@@ -224,12 +224,15 @@ def test_access_log_entries_with_8kb_request_ids_are_dropped_not_stored(
     _apply_pipeline(node)
     _send_logs(node, (f"warm-{i}" for i in range(1000)), 100)
     budget = Budget(node)
+    rounds: list[float] = []
     for round_ in range(2):
         for part in range(6):
             _send_logs(node, (f"{round_}-{part}-{i}-".ljust(8192, "r") for i in range(5000)),
                        100)
             budget.check(f"round {round_}, {5000 * (part + 1)} entries")
-    budget.report("8 KB request ids")
+        rounds.append(budget.check(f"after round {round_}"))
+    budget.report(f"8 KB request ids, after each round {rounds}")
+    assert rounds[1] - rounds[0] < FLAT_MB, f"RSS kept growing: {rounds}"
     harness.wait_until(lambda: _metric(
         node, "sitsmesh_accesslog_entries_dropped_total", reason="request_id_too_long")
         == 60_000, 10, "60 000 dropped entries counted")

@@ -128,3 +128,19 @@ def test_memory_store_evicts_oldest_first_by_bytes() -> None:
     assert newest[0].used == 1  # the newest window survived
     oldest = store.hit_sync([Hit(f"{0:0>995}", Algorithm.FIXED_WINDOW, 5, 3600, 0)], NOW)
     assert oldest[0].used == 0  # the oldest was evicted
+
+
+def test_limit_settings_parse_with_defaults_and_name_a_bad_source() -> None:
+    from sitsmesh.config import load_settings
+    from sitsmesh.errors import ConfigError
+
+    settings = load_settings({}, env={})
+    assert (settings.max_check_message_bytes, settings.ratelimit_max_hits_addend,
+            settings.chain_max_bytes) == (1 << 20, 1_000_000, 32 << 20)
+    flags = {"ratelimit_max_value_length": "64", "max_concurrent_rpcs": "10"}
+    assert load_settings(flags, env={}).ratelimit_max_value_length == 64
+    with pytest.raises(ConfigError, match="environment SITSMESH_RATELIMIT_MAX_HITS_ADDEND: "
+                                          "must be between 1 and 4294967295, got 0"):
+        load_settings({}, env={"SITSMESH_RATELIMIT_MAX_HITS_ADDEND": "0"})
+    with pytest.raises(ConfigError, match="--max-check-message-bytes: expected an integer"):
+        load_settings({"max_check_message_bytes": "1M"}, env={})
