@@ -24,14 +24,19 @@ DEFAULT_MAX_HEADERS = 128
 DEFAULT_MAX_HEADER_BYTES = 64 << 10
 
 
-class _Unparsed:
-    """Stands in for a Check request that was too big to parse, or could not be."""
+class _Refused:
+    """Stands in for a Check request refused in the deserializer; names the deny."""
 
-    __slots__ = ()
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
 
 
-_TOO_LARGE = _Unparsed()
-_MALFORMED = _Unparsed()
+_TOO_LARGE = _Refused("too_large")
+_MALFORMED = _Refused("malformed")
+_MANY = _Refused("many")
+_WIDE = _Refused("wide")
 
 
 def _deny(status: int, code: str, message: str) -> Any:
@@ -46,8 +51,10 @@ def _deny(status: int, code: str, message: str) -> Any:
 
 
 class CheckLimits:
-    __slots__ = ("_malformed", "_many", "_max_header_bytes", "_max_headers", "_too_large",
-                 "_wide", "max_message_bytes")
+    """Judged in the deserializer, where the message's length is known for free: the
+    header bytes are counted only in a message long enough to hold too many."""
+
+    __slots__ = ("_max_header_bytes", "_max_headers", "_replies", "max_message_bytes")
 
     def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  max_headers: int = DEFAULT_MAX_HEADERS,
@@ -55,41 +62,48 @@ class CheckLimits:
         self.max_message_bytes = max_message_bytes
         self._max_headers = max_headers
         self._max_header_bytes = max_header_bytes
-        # Built once: a flood of oversized requests costs no allocation per reply.
-        self._too_large = _deny(413, "request_too_large",
-                                f"request (headers and body) over {max_message_bytes} bytes")
-        self._many = _deny(431, "too_many_headers", f"more than {max_headers} headers")
-        self._wide = _deny(431, "headers_too_large",
-                           f"headers over {max_header_bytes} bytes")
-        self._malformed = _deny(400, "malformed_check",
-                                "the CheckRequest could not be parsed")
+        # Built once: a flood of refused requests costs no allocation per reply.
+        self._replies = {
+            _TOO_LARGE: _deny(413, "request_too_large",
+                              f"request (headers and body) over {max_message_bytes} bytes"),
+            _MALFORMED: _deny(400, "malformed_check", "the CheckRequest could not be parsed"),
+            _MANY: _deny(431, "too_many_headers", f"more than {max_headers} headers"),
+            _WIDE: _deny(431, "headers_too_large", f"headers over {max_header_bytes} bytes"),
+        }
 
     def deserializer(self) -> Callable[[bytes], Any]:
         limit, parse = self.max_message_bytes, external_auth_pb2.CheckRequest.FromString
+        judge = self._judge
 
         def deserialize(data: bytes) -> Any:
-            if len(data) > limit:
+            size = len(data)
+            if size > limit:
                 return _TOO_LARGE
             # grpc would answer a parse failure with UNKNOWN; Envoy deserves a deny.
             try:
-                return parse(data)
+                request = parse(data)
             except DecodeError:
                 return _MALFORMED
+            return judge(request, size)
 
         return deserialize
 
-    def screen(self, request: Any) -> Any | None:
-        """The deny for a request over a bound, or None when it is within them all."""
-        if type(request) is _Unparsed:
-            return self._too_large if request is _TOO_LARGE else self._malformed
+    def _judge(self, request: Any, size: int) -> Any:
         http = request.attributes.request.http
         headers = http.headers
-        listed = http.header_map.headers
-        if len(headers) + len(listed) > self._max_headers:
-            return self._many
-        size = sum(map(len, headers)) + sum(map(len, headers.values()))
+        count = len(headers)
+        listed = http.header_map.headers if http.HasField("header_map") else ()
+        if count + len(listed) > self._max_headers:
+            return _MANY
+        if size <= self._max_header_bytes:
+            return request  # the whole message fits in the bound, its headers too
+        wide = sum(map(len, headers)) + sum(map(len, headers.values()))
         for header in listed:
-            size += len(header.key) + len(header.value) + len(header.raw_value)
-        if size > self._max_header_bytes:
-            return self._wide
+            wide += len(header.key) + len(header.value) + len(header.raw_value)
+        return _WIDE if wide > self._max_header_bytes else request
+
+    def screen(self, request: Any) -> Any | None:
+        """The deny for a request refused in the deserializer, or None."""
+        if type(request) is _Refused:
+            return self._replies[request]
         return None
