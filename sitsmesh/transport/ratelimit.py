@@ -24,6 +24,10 @@ _log = logs.get("sitsmesh.ratelimit")
 
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+# The RateLimit messages kept for reuse: per-route overrides make a new rule (whose stats
+# key is the caller's descriptor) per request, so the cache is bounded in bytes.
+LIMIT_CACHE_BYTES = 4 << 20
+_LIMIT_ENTRY_BYTES = 400
 
 
 class MessageTooLargeError(SitsmeshError):
@@ -81,15 +85,19 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
         self.max_message_bytes = max_message_bytes
         # One RateLimit message per rule, built once; rules live as long as their snapshot.
         self._limits: dict[int, Any] = {}
+        self._limits_bytes = 0
 
     def _limit(self, rule: Rule) -> Any:
         cached = self._limits.get(id(rule))
         if cached is None or cached[0] is not rule:
             message = rls_pb2.RateLimitResponse.RateLimit(
                 name=rule.name, requests_per_unit=rule.requests_per_unit, unit=int(rule.unit or 0))
-            if len(self._limits) > 100_000:
+            cost = _LIMIT_ENTRY_BYTES + len(rule.stats_key) + len(rule.name)
+            if len(self._limits) > 100_000 or self._limits_bytes + cost > LIMIT_CACHE_BYTES:
                 self._limits.clear()
+                self._limits_bytes = 0
             cached = self._limits[id(rule)] = (rule, message)
+            self._limits_bytes += cost
         return cached[1]
 
     async def ShouldRateLimit(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:

@@ -144,3 +144,22 @@ def test_limit_settings_parse_with_defaults_and_name_a_bad_source() -> None:
         load_settings({}, env={"SITSMESH_RATELIMIT_MAX_HITS_ADDEND": "0"})
     with pytest.raises(ConfigError, match="--max-check-message-bytes: expected an integer"):
         load_settings({"max_check_message_bytes": "1M"}, env={})
+
+
+async def test_override_keys_past_the_metric_bounds_count_as_overflow() -> None:
+    from sitsmesh.ratelimit import metrics as rlmetrics
+
+    registry = CollectorRegistry()
+    rule_metrics = RuleMetrics(registry)
+    limiter = RateLimiter(ConfigHolder(rlconfig.build([("c.yaml", CONFIG)])), MemoryStore(),
+                          rule_metrics, clock=lambda: NOW)
+    n = rlmetrics.MAX_KEY_BYTES // 900 + 50
+    for i in range(n):
+        await limiter.check("any", [Descriptor((("k", f"{i:0>900}"),), None, (10, 4))])
+    rule_metrics.flush()
+    overflow = registry.get_sample_value("sitsmesh_ratelimit_hits_total",
+                                         {"key": "overflow", "outcome": "total_hits"})
+    assert overflow is not None and 0 < overflow < n
+    labelled = {s.labels["key"] for m in registry.collect() for s in m.samples
+                if s.name == "sitsmesh_ratelimit_hits_total"}
+    assert sum(map(len, labelled)) <= rlmetrics.MAX_KEY_BYTES + len("overflow")
