@@ -20,6 +20,7 @@ import yaml
 
 from sitsmesh.authz.extract import open_path
 from sitsmesh.errors import ConfigError
+from sitsmesh.limits import LIMIT_PARSERS
 
 ENV_PREFIX = "SITSMESH_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -110,6 +111,21 @@ class Settings:
     triton_url: str = ""
     triton_metrics_url: str = ""
     triton_preflight_url: str = ""
+    # Limits (issue 13): untrusted bytes and memory bounds; ranges in sitsmesh/limits.py.
+    max_message_bytes: int = 4 << 20
+    max_check_message_bytes: int = 1 << 20
+    max_ratelimit_message_bytes: int = 1 << 20
+    max_concurrent_rpcs: int = 1000
+    check_max_headers: int = 128
+    check_max_header_bytes: int = 64 << 10
+    ratelimit_max_entries: int = 16
+    ratelimit_max_key_length: int = 256
+    ratelimit_max_value_length: int = 1024
+    ratelimit_max_hits_addend: int = 1_000_000
+    ratelimit_cache_bytes: int = 16 << 20
+    ratelimit_store_bytes: int = 64 << 20
+    request_id_max_length: int = 128
+    chain_max_bytes: int = 32 << 20
     config_file: Path | None = None
 
     @property
@@ -331,6 +347,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "triton_url": _grpc_target,
     "triton_metrics_url": _http_url,
     "triton_preflight_url": _grpc_target,
+    **LIMIT_PARSERS,
 }
 
 

@@ -29,7 +29,7 @@ from sitsmesh.pressure.gate import PressureGate
 from sitsmesh.pressure.ledger import ThresholdLedger
 from sitsmesh.pressure.runtime import PressureRuntime
 from sitsmesh.ratelimit.config import Algorithm
-from sitsmesh.ratelimit.limiter import RateLimiter
+from sitsmesh.ratelimit.limiter import RateLimiter, RequestLimits
 from sitsmesh.ratelimit.memory import MemoryStore
 from sitsmesh.ratelimit.metrics import RuleMetrics, StoreCounters, store_up_gauge
 from sitsmesh.ratelimit.reload import ConfigManager
@@ -44,6 +44,7 @@ from sitsmesh.transport.accesslog import AccessLogServicer
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
 from sitsmesh.transport.authz import AuthorizationServicer
 from sitsmesh.transport.authz import add_to_server as add_authz
+from sitsmesh.transport.checklimits import CheckLimits
 from sitsmesh.transport.metrics import SERVICE_NAME as METRICS_SERVICE
 from sitsmesh.transport.metrics import MetricsServicer
 from sitsmesh.transport.metrics import add_to_server as add_metrics
@@ -112,12 +113,15 @@ class RateLimitComponent:
             self.limiter = RateLimiter(
                 self.config.holder, self.store, self._metrics,
                 global_shadow=settings.ratelimit_shadow_mode,
-                max_descriptors=settings.ratelimit_max_descriptors, gate=gate)
+                gate=gate, cache_bytes=settings.ratelimit_cache_bytes, limits=RequestLimits(
+                    settings.ratelimit_max_descriptors, settings.ratelimit_max_entries,
+                    settings.ratelimit_max_key_length, settings.ratelimit_max_value_length,
+                    settings.ratelimit_max_hits_addend))
 
     def services(self) -> list[DataService]:
         if self.limiter is None:
             return []
-        servicer = RateLimitServicer(self.limiter)
+        servicer = RateLimitServicer(self.limiter, self._settings.max_ratelimit_message_bytes)
         services = [DataService(RATELIMIT_SERVICE,
                                 lambda server: add_ratelimit(servicer, server))]
         if self._settings.ratelimit_store == "redis":
@@ -147,7 +151,7 @@ class RateLimitComponent:
 def _counter_store(settings: Settings, registry: CollectorRegistry | None,
                    board: StatusBoard) -> CounterStore:
     if settings.ratelimit_store == "memory":
-        return MemoryStore()
+        return MemoryStore(max_bytes=settings.ratelimit_store_bytes)
     # Imported here: redis-py loads only where the shared store is configured.
     from sitsmesh.ratelimit.redis_store import RedisStore
     from sitsmesh.ratelimit.resilient import ResilientStore, StoreErrorPolicy
@@ -287,7 +291,9 @@ class AuthzComponent:
     def services(self) -> list[DataService]:
         if self.authorizer is None:
             return []
-        servicer = AuthorizationServicer(self.authorizer)
+        servicer = AuthorizationServicer(self.authorizer, CheckLimits(
+            self._settings.max_check_message_bytes, self._settings.check_max_headers,
+            self._settings.check_max_header_bytes))
         return [DataService(AUTHZ_SERVICE, lambda server: add_authz(servicer, server))]
 
     async def start(self) -> None:
@@ -311,17 +317,21 @@ class ChainsComponent:
         self.assembler: Assembler | None = None
         self._release = release
         self._background = Background()
+        self._metrics: ChainMetrics | None = None
         if serve:
-            metrics = ChainMetrics(registry)
-            assembler = Assembler({}, on_chain=metrics.observe,
-                                  ttl_s=settings.chain_ttl_seconds)
+            metrics = self._metrics = ChainMetrics(registry)
+            assembler = Assembler({}, on_chain=metrics.observe, on_evict=metrics.evicted,
+                                  ttl_s=settings.chain_ttl_seconds,
+                                  max_bytes=settings.chain_max_bytes)
             self.pipelines.on_change(assembler.set_pipelines)
             self.assembler = assembler
 
     def services(self) -> list[DataService]:
         if self.assembler is None:
             return []
-        servicer = AccessLogServicer(self.assembler, self._release)
+        servicer = AccessLogServicer(
+            self.assembler, self._release, max_request_id=self._settings.request_id_max_length,
+            on_drop=self._metrics.dropped if self._metrics is not None else None)
         return [DataService(ACCESSLOG_SERVICE, lambda server: (
             als_pb2_grpc.add_AccessLogServiceServicer_to_server(servicer, server)))]
 

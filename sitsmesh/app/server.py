@@ -64,10 +64,21 @@ def _host(addr: str) -> str:
     return addr.rpartition(":")[0]
 
 
+def _server_options(settings: Settings, reuseport: bool) -> dict[str, Any]:
+    """The data server's bounds: gRPC refuses a bigger message before Python sees a byte
+    of it (the per-service limits below this one are checked by each deserializer), and
+    RPCs past the concurrency cap are refused with RESOURCE_EXHAUSTED, not queued."""
+    largest = max(settings.max_message_bytes, settings.max_check_message_bytes,
+                  settings.max_ratelimit_message_bytes)
+    return {"options": [("grpc.so_reuseport", int(reuseport)),
+                        ("grpc.max_receive_message_length", largest)],
+            "maximum_concurrent_rpcs": settings.max_concurrent_rpcs}
+
+
 async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetrics,
                       reuseport: bool, services: list[DataService]
                       ) -> tuple[aio.Server, str]:
-    server = aio.server(options=[("grpc.so_reuseport", int(reuseport))])
+    server = aio.server(**_server_options(settings, reuseport))
     # The hot path: handlers are instrumented as they register, not intercepted per call.
     registrar: Any = metrics.registrar(server, "data")
     health = health_aio.HealthServicer()

@@ -1,7 +1,8 @@
 """Chain assembly: hops with one request id -> one chain -> per-stage own time.
 
 Plain Python with an injected clock. Memory is bounded: open chains are
-capped and expire after a TTL, and finished chains only feed fixed-size
+capped in count and in estimated bytes (the oldest evicted first) and expire
+after a TTL, recently closed ids likewise, and finished chains only feed fixed-size
 histograms in time slots plus a small top-K of the slowest chains per slot
 (enough to attribute the slowest 1 %).
 """
@@ -19,6 +20,13 @@ from sitsmesh.chains.histogram import Histogram
 from sitsmesh.chains.pipeline import Pipeline, Stage
 
 EPSILON_S = 0.0005  # Envoy timestamps are microseconds; tolerate rounding at the edges
+DEFAULT_MAX_BYTES = 32 << 20
+# CPython costs beyond the strings' characters, for the byte estimate: an open chain (its
+# _Chain, hops dict and OrderedDict node), one hop (a slotted Hop, its str headers and
+# dict slot), one remembered closed id.
+CHAIN_BYTES = 600
+HOP_BYTES = 500
+CLOSED_BYTES = 150
 
 
 @dataclass(slots=True)
@@ -45,6 +53,12 @@ class _Chain:
     pipeline: Pipeline
     hops: dict[str, Hop]
     opened: float
+    size: int = CHAIN_BYTES
+
+
+def _hop_bytes(hop: Hop) -> int:
+    return (HOP_BYTES + len(hop.request_id) + len(hop.upstream_cluster) + len(hop.route_name)
+            + len(hop.stage_header) + len(hop.pipeline) + len(hop.stage))
 
 
 @dataclass(slots=True)
@@ -107,9 +121,9 @@ class Assembler:
     def __init__(self, pipelines: Mapping[str, Pipeline], *,
                  clock: Callable[[], float] = time.monotonic, ttl_s: float = 30.0,
                  slot_s: int = 10, slots: int = 30, max_open: int = 100_000,
-                 top_k: int = 64,
-                 on_chain: Callable[[str, dict[str, float], float], None] | None = None
-                 ) -> None:
+                 top_k: int = 64, max_bytes: int = DEFAULT_MAX_BYTES,
+                 on_chain: Callable[[str, dict[str, float], float], None] | None = None,
+                 on_evict: Callable[[str], None] | None = None) -> None:
         self._clock = clock
         self._ttl_s = ttl_s
         self._slot_s = slot_s
@@ -117,6 +131,12 @@ class Assembler:
         self._max_open = max_open
         self._top_k = top_k
         self._on_chain = on_chain
+        self._on_evict = on_evict
+        # Request ids and header values are the sender's: bound the bytes, not only the count.
+        self._max_bytes = max_bytes
+        self._open_bytes = 0
+        self._closed_bytes = 0
+        self.evicted: dict[str, int] = {"max_open": 0, "max_bytes": 0}
         # OrderedDict, not dict: both are trimmed from the oldest end, and a plain dict
         # scans its deleted slots from the front on every such trim.
         self._open: OrderedDict[str, _Chain] = OrderedDict()
@@ -163,14 +183,27 @@ class Assembler:
         chain = self._open.get(hop.request_id)
         if chain is None:
             if len(self._open) >= self._max_open:
-                self._close(next(iter(self._open)), complete=False)
+                self._evict("max_open")
             chain = self._open[hop.request_id] = _Chain(pipeline, {}, self._clock())
+            self._open_bytes += CHAIN_BYTES
         if stage.name in chain.hops:
             self.duplicates += 1  # a retried hop or a resent entry: the first one stands
             return
         chain.hops[stage.name] = hop
+        cost = _hop_bytes(hop)
+        chain.size += cost
+        self._open_bytes += cost
         if len(chain.hops) == len(pipeline.stages):
             self._close(hop.request_id, complete=True)
+        while self._open_bytes > self._max_bytes and self._open:
+            self._evict("max_bytes")
+
+    def _evict(self, reason: str) -> None:
+        """Close the oldest open chain as incomplete to make room."""
+        self._close(next(iter(self._open)), complete=False)
+        self.evicted[reason] += 1
+        if self._on_evict is not None:
+            self._on_evict(reason)
 
     def expire(self) -> int:
         """Close chains older than the TTL as incomplete. Returns how many."""
@@ -187,6 +220,14 @@ class Assembler:
     def open_chains(self) -> int:
         return len(self._open)
 
+    def open_bytes(self) -> int:
+        """The open chains' estimated size."""
+        return self._open_bytes
+
+    def closed_bytes(self) -> int:
+        """The recently closed ids' estimated size."""
+        return self._closed_bytes
+
     def _slot(self) -> _Slot:
         index = int(self._clock() // self._slot_s)
         position = index % len(self._slots)
@@ -197,9 +238,14 @@ class Assembler:
 
     def _close(self, request_id: str, *, complete: bool) -> None:
         chain = self._open.pop(request_id)
-        if len(self._closed) >= self._max_open:
-            self._closed.popitem(last=False)
+        self._open_bytes -= chain.size
+        cost = CLOSED_BYTES + len(request_id)
+        # The closed ids get a quarter of the byte budget: they only catch resent entries.
+        while self._closed and (len(self._closed) >= self._max_open
+                                or self._closed_bytes + cost > self._max_bytes // 4):
+            self._closed_bytes -= CLOSED_BYTES + len(self._closed.popitem(last=False)[0])
         self._closed[request_id] = None
+        self._closed_bytes += cost
         slot = self._slot()
         if not complete:
             slot.incomplete += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                  30.0, 60.0)
@@ -13,7 +13,7 @@ STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 class ChainMetrics:
     """`observe` is the assembler's on_chain callback."""
 
-    __slots__ = ("_e2e", "_e2e_children", "_stage", "_stage_children")
+    __slots__ = ("_dropped", "_e2e", "_e2e_children", "_evicted", "_stage", "_stage_children")
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self._stage = Histogram("sitsmesh_stage_latency_seconds",
@@ -26,6 +26,21 @@ class ChainMetrics:
         # children are looked up once and kept.
         self._stage_children: dict[tuple[str, str], Any] = {}
         self._e2e_children: dict[str, Any] = {}
+        self._evicted = Counter("sitsmesh_chains_evicted_total",
+                                "Open chains closed early to stay within a bound (max_open: "
+                                "the count, max_bytes: chain_max_bytes), oldest first.",
+                                ["reason"], registry=registry)
+        self._dropped = Counter("sitsmesh_accesslog_entries_dropped_total",
+                                "Access-log entries refused before they were stored.",
+                                ["reason"], registry=registry)
+
+    def evicted(self, reason: str) -> None:
+        """The assembler's on_evict callback."""
+        self._evicted.labels(reason).inc()
+
+    def dropped(self, reason: str) -> None:
+        """The access-log servicer's on_drop callback."""
+        self._dropped.labels(reason).inc()
 
     def observe(self, pipeline: str, own: dict[str, float], total: float) -> None:
         for stage, seconds in own.items():

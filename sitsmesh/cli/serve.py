@@ -53,6 +53,21 @@ _FLAG_HELP = {
     "triton_url": "gRPC HOST:PORT of the one Triton server (endpoint 'default')",
     "triton_metrics_url": "its http://HOST:PORT/metrics",
     "triton_preflight_url": "gRPC HOST:PORT of a sandbox Triton that vets candidates first",
+    # limits (issue 13)
+    "max_message_bytes": "largest gRPC message the data port accepts (access-log, metrics)",
+    "max_check_message_bytes": "largest Check (headers + body); bigger ones: a 413 deny, unparsed",
+    "max_ratelimit_message_bytes": "largest ShouldRateLimit request (RESOURCE_EXHAUSTED)",
+    "max_concurrent_rpcs": "data-port RPCs at once, streams included; more: RESOURCE_EXHAUSTED",
+    "check_max_headers": "more request headers in a Check get a 431 deny",
+    "check_max_header_bytes": "more header bytes (names + values) in a Check get a 431 deny",
+    "ratelimit_max_entries": "most entries one rate-limit descriptor may carry",
+    "ratelimit_max_key_length": "longest descriptor entry key (characters)",
+    "ratelimit_max_value_length": "longest descriptor entry value (characters)",
+    "ratelimit_max_hits_addend": "largest hits_addend a ShouldRateLimit may ask for",
+    "ratelimit_cache_bytes": "memory bound of the descriptor match cache",
+    "ratelimit_store_bytes": "memory bound of the in-process counter store",
+    "request_id_max_length": "access-log entries with a longer request id are dropped",
+    "chain_max_bytes": "memory bound of open latency chains (oldest evicted first)",
 }
 
 

@@ -18,13 +18,24 @@ from sitsmesh.ratelimit.config import UNIT_SECONDS, Algorithm, Node, RateLimitCo
 from sitsmesh.ratelimit.metrics import RuleMetrics
 from sitsmesh.ratelimit.store import Count, CounterStore, Hit
 
-MAX_ADDEND = 2**32 - 1
+DEFAULT_MAX_HITS_ADDEND = 1_000_000
 UNLIMITED_REMAINING = 2**32 - 1
 NEAR_LIMIT_RATIO = 0.8
 
 
 class RequestError(SitsmeshError):
     code = Code.INVALID_ARGUMENT
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds on what one ShouldRateLimit may carry; beyond them INVALID_ARGUMENT."""
+
+    descriptors: int = 64
+    entries: int = 16
+    key_length: int = 256
+    value_length: int = 1024
+    hits_addend: int = DEFAULT_MAX_HITS_ADDEND
 
 
 @dataclass(slots=True)
@@ -92,48 +103,82 @@ def _match(root: Node, entries: Sequence[tuple[str, str]]) -> tuple[Node | None,
 _Match = tuple[tuple[tuple[Rule, str], ...], "dict[str, Any] | None"]
 _NO_MATCH: _Match = ((), None)
 MATCH_CACHE_SIZE = 65_536
+DEFAULT_CACHE_BYTES = 16 << 20
+# CPython object overheads for the cache's estimate: a dict slot with its key tuple,
+# one (key, value) pair with two str headers, one counter-key str with its rule tuple.
+_ENTRY_BYTES = 250
+_PAIR_BYTES = 170
+_KEY_BYTES = 130
+
+
+def _cache_cost(domain: str, entries: tuple[tuple[str, str], ...], found: _Match) -> int:
+    cost = _ENTRY_BYTES + len(domain)
+    for key, value in entries:
+        cost += _PAIR_BYTES + len(key) + len(value)
+    for _, counter_key in found[0]:
+        cost += _KEY_BYTES + len(counter_key)
+    return cost
 
 
 class RateLimiter:
-    __slots__ = ("_cache", "_cache_config", "_clock", "_gate", "_global_shadow", "_holder",
-                 "_max_descriptors", "_metrics", "_store")
+    __slots__ = ("_cache", "_cache_budget", "_cache_bytes", "_cache_config", "_clock", "_gate",
+                 "_global_shadow", "_holder", "_limits", "_metrics", "_store")
 
     def __init__(self, holder: ConfigHolder, store: CounterStore, metrics: RuleMetrics,
                  *, clock: Callable[[], float] = time.time, global_shadow: bool = False,
-                 max_descriptors: int = 64, gate: PressureGate | None = None) -> None:
+                 max_descriptors: int = 64, gate: PressureGate | None = None,
+                 limits: RequestLimits | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self._holder = holder
         self._gate = gate
         self._store = store
         self._metrics = metrics
         self._clock = clock
         self._global_shadow = global_shadow
-        self._max_descriptors = max_descriptors
+        self._limits = limits or RequestLimits(descriptors=max_descriptors)
         # (domain, entries) -> match; the tree walk and key building happen once per
-        # distinct descriptor and snapshot, not once per request.
+        # distinct descriptor and snapshot, not once per request. Only matches are kept,
+        # and only up to a byte budget: descriptor values are the caller's, and a count
+        # bound alone let 60 KB values hold gigabytes.
         self._cache: dict[tuple[str, tuple[tuple[str, str], ...]], _Match] = {}
         self._cache_config: RateLimitConfig | None = None
+        self._cache_bytes = 0
+        self._cache_budget = cache_bytes
+
+    @property
+    def cache_bytes(self) -> int:
+        """The match cache's estimated size."""
+        return self._cache_bytes
 
     def _lookup(self, config: RateLimitConfig, domain: str,
                 entries: tuple[tuple[str, str], ...]) -> _Match:
         if config is not self._cache_config:
             self._cache.clear()
+            self._cache_bytes = 0
             self._cache_config = config
         cache_key = (domain, entries)
         found = self._cache.get(cache_key)
         if found is not None:
             return found
         root = config.domains.get(domain)
-        node, suffix = _match(root, entries) if root is not None else (None, "")
+        if root is None:
+            return _NO_MATCH
+        node, suffix = _match(root, entries)
         if node is None:
-            found = _NO_MATCH
-        else:
-            base = f"{domain}_{suffix}"
-            found = (tuple((rule, f"{base}#{rule.index}" if rule.index else base)
-                           for rule in node.rules),
-                     dict(node.metadata) if node.metadata else None)
-        if len(self._cache) >= MATCH_CACHE_SIZE:
+            return _NO_MATCH
+        base = f"{domain}_{suffix}"
+        found = (tuple((rule, f"{base}#{rule.index}" if rule.index else base)
+                       for rule in node.rules),
+                 dict(node.metadata) if node.metadata else None)
+        cost = _cache_cost(domain, entries, found)
+        if (self._cache_bytes + cost > self._cache_budget
+                or len(self._cache) >= MATCH_CACHE_SIZE):
+            # Cleared whole, not trimmed: refilling costs one tree walk per descriptor.
             self._cache.clear()
-        self._cache[cache_key] = found
+            self._cache_bytes = 0
+        if cost <= self._cache_budget:
+            self._cache[cache_key] = found
+            self._cache_bytes += cost
         return found
 
     async def check(self, domain: str, descriptors: Sequence[Descriptor],
@@ -143,8 +188,14 @@ class RateLimiter:
         count_in = len(descriptors)
         if not count_in:
             raise RequestError("rate limit descriptor list must not be empty")
-        if count_in > self._max_descriptors:
-            raise RequestError(f"too many descriptors: {count_in} > {self._max_descriptors}")
+        limits = self._limits
+        if count_in > limits.descriptors:
+            raise RequestError(f"too many descriptors: {count_in} > {limits.descriptors}")
+        if hits_addend > limits.hits_addend:
+            raise RequestError(f"hits_addend {hits_addend} exceeds {limits.hits_addend}")
+        if len(domain) > limits.key_length:
+            raise RequestError(f"domain is {len(domain)} characters, more than "
+                               f"{limits.key_length}")
         matched, metadata = self._collect(domain, descriptors, hits_addend if hits_addend > 1
                                           else 1)
         statuses = [Status(False, None, 0, 0.0) for _ in descriptors]
@@ -157,15 +208,15 @@ class RateLimiter:
                 if statuses[i].rule is None:
                     statuses[i] = Status(False, rule, UNLIMITED_REMAINING, 0.0)
                 continue
-            if addend > rule.requests_per_unit:
-                # Can never fit: answer over limit without letting it swamp the counter
-                # for everyone else in the window.
+            limit = rule.requests_per_unit
+            if rule.adaptive_pipeline:
+                arrived = arrived if arrived is not None else set()
+                limit = self._adaptive(rule, limit, arrived)
+            if addend > limit:
+                # Can never fit (the adaptive limit included): answer over limit without
+                # letting it swamp the counter for everyone else in the window.
                 oversized[len(counted)] = Count(True, 0, float(rule.window_s), addend)
             else:
-                limit = rule.requests_per_unit
-                if rule.adaptive_pipeline:
-                    arrived = arrived if arrived is not None else set()
-                    limit = self._adaptive(rule, limit, arrived)
                 hits.append(Hit(key, rule.algorithm, limit, rule.window_s, addend))
             counted.append((i, rule, addend))
         counts = await self._store.hit(hits, self._clock()) if hits else []
@@ -199,17 +250,14 @@ class RateLimiter:
                  ) -> tuple[list[tuple[int, Rule, str, int]], dict[str, Any] | None]:
         """(descriptor index, rule, counter key, addend) for every rule that applies."""
         config = self._holder.current
+        self._validate(descriptors)
         matched: list[tuple[int, Rule, str, int]] = []
         metadata: dict[str, Any] | None = None
         for i, d in enumerate(descriptors):
             entries = d.entries
-            if not entries:
-                raise RequestError(f"descriptor {i} has no entries")
             addend = d.addend
             if addend is None:
                 addend = default_addend
-            elif addend > MAX_ADDEND:
-                raise RequestError(f"descriptor {i}: hits_addend {addend} exceeds {MAX_ADDEND}")
             if d.override is not None:
                 matched.append((i, _override_rule(domain, d),
                                 f"{domain}_{_plain_key(entries)}", addend))
@@ -229,6 +277,26 @@ class RateLimiter:
             if replaced:
                 matched = [m for m in matched if m[1].name not in replaced]
         return matched, metadata
+
+    def _validate(self, descriptors: Sequence[Descriptor]) -> None:
+        """Every bound, before anything is matched or cached: bad input changes nothing."""
+        limits = self._limits
+        max_key, max_value = limits.key_length, limits.value_length
+        for i, d in enumerate(descriptors):
+            entries = d.entries
+            if not entries:
+                raise RequestError(f"descriptor {i} has no entries")
+            if len(entries) > limits.entries:
+                raise RequestError(f"descriptor {i} has {len(entries)} entries, more than "
+                                   f"{limits.entries}")
+            for key, value in entries:
+                if len(key) > max_key or len(value) > max_value:
+                    raise RequestError(
+                        f"descriptor {i}: entry key or value too long ({len(key)} and "
+                        f"{len(value)} characters; at most {max_key} and {max_value})")
+            if d.addend is not None and d.addend > limits.hits_addend:
+                raise RequestError(f"descriptor {i}: hits_addend {d.addend} exceeds "
+                                   f"{limits.hits_addend}")
 
     def _decide(self, descriptors: Sequence[Descriptor], counted: list[tuple[int, Rule, int]],
                 counts: list[Count], statuses: list[Status]) -> tuple[bool, list[int] | None]:

@@ -13,16 +13,25 @@ from sitsmesh.ratelimit.config import Algorithm
 from sitsmesh.ratelimit.store import Count, Hit, fixed_window, gcra, sliding_window
 
 DEFAULT_MAX_KEYS = 200_000
+DEFAULT_MAX_BYTES = 64 << 20
 EVICT_BATCH = 1024
+# A dict slot, the (value, expires_at) tuple with its two floats, and the key's str header:
+# what one counter costs beyond its key's characters.
+ENTRY_BYTES = 200
 
 
 class MemoryStore:
     name = "memory"
 
-    def __init__(self, max_keys: int = DEFAULT_MAX_KEYS) -> None:
+    def __init__(self, max_keys: int = DEFAULT_MAX_KEYS,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         # key -> (value, expires_at); insertion order doubles as age for eviction.
         self._data: dict[str, tuple[float, float]] = {}
         self._max_keys = max_keys
+        # Keys embed descriptor values the caller chose, so a count bound alone is no
+        # memory bound: the estimated bytes are bounded too.
+        self._max_bytes = max_bytes
+        self.bytes = 0
         self._ops = 0
         self.evicted = 0
 
@@ -36,18 +45,22 @@ class MemoryStore:
         return entry[0]
 
     def _set(self, key: str, value: float, expires_at: float) -> None:
-        if key not in self._data and len(self._data) >= self._max_keys:
-            self._make_room(expires_at)
+        if key not in self._data:
+            cost = ENTRY_BYTES + len(key)
+            while self._data and (len(self._data) >= self._max_keys
+                                  or self.bytes + cost > self._max_bytes):
+                self._make_room()
+            self.bytes += cost
         self._data[key] = (value, expires_at)
 
-    def _make_room(self, now_hint: float) -> None:
-        del now_hint
+    def _make_room(self) -> None:
         # Oldest first: under a flood of distinct keys the newest windows survive.
         # In batches: finding a dict's oldest entry scans the slots deleted before it,
         # so one scan should pay for many evictions.
         batch = list(islice(self._data, max(1, min(EVICT_BATCH, len(self._data) // 100))))
         for key in batch:
             del self._data[key]
+            self.bytes -= ENTRY_BYTES + len(key)
         self.evicted += len(batch)
 
     def sweep(self, now: float, budget: int = 1000) -> int:
@@ -56,6 +69,7 @@ class MemoryStore:
         for key, (_, expires_at) in list(self._data.items())[:budget]:
             if expires_at <= now:
                 del self._data[key]
+                self.bytes -= ENTRY_BYTES + len(key)
                 freed += 1
         return freed
 
@@ -91,3 +105,4 @@ class MemoryStore:
 
     async def close(self) -> None:
         self._data.clear()
+        self.bytes = 0

@@ -6,7 +6,9 @@ a lock each. Scrapes therefore lag by at most a flush interval.
 
 Label values come from the config (a rule's stats key), so cardinality is
 bounded by the config; a descriptor value becomes part of a label only for
-rules with `detailed_metric`, and those are capped too.
+rules with `detailed_metric` and for Envoy's per-route limit overrides (whose
+key is the descriptor itself). Those come from the caller, so every key past
+MAX_KEYS or MAX_KEY_BYTES is counted under the one key `overflow`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from sitsmesh.ratelimit.config import Rule
 from sitsmesh.ratelimit.store import Count
 
 MAX_DETAILED_KEYS = 1000
+MAX_KEYS = 10_000
+MAX_KEY_BYTES = 1 << 20
+OVERFLOW_KEY = "overflow"
 _log = logs.get("sitsmesh.ratelimit")
 OUTCOMES = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode")
 
@@ -41,6 +46,8 @@ class RuleMetrics:
         self._children: dict[str, tuple[Any, ...]] = {}
         self._pending: dict[str, list[int]] = {}
         self._detailed: set[str] = set()
+        self._keys: set[str] = set()
+        self._key_bytes = 0
         self._unknown_pending = 0
         self._global_shadow_pending = 0
 
@@ -60,7 +67,16 @@ class RuleMetrics:
                 key = detailed
         acc = self._pending.get(key)
         if acc is None:
-            acc = self._pending[key] = [0, 0, 0, 0, 0]
+            # Once per key and flush: a key's first sight decides whether it gets a label.
+            if key not in self._keys:
+                if len(self._keys) >= MAX_KEYS or self._key_bytes + len(key) > MAX_KEY_BYTES:
+                    key = OVERFLOW_KEY
+                else:
+                    self._keys.add(key)
+                    self._key_bytes += len(key)
+                acc = self._pending.get(key)
+            if acc is None:
+                acc = self._pending[key] = [0, 0, 0, 0, 0]
         acc[0] += addend
         if count.over:
             acc[1] += addend

@@ -9,12 +9,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from sitsmesh.chains.assembler import Assembler, Hop
+from sitsmesh.errors import InvalidArgumentError
+from sitsmesh.transport.errors import abort
 
 SERVICE_NAME = als_pb2.DESCRIPTOR.services_by_name["AccessLogService"].full_name
 STAGE_HEADER = "x-sits-stage"
+DEFAULT_MAX_REQUEST_ID = 128
 
 
 def hop_from_entry(entry: Any) -> Hop | None:
@@ -51,23 +55,46 @@ def hop_from_entry(entry: Any) -> Hop | None:
 
 class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     def __init__(self, assembler: Assembler,
-                 release: Callable[[str, float | None], bool]) -> None:
+                 release: Callable[[str, float | None], bool], *,
+                 max_request_id: int = DEFAULT_MAX_REQUEST_ID,
+                 on_drop: Callable[[str], None] | None = None) -> None:
         self._assembler = assembler
         self._release = release
+        self._max_request_id = max_request_id
+        self._on_drop = on_drop
         self.entries = 0
+        self.dropped = 0
 
     async def StreamAccessLogs(self, request_iterator: AsyncIterator[Any],
                                context: aio.ServicerContext[Any, Any]) -> Any:
         add, release = self._assembler.add, self._release
+        max_request_id = self._max_request_id
+        try:
+            await self._consume(request_iterator, add, release, max_request_id)
+        except DecodeError:
+            # grpc would answer UNKNOWN with an exception name; say what was wrong.
+            await abort(context, InvalidArgumentError(
+                "a StreamAccessLogsMessage could not be parsed"))
+        return als_pb2.StreamAccessLogsResponse()
+
+    async def _consume(self, request_iterator: AsyncIterator[Any], add: Callable[[Hop], None],
+                       release: Callable[[str, float | None], bool],
+                       max_request_id: int) -> None:
         async for message in request_iterator:
             for entry in message.http_logs.log_entry:
                 self.entries += 1
                 if entry.common_properties.intermediate_log_entry:
                     continue  # a periodic log of a long stream; its final entry follows
-                hop = hop_from_entry(entry)
                 request_id = entry.request.request_id
+                if len(request_id) > max_request_id:
+                    # Ids are kept (open and recently closed chains): one whose length the
+                    # sender chose is refused, not stored. Envoy's own ids are 36 long.
+                    self.dropped += 1
+                    if self._on_drop is not None:
+                        self._on_drop("request_id_too_long")
+                    continue
+                hop = hop_from_entry(entry)
                 if request_id:
                     release(request_id, hop.end if hop is not None else None)
                 if hop is not None:
                     add(hop)
-        return als_pb2.StreamAccessLogsResponse()

@@ -15,6 +15,7 @@ from google.rpc import code_pb2, status_pb2
 from grpc import aio
 
 from sitsmesh.authz.check import Allowed, Authorizer, CheckInput, Denied
+from sitsmesh.transport.checklimits import CheckLimits
 
 SERVICE_NAME = external_auth_pb2.DESCRIPTOR.services_by_name["Authorization"].full_name
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -85,10 +86,11 @@ MAX_CACHED_REPLIES = 10_000
 
 
 class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
-    def __init__(self, authorizer: Authorizer) -> None:
+    def __init__(self, authorizer: Authorizer, limits: CheckLimits | None = None) -> None:
         self._authorizer = authorizer
         self._jwt_key = authorizer.settings.jwt_metadata_key
         self._jwt_claim = authorizer.settings.jwt_tenant_claim
+        self.limits = limits or CheckLimits()
         # An answer depends only on its decision, and few distinct decisions exist
         # (tenant x priority x model x class): build each reply once, not per Check.
         self._replies: dict[Allowed | Denied, Any] = {}
@@ -103,6 +105,9 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
         return reply
 
     async def Check(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        refused = self.limits.screen(request)
+        if refused is not None:
+            return refused
         attributes = request.attributes
         is_http = attributes.request.HasField("http")
         http = attributes.request.http
@@ -121,7 +126,7 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
 
 def add_to_server(servicer: AuthorizationServicer, server: aio.Server) -> None:
     handlers = {"Check": grpc.unary_unary_rpc_method_handler(
-        servicer.Check, request_deserializer=external_auth_pb2.CheckRequest.FromString,
+        servicer.Check, request_deserializer=servicer.limits.deserializer(),
         response_serializer=external_auth_pb2.CheckResponse.SerializeToString)}
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -19,9 +19,12 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 from grpc import aio
 
+from sitsmesh.errors import InvalidArgumentError
 from sitsmesh.pressure.signals import EnvoySample
+from sitsmesh.transport.errors import abort
 
 SERVICE_NAME = "envoy.service.metrics.v3.MetricsService"
 _METHOD = "StreamMetrics"
@@ -77,8 +80,10 @@ StreamMetricsMessage, StreamMetricsResponse = _messages()
 
 def _cluster_and_stat(name: str, labels: Any) -> tuple[str, str] | None:
     """('cluster', 'stat') of a family we read: `cluster.NAME.STAT`, or with tags as
-    labels `cluster.STAT` and the cluster in a label. Cluster names may hold dots."""
-    if not name.startswith("cluster."):
+    labels `cluster.STAT` and the cluster in a label. Cluster names may hold dots.
+    The subset is proto2, whose parser hands back non-UTF-8 strings as bytes: those name
+    nothing Envoy sends, so they are skipped."""
+    if type(name) is not str or not name.startswith("cluster."):
         return None
     head, _, stat = name.rpartition(".")
     if stat not in _WANTED:
@@ -87,7 +92,8 @@ def _cluster_and_stat(name: str, labels: Any) -> tuple[str, str] | None:
         return head[len("cluster."):], stat
     for pair in labels:
         if pair.name == CLUSTER_TAG:
-            return pair.value, stat
+            value = pair.value
+            return (value, stat) if type(value) is str else None
     return None
 
 
@@ -123,13 +129,20 @@ class MetricsServicer:
     async def StreamMetrics(self, request_iterator: AsyncIterator[Any],
                             context: aio.ServicerContext[Any, Any]) -> Any:
         node = ""
-        async for message in request_iterator:
-            if message.HasField("identifier"):
-                # Sent on the stream's first message only.
-                node = message.identifier.node.id or context.peer()
-            samples = samples_from(message)
-            if samples:
-                self._on_samples(node or context.peer(), samples)
+        try:
+            async for message in request_iterator:
+                if message.HasField("identifier"):
+                    # Sent on the stream's first message only.
+                    node = message.identifier.node.id
+                    if type(node) is not str or not node:
+                        node = context.peer()
+                samples = samples_from(message)
+                if samples:
+                    self._on_samples(node or context.peer(), samples)
+        except DecodeError:
+            # grpc would answer UNKNOWN with an exception name; say what was wrong.
+            await abort(context, InvalidArgumentError(
+                "a StreamMetricsMessage could not be parsed"))
         return StreamMetricsResponse()
 
 

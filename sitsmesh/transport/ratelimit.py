@@ -11,7 +11,7 @@ from google.protobuf.struct_pb2 import Struct
 from grpc import aio
 
 from sitsmesh import logs
-from sitsmesh.errors import InvalidArgumentError, SitsmeshError
+from sitsmesh.errors import Code, InvalidArgumentError, SitsmeshError
 from sitsmesh.ratelimit.config import Rule
 from sitsmesh.ratelimit.limiter import Descriptor, RateLimiter
 from sitsmesh.transport.errors import abort
@@ -23,27 +23,53 @@ _OVER = rls_pb2.RateLimitResponse.OVER_LIMIT
 _log = logs.get("sitsmesh.ratelimit")
 
 
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+# The RateLimit messages kept for reuse: per-route overrides make a new rule (whose stats
+# key is the caller's descriptor) per request, so the cache is bounded in bytes.
+LIMIT_CACHE_BYTES = 4 << 20
+_LIMIT_ENTRY_BYTES = 400
+
+
+class MessageTooLargeError(SitsmeshError):
+    code = Code.RESOURCE_EXHAUSTED
+
+
 class _Undecodable:
-    """Stands in for a request protobuf could not parse (for example non-UTF-8 strings)."""
+    """Stands in for a request that was not parsed: protobuf could not (for example
+    non-UTF-8 strings), or it was too big to try."""
 
     __slots__ = ("error",)
 
-    def __init__(self, error: str) -> None:
+    def __init__(self, error: SitsmeshError) -> None:
         self.error = error
 
 
-def _deserialize(data: bytes) -> Any:
-    # grpc would answer a parse failure with UNKNOWN and an exception name; callers
-    # deserve INVALID_ARGUMENT and a reason.
-    try:
-        return _REQUEST.FromString(data)
-    except DecodeError as exc:
-        return _Undecodable(str(exc))
+_NOT_PARSED = InvalidArgumentError(
+    "request is not a valid RateLimitRequest (strings must be UTF-8)")
+
+
+def deserializer(max_bytes: int) -> Any:
+    """Parse a request of at most `max_bytes`; anything bigger is refused unparsed."""
+    too_large = _Undecodable(MessageTooLargeError(
+        f"RateLimitRequest larger than {max_bytes} bytes (max_ratelimit_message_bytes)"))
+    not_parsed = _Undecodable(_NOT_PARSED)
+
+    def deserialize(data: bytes) -> Any:
+        if len(data) > max_bytes:
+            return too_large
+        # grpc would answer a parse failure with UNKNOWN and an exception name; callers
+        # deserve INVALID_ARGUMENT and a reason.
+        try:
+            return _REQUEST.FromString(data)
+        except DecodeError:
+            return not_parsed
+
+    return deserialize
 
 
 def add_to_server(servicer: RateLimitServicer, server: aio.Server) -> None:
     handler = grpc.unary_unary_rpc_method_handler(
-        servicer.ShouldRateLimit, request_deserializer=_deserialize,
+        servicer.ShouldRateLimit, request_deserializer=deserializer(servicer.max_message_bytes),
         response_serializer=rls_pb2.RateLimitResponse.SerializeToString)
     handlers = {"ShouldRateLimit": handler}
     server.add_generic_rpc_handlers(
@@ -53,25 +79,30 @@ def add_to_server(servicer: RateLimitServicer, server: aio.Server) -> None:
 
 
 class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
-    def __init__(self, limiter: RateLimiter) -> None:
+    def __init__(self, limiter: RateLimiter,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self._limiter = limiter
+        self.max_message_bytes = max_message_bytes
         # One RateLimit message per rule, built once; rules live as long as their snapshot.
         self._limits: dict[int, Any] = {}
+        self._limits_bytes = 0
 
     def _limit(self, rule: Rule) -> Any:
         cached = self._limits.get(id(rule))
         if cached is None or cached[0] is not rule:
             message = rls_pb2.RateLimitResponse.RateLimit(
                 name=rule.name, requests_per_unit=rule.requests_per_unit, unit=int(rule.unit or 0))
-            if len(self._limits) > 100_000:
+            cost = _LIMIT_ENTRY_BYTES + len(rule.stats_key) + len(rule.name)
+            if len(self._limits) > 100_000 or self._limits_bytes + cost > LIMIT_CACHE_BYTES:
                 self._limits.clear()
+                self._limits_bytes = 0
             cached = self._limits[id(rule)] = (rule, message)
+            self._limits_bytes += cost
         return cached[1]
 
     async def ShouldRateLimit(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         if type(request) is _Undecodable:
-            await abort(context, InvalidArgumentError(
-                "request is not a valid RateLimitRequest (strings must be UTF-8)"))
+            await abort(context, request.error)
         descriptors = [
             Descriptor(tuple([(e.key, e.value) for e in d.entries]),
                        d.hits_addend.value if d.HasField("hits_addend") else None,

@@ -192,3 +192,40 @@ def test_stages_match_by_route_name_and_stage_header() -> None:
     assert report is not None and report.chains == 1
     assert {s.name: s.p50_ms for s in report.stages} == pytest.approx(
         {"edge": 30, "worker": 20}, rel=0.05)
+
+
+def test_open_chains_are_bounded_in_bytes_oldest_evicted_first() -> None:
+    evicted: list[str] = []
+    asm = Assembler({"demo": DEMO}, clock=Clock(), max_bytes=1 << 20, on_evict=evicted.append)
+    # Half chains (pre only) with 4 KB stage headers: each holds ~5 KB until its TTL.
+    for i in range(1000):
+        asm.add(Hop(f"r{i}", 0.0, 0.1, upstream_cluster="pre", stage_header="h" * 4096))
+        assert asm.open_bytes() <= 1 << 20
+    assert asm.evicted["max_bytes"] == len(evicted) > 0 and set(evicted) == {"max_bytes"}
+    assert asm.open_chains() == 1000 - len(evicted)
+    # The newest chains survived: r999's missing hops complete it.
+    for hop in _hops("r999", 0.0, 0.3, 0.2, 0.1)[1:]:
+        asm.add(hop)
+    report = asm.report("demo", 60)
+    assert report is not None and report.chains == 1
+    assert report.incomplete == len(evicted)
+
+
+def test_eviction_by_count_is_counted_apart() -> None:
+    evicted: list[str] = []
+    asm = Assembler({"demo": DEMO}, clock=Clock(), max_open=10, on_evict=evicted.append)
+    for i in range(15):
+        asm.add(Hop(f"r{i}", 0.0, 0.1, upstream_cluster="pre"))
+    assert evicted == ["max_open"] * 5 and asm.evicted == {"max_open": 5, "max_bytes": 0}
+
+
+def test_closed_ids_are_bounded_in_bytes() -> None:
+    asm = Assembler({"demo": DEMO}, clock=Clock(), max_bytes=1 << 20)
+    for i in range(2000):
+        for hop in _hops(f"{i:0>2000}", 0.0, 0.3, 0.2, 0.1):
+            asm.add(hop)
+    report = asm.report("demo", 60)
+    assert report is not None and report.chains == 2000
+    assert asm.open_bytes() == 0
+    # 2000 closed 2 KB ids would be 4 MB; a quarter of the 1 MiB budget holds them.
+    assert asm.closed_bytes() <= (1 << 20) // 4

@@ -242,7 +242,7 @@ async def test_bad_requests_are_rejected_and_count_nothing(
 async def test_huge_addend_is_over_without_poisoning_later_requests() -> None:
     clock = Clock(1_000_000.0)
     limiter, _ = _limiter(clock)
-    huge = await limiter.check("edge", [d("remote_address", "p")], hits_addend=2**32 - 1)
+    huge = await limiter.check("edge", [d("remote_address", "p")], hits_addend=1_000_000)
     assert huge.over
     clock.now += 1
     assert not (await limiter.check("edge", [d("remote_address", "p")])).over
