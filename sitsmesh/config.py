@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import ipaddress
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -18,41 +17,16 @@ from typing import Any
 
 import yaml
 
+from sitsmesh import netsettings
 from sitsmesh.errors import ConfigError
+from sitsmesh.netsettings import callers, data_address, identities
 
+# Defined in netsettings with the other address values; callers import them from here.
+Address = netsettings.Address
+parse_address = netsettings.parse_address
 ENV_PREFIX = "SITSMESH_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
-
-
-@dataclass(frozen=True, slots=True)
-class Address:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-def parse_address(text: str) -> Address:
-    """Parse HOST:PORT or [V6]:PORT. Raises ValueError with a readable reason."""
-    text = text.strip()
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or not rest.startswith(":"):
-            raise ValueError(f"expected [IPV6]:PORT, got {text!r}")
-        port_text = rest[1:]
-        ipaddress.IPv6Address(host)
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"expected HOST:PORT, got {text!r}")
-        if ":" in host:
-            raise ValueError(f"IPv6 hosts need brackets, as in [::1]:PORT; got {text!r}")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"port must be a number from 0 to 65535, got {port_text!r}")
-    return Address(host, int(port_text))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +46,9 @@ def default_state_dir() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    data_addr: Address = Address("127.0.0.1", 50051)
-    admin_addr: Address = Address("127.0.0.1", 50052)
-    metrics_addr: Address = Address("127.0.0.1", 9464)
+    data_addr: Address = Address("127.0.0.1", 50051)  # noqa: RUF009 - frozen
+    admin_addr: Address = Address("127.0.0.1", 50052)  # noqa: RUF009 - frozen
+    metrics_addr: Address = Address("127.0.0.1", 9464)  # noqa: RUF009 - frozen
     state_dir: Path = field(default_factory=default_state_dir)
     log_level: str = "info"
     log_format: str = "auto"
@@ -104,6 +78,17 @@ class Settings:
     triton_url: str = ""
     triton_metrics_url: str = ""
     triton_preflight_url: str = ""
+    # transport security (issue 13): TLS / mTLS, who may call, secrets in files
+    data_tls_cert_file: Path | None = None
+    data_tls_key_file: Path | None = None
+    data_tls_client_ca_file: Path | None = None
+    data_callers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    admin_tls_cert_file: Path | None = None
+    admin_tls_key_file: Path | None = None
+    admin_tls_client_ca_file: Path | None = None
+    admin_clients: tuple[str, ...] = ()
+    admin_insecure: bool = False
+    redis_password_file: Path | None = None
     config_file: Path | None = None
 
     @property
@@ -293,7 +278,7 @@ def _triton(raw: Any) -> tuple[TritonEndpoint, ...]:
 
 
 PARSERS: dict[str, Callable[[Any], Any]] = {
-    "data_addr": _address,
+    "data_addr": data_address,
     "admin_addr": _address,
     "metrics_addr": _address,
     "state_dir": _path,
@@ -325,6 +310,17 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "triton_url": _grpc_target,
     "triton_metrics_url": _http_url,
     "triton_preflight_url": _grpc_target,
+    # transport security (issue 13)
+    "data_tls_cert_file": _path,
+    "data_tls_key_file": _path,
+    "data_tls_client_ca_file": _path,
+    "data_callers": callers,
+    "admin_tls_cert_file": _path,
+    "admin_tls_key_file": _path,
+    "admin_tls_client_ca_file": _path,
+    "admin_clients": identities,
+    "admin_insecure": _bool,
+    "redis_password_file": _path,
 }
 FILE_KEYS = tuple(PARSERS)
 
@@ -391,7 +387,8 @@ def load_settings(
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from None
     settings = Settings(config_file=config_file, **values)
-    if settings.workers > 1 and settings.data_addr.port == 0:
+    # (A Unix socket, also port 0, gets its own message from `serve`'s checks.)
+    if settings.workers > 1 and settings.data_addr.port == 0 and not settings.data_addr.is_unix:
         raise ConfigError("data_addr: port 0 cannot be shared by several workers; pick a port")
     return settings
 
