@@ -1,0 +1,111 @@
+"""Envoy -> sitsmesh over mTLS with filters/tls/sitsmesh_mtls.yaml, through real Envoys:
+the allowlisted Envoy is answered; an Envoy with another identity, from the same CA, is
+refused and counted (its rate-limit filter fails open, as configured)."""
+
+from __future__ import annotations
+
+import string
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sitsmesh.dev import envoyconf, harness
+from tests.security import tlsnode
+from tests.security.pki import Ca, Pair, make_ca
+
+pytestmark = pytest.mark.integration
+
+MTLS = harness.REPO / "filters" / "tls" / "sitsmesh_mtls.yaml"
+BOOTSTRAP = harness.REPO / "filters" / "local" / "bootstrap.yaml"
+RATELIMIT_CONFIG = harness.REPO / "filters" / "local" / "ratelimit"
+SITSMESH_ID = "spiffe://cluster.local/ns/sitsmesh/sa/sitsmesh"
+ENVOY_ID = "spiffe://cluster.local/ns/istio-system/sa/istio-ingressgateway"
+
+
+def mtls_bootstrap(ca: Ca, envoy: Pair, sitsmesh_addr: str, upstream: int, listen: int,
+                   admin: int) -> dict[str, Any]:
+    values = harness.envoy_values(sitsmesh_addr, upstream, listen, admin)
+    config = envoyconf.render(BOOTSTRAP, values, ["ratelimit", "access_log"])
+    socket = yaml.safe_load(string.Template(MTLS.read_text()).substitute(
+        sitsmesh_ca=ca.cert, envoy_cert=envoy.cert, envoy_key=envoy.key,
+        sitsmesh_id=SITSMESH_ID))
+    [cluster] = [c for c in config["static_resources"]["clusters"]
+                 if c["name"] == "sitsmesh_data"]
+    cluster.update(socket)
+    return config
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> Ca:
+    return make_ca(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def procs() -> Iterator[list[harness.Proc]]:
+    started: list[harness.Proc] = []
+    yield started
+    for proc in started:
+        proc.kill()
+
+
+def test_the_mtls_fragment_validates_with_the_real_envoy(tmp_path: Path, ca: Ca) -> None:
+    envoy = ca.issue("envoy", f"URI:{ENVOY_ID}")
+    config = mtls_bootstrap(ca, envoy, "127.0.0.1:50051", 18080, 10000, 9901)
+    out = envoyconf.write(config, tmp_path / "envoy.yaml")
+    result = subprocess.run([harness.ENVOY, "--mode", "validate", "-c", str(out),
+                             "--disable-hot-restart"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _launch(tmp: Path, name: str, ca: Ca, pair: Pair, node: harness.Sitsmesh,
+            upstream: int) -> harness.Envoy:
+    listen, admin = harness.free_port(), harness.free_port()
+    work = tmp / name
+    work.mkdir()
+    config = envoyconf.write(mtls_bootstrap(ca, pair, node.data_addr, upstream, listen, admin),
+                             work / "envoy.yaml")
+    return harness.launch_envoy(config, listen, admin, work / "envoy.log")
+
+
+def _get(envoy: harness.Envoy) -> dict[str, str]:
+    req = urllib.request.Request(envoy.url("/v2/models/demo/infer"),
+                                 headers={"x-user": "alice"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.status == 200
+        return {k.lower(): v for k, v in resp.headers.items()}
+
+
+def test_envoy_reaches_sitsmesh_over_mtls_and_only_the_allowlisted_one_is_answered(
+        tmp_path: Path, ca: Ca, procs: list[harness.Proc]) -> None:
+    server = ca.issue("sitsmesh", "IP:127.0.0.1", f"URI:{SITSMESH_ID}")
+    envoy_pair = ca.issue("gateway", f"URI:{ENVOY_ID}")
+    intruder_pair = ca.issue("intruder", "URI:spiffe://cluster.local/ns/apps/sa/intruder")
+    node = tlsnode.start(
+        tmp_path, "--ratelimit-config", str(RATELIMIT_CONFIG),
+        "--data-tls-cert-file", str(server.cert), "--data-tls-key-file", str(server.key),
+        "--data-tls-client-ca-file", str(ca.cert),
+        "--data-callers", f"ratelimit={ENVOY_ID},accesslog={ENVOY_ID}",
+        data=(ca.cert, envoy_pair))
+    procs.append(node)
+    with harness.echo_upstream() as upstream:
+        gateway = _launch(tmp_path, "gateway", ca, envoy_pair, node, upstream)
+        procs.append(gateway)
+        # Envoy's gRPC health check crosses the mTLS connection too.
+        harness.wait_until(lambda: gateway.cluster_health("sitsmesh_data") == ["healthy"],
+                           15, "Envoy to see sitsmesh healthy over mTLS")
+        assert _get(gateway)["x-ratelimit-limit"].startswith("5, 5;w=60")
+
+        intruder = _launch(tmp_path, "intruder", ca, intruder_pair, node, upstream)
+        procs.append(intruder)
+        harness.wait_until(lambda: intruder.cluster_health("sitsmesh_data") == ["healthy"],
+                           15, "the intruder's Envoy to connect")
+        assert "x-ratelimit-limit" not in _get(intruder)  # refused; the filter fails open
+    refused = harness.metric_value(node.metrics(), "sitsmesh_data_calls_refused_total",
+                                   service="ratelimit")
+    assert refused >= 1
