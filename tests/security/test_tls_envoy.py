@@ -4,15 +4,20 @@ refused and counted (its rate-limit filter fails open, as configured)."""
 
 from __future__ import annotations
 
+import json
 import string
 import subprocess
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from sitsmesh.dev import envoyconf, harness
 from tests.security import tlsnode
@@ -28,9 +33,10 @@ ENVOY_ID = "spiffe://cluster.local/ns/istio-system/sa/istio-ingressgateway"
 
 
 def mtls_bootstrap(ca: Ca, envoy: Pair, sitsmesh_addr: str, upstream: int, listen: int,
-                   admin: int) -> dict[str, Any]:
+                   admin: int, fragments: tuple[str, ...] = ("ratelimit", "access_log")
+                   ) -> dict[str, Any]:
     values = harness.envoy_values(sitsmesh_addr, upstream, listen, admin)
-    config = envoyconf.render(BOOTSTRAP, values, ["ratelimit", "access_log"])
+    config = envoyconf.render(BOOTSTRAP, values, list(fragments))
     socket = yaml.safe_load(string.Template(MTLS.read_text()).substitute(
         sitsmesh_ca=ca.cert, envoy_cert=envoy.cert, envoy_key=envoy.key,
         sitsmesh_id=SITSMESH_ID))
@@ -64,12 +70,13 @@ def test_the_mtls_fragment_validates_with_the_real_envoy(tmp_path: Path, ca: Ca)
 
 
 def _launch(tmp: Path, name: str, ca: Ca, pair: Pair, node: harness.Sitsmesh,
-            upstream: int) -> harness.Envoy:
+            upstream: int, fragments: tuple[str, ...] = ("ratelimit", "access_log")
+            ) -> harness.Envoy:
     listen, admin = harness.free_port(), harness.free_port()
     work = tmp / name
     work.mkdir()
-    config = envoyconf.write(mtls_bootstrap(ca, pair, node.data_addr, upstream, listen, admin),
-                             work / "envoy.yaml")
+    config = envoyconf.write(mtls_bootstrap(ca, pair, node.data_addr, upstream, listen, admin,
+                                            fragments), work / "envoy.yaml")
     return harness.launch_envoy(config, listen, admin, work / "envoy.log")
 
 
@@ -109,3 +116,73 @@ def test_envoy_reaches_sitsmesh_over_mtls_and_only_the_allowlisted_one_is_answer
     refused = harness.metric_value(node.metrics(), "sitsmesh_data_calls_refused_total",
                                    service="ratelimit")
     assert refused >= 1
+
+
+def _infer(envoy: harness.Envoy, key: str) -> tuple[int, str]:
+    """(status, the x-request-id the upstream saw, which is what an attacker learns)."""
+    req = urllib.request.Request(envoy.url("/v2/models/llama-3/infer"), data=b"{}",
+                                 headers={"x-api-key": key}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())["headers"]["x-request-id"]
+    except urllib.error.HTTPError as err:
+        return err.code, ""
+
+
+def _release(addr: str, ca: Ca, pair: Pair, request_id: str) -> grpc.StatusCode:
+    """One access-log entry saying `request_id` ended: what frees its admission hold."""
+    message = als_pb2.StreamAccessLogsMessage()
+    message.identifier.log_name = "forged"
+    entry = message.http_logs.log_entry.add()
+    entry.request.request_id = request_id
+    entry.common_properties.start_time.seconds = int(time.time())
+    entry.common_properties.duration.nanos = 1_000_000
+    entry.response.response_code.value = 200
+    with tlsnode.channel(addr, ca.cert, pair) as ch:
+        try:
+            als_pb2_grpc.AccessLogServiceStub(ch).StreamAccessLogs(iter([message]), timeout=5)
+        except grpc.RpcError as exc:
+            code: grpc.StatusCode = exc.code()
+            return code
+    return grpc.StatusCode.OK
+
+
+def test_a_forged_access_log_from_an_unlisted_caller_frees_no_concurrency_hold(
+        tmp_path: Path, ca: Ca, procs: list[harness.Proc]) -> None:
+    """The probe's attack: end another tenant's admission hold with a forged entry."""
+    server = ca.issue("sitsmesh", "IP:127.0.0.1", f"URI:{SITSMESH_ID}")
+    envoy_pair = ca.issue("gateway", f"URI:{ENVOY_ID}")
+    intruder = ca.issue("intruder", "URI:spiffe://cluster.local/ns/apps/sa/intruder")
+    node = tlsnode.start(
+        tmp_path, "--admission-hold-seconds", "60", "--reload-interval-seconds", "0.2",
+        "--data-tls-cert-file", str(server.cert), "--data-tls-key-file", str(server.key),
+        "--data-tls-client-ca-file", str(ca.cert),
+        "--data-callers", f"authz={ENVOY_ID},accesslog={ENVOY_ID}",
+        data=(ca.cert, envoy_pair))
+    procs.append(node)
+    assert node.cli("tenants", "create", "acme", "--models", "llama-*",
+                    "--max-concurrency", "1").returncode == 0
+    made = node.cli("apikeys", "create", "--tenant", "acme", "--output", "json")
+    key = json.loads(made.stdout)["key"]
+    with harness.echo_upstream() as upstream:
+        gateway = _launch(tmp_path, "gateway", ca, envoy_pair, node, upstream, ("ext_authz",))
+        procs.append(gateway)
+        admitted: list[str] = []
+
+        def admit() -> bool:
+            status, request_id = _infer(gateway, key)
+            admitted.extend([request_id] if status == 200 else [])
+            return status == 200
+
+        harness.wait_until(admit, 10, "the key to apply")
+        [held] = admitted
+        assert _infer(gateway, key)[0] == 429  # the cap of 1 is held for 60 s
+
+        assert _release(node.data_addr, ca, intruder, held) == grpc.StatusCode.PERMISSION_DENIED
+        time.sleep(0.3)
+        assert _infer(gateway, key)[0] == 429, "a forged entry freed the hold"
+
+        # The same entry from the allowlisted identity does free it: the refusal above is
+        # what protected the hold, not a malformed entry.
+        assert _release(node.data_addr, ca, envoy_pair, held) == grpc.StatusCode.OK
+        harness.wait_until(lambda: _infer(gateway, key)[0] == 200, 5, "the hold to be freed")
