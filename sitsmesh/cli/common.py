@@ -53,22 +53,26 @@ def add_common_admin(p: argparse.ArgumentParser) -> None:
                    help="file holding the admin token (or SITSMESH_ADMIN_TOKEN_FILE; "
                    "default STATE_DIR/admin-token)")
     p.add_argument("--state-dir", dest="state_dir", help="where to find admin-token")
-    tls = p.add_argument_group("TLS to the admin API (any of them turns TLS on)")
-    for flag, env, what in _TLS_FLAGS:
-        tls.add_argument(flag, metavar="PEM" if flag != "--server-name" else "NAME",
-                         help=f"{what} (or {env})")
+    add_tls_flags(p, "admin API")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     p.add_argument("--output", "-o", choices=("table", "json"), default="table")
 
 
 # flag, environment variable, help: what the CLI needs to speak TLS / mTLS to `serve`.
 _TLS_FLAGS = (
-    ("--ca", "SITSMESH_ADMIN_CA", "CA bundle that signed the admin server's certificate"),
-    ("--cert", "SITSMESH_ADMIN_CERT", "client certificate, when the admin API wants mTLS"),
+    ("--ca", "SITSMESH_ADMIN_CA", "CA bundle that signed the server's certificate"),
+    ("--cert", "SITSMESH_ADMIN_CERT", "client certificate, when the server wants mTLS"),
     ("--key", "SITSMESH_ADMIN_KEY", "private key of --cert"),
     ("--server-name", "SITSMESH_ADMIN_SERVER_NAME",
      "name to verify in the server's certificate, when it differs from --admin's host"),
 )
+
+
+def add_tls_flags(p: argparse.ArgumentParser, what: str) -> None:
+    tls = p.add_argument_group(f"TLS to the {what} (any of these turns TLS on)")
+    for flag, env, meaning in _TLS_FLAGS:
+        tls.add_argument(flag, metavar="PEM" if flag != "--server-name" else "NAME",
+                         help=f"{meaning} (or {env})")
 
 
 def _tls_option(args: argparse.Namespace, flag: str, env: str) -> str:
@@ -77,7 +81,8 @@ def _tls_option(args: argparse.Namespace, flag: str, env: str) -> str:
 
 
 def admin_channel(args: argparse.Namespace, target: str) -> Any:
-    """A channel to the admin API: TLS when --ca/--cert/--key (or their variables) say so."""
+    """A channel to `target` (the admin API, or the data plane for `health`): TLS when
+    --ca/--cert/--key (or their variables) say so."""
     import grpc
 
     ca, cert, key, name = (_tls_option(args, flag, env) for flag, env, _ in _TLS_FLAGS)

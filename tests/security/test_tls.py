@@ -71,6 +71,12 @@ def test_data_plane_mtls_needs_a_client_certificate_from_the_ca(
     assert tlsnode.health(node.data_addr, ca.cert, sre) == tlsnode.SERVING
     assert tlsnode.health(node.data_addr, ca.cert) is None
     assert tlsnode.health(node.data_addr, ca.cert, stranger) is None
+    # `sitsmesh health` (the image's HEALTHCHECK, exec probes) speaks mTLS too.
+    probe = harness.run_cli("health", "--addr", node.data_addr, "--ca", str(ca.cert),
+                            "--cert", str(sre.cert), "--key", str(sre.key))
+    assert (probe.returncode, probe.stdout.strip()) == (0, "SERVING"), probe.stderr
+    assert harness.run_cli("health", "--addr", node.data_addr, "--ca",
+                           str(ca.cert)).returncode == 1
 
 
 def test_rotated_certificate_files_are_served_without_a_restart(
