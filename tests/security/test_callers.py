@@ -108,11 +108,14 @@ def test_an_allowlist_without_mtls_refuses_to_start(tmp_path: Path, ca: Ca) -> N
             "data_tls_client_ca_file (with data_tls_cert_file and data_tls_key_file)")
 
 
-def test_admin_auth_failures_name_the_peer_and_short_tokens_are_warned(
+def test_admin_auth_failures_name_the_peer_and_weak_secrets_are_warned(
         tmp_path: Path, nodes: list[harness.Sitsmesh]) -> None:
-    node = harness.start_sitsmesh(tmp_path, env={"SITSMESH_ADMIN_TOKEN": "short-token"})
+    # The memory store never dials this URL; its password is only warned about.
+    node = harness.start_sitsmesh(tmp_path, env={"SITSMESH_ADMIN_TOKEN": "short-token",
+                                                 "SITSMESH_REDIS_URL": "redis://:pw@h:1/0"})
     nodes.append(node)
     assert "admin token is short" in node.output()
+    assert "redis_url carries a password" in node.output()
     wrong = harness.run_cli("status", "--admin", node.admin_addr,
                             env={"SITSMESH_ADMIN_TOKEN": "not-the-token"})
     assert wrong.returncode == 1 and "UNAUTHENTICATED" in wrong.stderr

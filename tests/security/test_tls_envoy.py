@@ -18,6 +18,7 @@ import grpc
 import pytest
 import yaml
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from sitsmesh.dev import envoyconf, harness
 from tests.security import tlsnode
@@ -107,6 +108,16 @@ def test_envoy_reaches_sitsmesh_over_mtls_and_only_the_allowlisted_one_is_answer
         harness.wait_until(lambda: gateway.cluster_health("sitsmesh_data") == ["healthy"],
                            15, "Envoy to see sitsmesh healthy over mTLS")
         assert _get(gateway)["x-ratelimit-limit"].startswith("5, 5;w=60")
+        # Spending alice's limit directly (the probe's second finding) is refused...
+        request = rls_pb2.RateLimitRequest(domain="sitsmesh-local", hits_addend=1)
+        request.descriptors.add().entries.add(key="user", value="alice")
+        with tlsnode.channel(node.data_addr, ca.cert, intruder_pair) as ch:
+            for _ in range(6):
+                with pytest.raises(grpc.RpcError) as spent:
+                    rls_pb2_grpc.RateLimitServiceStub(ch).ShouldRateLimit(request, timeout=5)
+                assert spent.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # ...so her second request of the minute still has 3 left after it.
+        assert _get(gateway)["x-ratelimit-remaining"] == "3"
 
         intruder = _launch(tmp_path, "intruder", ca, intruder_pair, node, upstream)
         procs.append(intruder)
