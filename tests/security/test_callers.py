@@ -176,3 +176,24 @@ def test_redis_password_comes_from_a_file(tmp_path: Path,
         assert password not in node.output()
     finally:
         redis.kill()
+
+
+def test_workers_serve_mtls_and_count_refusals_where_the_supervisor_sees_them(
+        tmp_path: Path, ca: Ca, nodes: list[harness.Sitsmesh]) -> None:
+    server = ca.issue("server", "IP:127.0.0.1")
+    envoy = ca.issue("envoy", f"URI:{ENVOY_ID}")
+    intruder = ca.issue("intruder", "URI:spiffe://cluster.local/ns/apps/sa/intruder")
+    node = tlsnode.start(
+        tmp_path, "--workers", "2", "--data-tls-cert-file", str(server.cert),
+        "--data-tls-key-file", str(server.key), "--data-tls-client-ca-file", str(ca.cert),
+        "--data-callers", f"ratelimit={ENVOY_ID}", data=(ca.cert, envoy))
+    nodes.append(node)
+    for _ in range(4):  # new connections: SO_REUSEPORT spreads them over the workers
+        with tlsnode.channel(node.data_addr, ca.cert, intruder) as ch:
+            with pytest.raises(grpc.RpcError) as refused:
+                _should_rate_limit(ch)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with tlsnode.channel(node.data_addr, ca.cert, envoy) as ch:
+            assert _should_rate_limit(ch).overall_code == rls_pb2.RateLimitResponse.OK
+    assert harness.metric_value(node.metrics(), "sitsmesh_data_calls_refused_total",
+                                service="ratelimit") == 4
