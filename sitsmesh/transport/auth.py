@@ -124,7 +124,12 @@ class CallerGate:
             return handler
 
         def permitted(context: aio.ServicerContext[Any, Any]) -> bool:
-            sans = context.auth_context().get(SAN_PROPERTY)
+            # peer_identities() is the SANs when the certificate has any (else its CN,
+            # which is no identity here); ~1 us, where auth_context() costs 5-8 us
+            # because it copies every property, the PEM certificate included.
+            if context.peer_identity_key() != SAN_PROPERTY:
+                return False
+            sans = context.peer_identities()
             return sans is not None and not allowed.isdisjoint(sans)
 
         async def refuse(context: aio.ServicerContext[Any, Any]) -> None:

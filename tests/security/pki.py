@@ -39,15 +39,18 @@ class Ca:
         return self.directory / f"{self.name}.key"
 
     def issue(self, name: str, *sans: str) -> Pair:
-        """A leaf signed by this CA with the given subjectAltNames (DNS:.., IP:.., URI:..)."""
-        stem = self.directory / f"{self.name}-{name}"
+        """A leaf signed by this CA, CN `name`, with the given subjectAltNames (DNS:..,
+        IP:.., URI:..; none at all when there are none)."""
+        stem = self.directory / f"{self.name}-{name.replace('/', '_').replace(':', '_')}"
         csr = stem.with_suffix(".csr")
         ext = stem.with_suffix(".ext")
-        ext.write_text(f"subjectAltName={','.join(sans)}\nbasicConstraints=CA:FALSE\n"
+        alt = f"subjectAltName={','.join(sans)}\n" if sans else ""
+        ext.write_text(f"{alt}basicConstraints=CA:FALSE\n"
                        "keyUsage=critical,digitalSignature,keyEncipherment\n"
                        "extendedKeyUsage=serverAuth,clientAuth\n")
         pair = Pair(stem.with_suffix(".pem"), stem.with_suffix(".key"))
-        _openssl("req", *_KEY, "-keyout", pair.key, "-out", csr, "-subj", f"/CN={name}")
+        _openssl("req", *_KEY, "-keyout", pair.key, "-out", csr, "-subj",
+                 "/CN=" + name.replace("/", "\\/"))
         _openssl("x509", "-req", "-in", csr, "-CA", self.cert, "-CAkey", self.key,
                  "-set_serial", str(secrets.randbits(63)), "-days", "2", "-out", pair.cert,
                  "-extfile", ext)
@@ -69,3 +72,9 @@ def install(pair: Pair, cert: Path, key: Path) -> None:
         tmp = target.with_name(f".{target.name}.new")
         shutil.copyfile(source, tmp)
         tmp.replace(target)
+
+
+def subject(cert: Path) -> str:
+    done = subprocess.run([OPENSSL, "x509", "-noout", "-subject", "-in", str(cert)],
+                          check=True, capture_output=True, text=True, timeout=30)
+    return done.stdout.strip()

@@ -18,7 +18,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from sitsmesh.dev import harness
-from tests.security import tlsnode
+from tests.security import pki, tlsnode
 from tests.security.pki import Ca, make_ca
 
 pytestmark = pytest.mark.integration
@@ -84,6 +84,14 @@ def test_data_plane_services_answer_only_their_allowlisted_callers(
         # Health stays open to probes whatever the allowlists say.
         assert tlsnode.health(node.data_addr, ca.cert, intruder) == tlsnode.SERVING
 
+    # A certificate naming the Envoy only in its CN, with no SAN, is not that identity.
+    cn_only = ca.issue(ENVOY_ID)
+    assert f"CN = {ENVOY_ID}" in pki.subject(cn_only.cert)
+    with tlsnode.channel(node.data_addr, ca.cert, cn_only) as ch, \
+            pytest.raises(grpc.RpcError) as by_cn:
+        _should_rate_limit(ch)
+    assert by_cn.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
     with tlsnode.channel(node.data_addr, ca.cert, envoy) as ch:
         assert _should_rate_limit(ch).overall_code == rls_pb2.RateLimitResponse.OK
         als_pb2_grpc.AccessLogServiceStub(ch).StreamAccessLogs(_forged_entries(3), timeout=5)
@@ -92,7 +100,7 @@ def test_data_plane_services_answer_only_their_allowlisted_callers(
     assert harness.metric_value(metrics, "sitsmesh_data_calls_refused_total",
                                 service="accesslog") == 1
     assert harness.metric_value(metrics, "sitsmesh_data_calls_refused_total",
-                                service="ratelimit") == 1
+                                service="ratelimit") == 2  # the intruder's, the CN-only one
     assert "data-plane call refused" in node.output()
 
 

@@ -28,6 +28,12 @@ class Context:
     def auth_context(self) -> dict[str, list[bytes]]:
         return self._auth
 
+    def peer_identity_key(self) -> str | None:
+        return SAN_PROPERTY if self._auth else None
+
+    def peer_identities(self) -> list[bytes] | None:
+        return self._auth.get(SAN_PROPERTY)
+
     def peer(self) -> str:
         return "ipv4:10.0.0.9:40000"
 
