@@ -25,6 +25,7 @@ _log = logs.get("sitsmesh.tls")
 RECHECK_S = 1.0
 MIN_TOKEN_BYTES = 32
 Stamp = tuple[tuple[int, int, int], ...]
+_KEYS = ("cert_file", "key_file", "client_ca_file")  # each setting is SIDE_tls_KEY
 
 
 def refused_calls(registry: CollectorRegistry | None) -> Counter:
@@ -49,29 +50,48 @@ class CertFiles:
     def __init__(self, server: str, cert: Path, key: Path, client_ca: Path | None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.server = server
-        self._paths = (cert, key) if client_ca is None else (cert, key, client_ca)
+        self._paths: tuple[Path, ...] = (cert, key) + ((client_ca,) if client_ca else ())
         self.mutual = client_ca is not None
         self._clock = clock
         try:
             self._stamp, self._initial = self._load()
         except (OSError, ssl.SSLError, ValueError) as exc:
-            raise StartupError(f"{server} TLS: {_reason(exc)}") from None
+            raise StartupError(_reason(exc)) from None
         self._checked = clock()
         self.reloads = 0
 
     def _stat(self) -> Stamp:
-        stats = [p.stat() for p in self._paths]
-        return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in stats)
+        stamps = []
+        for key, path in zip(_KEYS, self._paths, strict=False):
+            try:
+                st = path.stat()
+            except OSError as exc:
+                raise ValueError(f"{self.server}_tls_{key} {path}: cannot read: "
+                                 f"{exc.strerror or exc}") from None
+            stamps.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(stamps)
 
     def _load(self) -> tuple[Stamp, grpc.ServerCertificateConfiguration]:
         before = self._stat()
-        cert, key, *ca = (_read(p) for p in self._paths)
-        # ssl reports a key that does not match its certificate, or a file that is not
-        # PEM, in words; grpc would only fail the handshakes later.
+        cert, key, *ca = (_read(f"{self.server}_tls_{k}", p)
+                          for k, p in zip(_KEYS, self._paths, strict=False))
+        # Checked here because grpc would accept them and only fail the handshakes later.
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(self._paths[0], self._paths[1])
+        side = self.server
+        try:
+            context.load_cert_chain(self._paths[0], self._paths[1])
+        except ssl.SSLError as exc:
+            problem = ("the key does not match the certificate"
+                       if "KEY_VALUES_MISMATCH" in str(exc) else
+                       "not a PEM certificate chain and private key")
+            raise ValueError(f"{side}_tls_cert_file {self._paths[0]} and {side}_tls_key_file "
+                             f"{self._paths[1]}: {problem}") from None
         if ca:
-            context.load_verify_locations(cadata=ca[0].decode("ascii", errors="replace"))
+            try:
+                context.load_verify_locations(cadata=ca[0].decode("ascii", errors="replace"))
+            except (ssl.SSLError, ValueError):
+                raise ValueError(f"{side}_tls_client_ca_file {self._paths[2]}: not a PEM CA "
+                                 "bundle") from None
         if self._stat() != before:
             raise ValueError("the files changed while being read")
         config = grpc.ssl_server_certificate_configuration(
@@ -113,18 +133,19 @@ def cert_files(settings: Settings, server: str) -> CertFiles | None:
     return CertFiles(server, cert, key, getattr(settings, f"{server}_tls_client_ca_file"))
 
 
-def _read(path: Path) -> bytes:
-    data = path.read_bytes()
+def _read(key: str, path: Path) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{key} {path}: cannot read: {exc.strerror or exc}") from None
     if not data.strip():
-        raise ValueError(f"{path}: file is empty")
+        raise ValueError(f"{key} {path}: file is empty")
     return data
 
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.filename:
-        return f"{exc.filename}: {exc.strerror or exc}"
-    if isinstance(exc, ssl.SSLError):
-        return f"certificate, key or CA does not load: {exc.reason or exc}"
+        return f"{exc.filename}: cannot read: {exc.strerror or exc}"
     return str(exc)
 
 

@@ -188,3 +188,30 @@ def test_admin_allowlist_and_audit_actor_come_from_the_client_certificate(
             admin_pb2.ListThresholdChangesRequest(pipeline="demo"), metadata=metadata,
             timeout=5).changes
     assert [c.actor for c in changes] == ["spiffe://test/sre (claims root@somewhere)"]
+
+
+def test_bad_tls_files_stop_serve_before_anything_changes(tmp_path: Path, ca: Ca,
+                                                          server_pair: Pair) -> None:
+    other = ca.issue("other", "IP:127.0.0.1")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    missing = tmp_path / "missing.pem"
+    cases = [
+        (["--data-tls-cert-file", str(missing), "--data-tls-key-file", str(server_pair.key)],
+         f"data_tls_cert_file {missing}: cannot read: No such file or directory"),
+        (["--data-tls-cert-file", str(server_pair.cert), "--data-tls-key-file", str(other.key)],
+         f"data_tls_cert_file {server_pair.cert} and data_tls_key_file {other.key}: the key "
+         "does not match the certificate"),
+        (["--data-tls-cert-file", str(junk), "--data-tls-key-file", str(server_pair.key)],
+         f"data_tls_cert_file {junk} and data_tls_key_file {server_pair.key}: not a PEM "
+         "certificate chain and private key"),
+        ([*_admin_tls(server_pair), "--admin-tls-client-ca-file", str(server_pair.key)],
+         f"admin_tls_client_ca_file {server_pair.key}: not a PEM CA bundle"),
+        (["--data-tls-key-file", str(server_pair.key)],
+         "data_tls_cert_file and data_tls_key_file: set both or neither"),
+    ]
+    state = tmp_path / "state"
+    for flags, message in cases:
+        done = harness.run_cli("serve", "--state-dir", str(state), *flags)
+        assert (done.returncode, done.stderr.strip()) == (2, f"sitsmesh: error: {message}")
+    assert not state.exists()
