@@ -26,24 +26,48 @@ from tests.security.pki import Ca, Pair, make_ca
 
 pytestmark = pytest.mark.integration
 
-MTLS = harness.REPO / "filters" / "tls" / "sitsmesh_mtls.yaml"
+TLS = harness.REPO / "filters" / "tls"
 BOOTSTRAP = harness.REPO / "filters" / "local" / "bootstrap.yaml"
 RATELIMIT_CONFIG = harness.REPO / "filters" / "local" / "ratelimit"
 SITSMESH_ID = "spiffe://cluster.local/ns/sitsmesh/sa/sitsmesh"
 ENVOY_ID = "spiffe://cluster.local/ns/istio-system/sa/istio-ingressgateway"
 
 
-def mtls_bootstrap(ca: Ca, envoy: Pair, sitsmesh_addr: str, upstream: int, listen: int,
-                   admin: int, fragments: tuple[str, ...] = ("ratelimit", "access_log")
-                   ) -> dict[str, Any]:
+def secret_dir(path: Path, ca: Ca, pair: Pair) -> Path:
+    """`path` laid out like a mounted Kubernetes Secret, holding `pair` and `ca`: each file
+    a link into ..data, itself a link to a versioned directory. Called again, it rotates
+    the content the way the kubelet does: a new version, then one atomic rename."""
+    path.mkdir(parents=True, exist_ok=True)
+    version = path / f"..{time.monotonic_ns()}"
+    version.mkdir()
+    for name, source in (("tls.crt", pair.cert), ("tls.key", pair.key), ("ca.crt", ca.cert)):
+        (version / name).write_bytes(source.read_bytes())
+        if not (path / name).is_symlink():
+            (path / name).symlink_to(f"..data/{name}")
+    (path / "..data_tmp").symlink_to(version.name)
+    (path / "..data_tmp").replace(path / "..data")
+    return path
+
+
+def mtls_bootstrap(work: Path, ca: Ca, envoy: Pair, sitsmesh_addr: str, upstream: int,
+                   listen: int, admin: int,
+                   fragments: tuple[str, ...] = ("ratelimit", "access_log")) -> dict[str, Any]:
+    """The local bootstrap with filters/tls/sitsmesh_mtls.yaml on its sitsmesh cluster,
+    Envoy's certificate in `work`/secret and the SDS files in `work`/sds."""
     values = harness.envoy_values(sitsmesh_addr, upstream, listen, admin)
     config = envoyconf.render(BOOTSTRAP, values, list(fragments))
-    socket = yaml.safe_load(string.Template(MTLS.read_text()).substitute(
-        sitsmesh_ca=ca.cert, envoy_cert=envoy.cert, envoy_key=envoy.key,
-        sitsmesh_id=SITSMESH_ID))
+    secret = secret_dir(work / "secret", ca, envoy)
+    sds = work / "sds"
+    sds.mkdir(parents=True, exist_ok=True)
+    for name in ("sds_client.yaml", "sds_ca.yaml"):
+        (sds / name).write_text(string.Template((TLS / name).read_text()).substitute(
+            cert_dir=secret))
+    socket = yaml.safe_load(string.Template((TLS / "sitsmesh_mtls.yaml").read_text())
+                            .substitute(sds_dir=sds, sitsmesh_id=SITSMESH_ID))
     [cluster] = [c for c in config["static_resources"]["clusters"]
                  if c["name"] == "sitsmesh_data"]
     cluster.update(socket)
+    config.setdefault("node", {"id": "gateway", "cluster": "gateway"})  # SDS needs both
     return config
 
 
@@ -62,7 +86,7 @@ def procs() -> Iterator[list[harness.Proc]]:
 
 def test_the_mtls_fragment_validates_with_the_real_envoy(tmp_path: Path, ca: Ca) -> None:
     envoy = ca.issue("envoy", f"URI:{ENVOY_ID}")
-    config = mtls_bootstrap(ca, envoy, "127.0.0.1:50051", 18080, 10000, 9901)
+    config = mtls_bootstrap(tmp_path, ca, envoy, "127.0.0.1:50051", 18080, 10000, 9901)
     out = envoyconf.write(config, tmp_path / "envoy.yaml")
     result = subprocess.run([harness.ENVOY, "--mode", "validate", "-c", str(out),
                              "--disable-hot-restart"],
@@ -76,8 +100,8 @@ def _launch(tmp: Path, name: str, ca: Ca, pair: Pair, node: harness.Sitsmesh,
     listen, admin = harness.free_port(), harness.free_port()
     work = tmp / name
     work.mkdir()
-    config = envoyconf.write(mtls_bootstrap(ca, pair, node.data_addr, upstream, listen, admin,
-                                            fragments), work / "envoy.yaml")
+    config = envoyconf.write(mtls_bootstrap(work, ca, pair, node.data_addr, upstream, listen,
+                                            admin, fragments), work / "envoy.yaml")
     return harness.launch_envoy(config, listen, admin, work / "envoy.log")
 
 
@@ -197,3 +221,34 @@ def test_a_forged_access_log_from_an_unlisted_caller_frees_no_concurrency_hold(
         # what protected the hold, not a malformed entry.
         assert _release(node.data_addr, ca, envoy_pair, held) == grpc.StatusCode.OK
         harness.wait_until(lambda: _infer(gateway, key)[0] == 200, 5, "the hold to be freed")
+
+
+def test_envoy_presents_its_rotated_certificate_without_a_restart(
+        tmp_path: Path, ca: Ca, procs: list[harness.Proc]) -> None:
+    """Envoy's client certificate rotates like a mounted Secret; its next connection to
+    sitsmesh (here after sitsmesh restarts on the same port) carries the new identity."""
+    server = ca.issue("sitsmesh", "IP:127.0.0.1", f"URI:{SITSMESH_ID}")
+    old, new = (ca.issue(n, f"URI:{ENVOY_ID}-{n}") for n in ("old", "new"))
+    addr = f"127.0.0.1:{harness.free_port()}"
+    flags = ["--ratelimit-config", str(RATELIMIT_CONFIG),
+             "--data-tls-cert-file", str(server.cert), "--data-tls-key-file", str(server.key),
+             "--data-tls-client-ca-file", str(ca.cert),
+             "--data-callers", f"ratelimit={ENVOY_ID}-new"]  # only the rotated identity
+    first = tlsnode.start(tmp_path, *flags, data=(ca.cert, new), name="first", data_addr=addr)
+    procs.append(first)
+    with harness.echo_upstream() as upstream:
+        gateway = _launch(tmp_path, "gateway", ca, old, first, upstream)
+        procs.append(gateway)
+        harness.wait_until(lambda: gateway.cluster_health("sitsmesh_data") == ["healthy"],
+                           15, "Envoy to reach sitsmesh")
+        assert "x-ratelimit-limit" not in _get(gateway)  # the old identity is refused
+
+        secret_dir(tmp_path / "gateway" / "secret", ca, new)
+        time.sleep(1)  # Envoy's directory watch reads the new pair
+        assert first.stop() == 0
+        second = tlsnode.start(tmp_path, *flags, data=(ca.cert, new), name="second",
+                               data_addr=addr)
+        procs.append(second)
+        harness.wait_until(lambda: "x-ratelimit-limit" in _get(gateway), 15,
+                           "Envoy to present the rotated certificate")
+        assert gateway.proc.poll() is None

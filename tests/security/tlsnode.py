@@ -38,10 +38,14 @@ def health(addr: str, ca: Path | None = None, client: Pair | None = None) -> int
 
 def start(tmp: Path, *extra: str, data: tuple[Path | None, Pair | None] = (None, None),
           admin: tuple[Path | None, Pair | None] = (None, None),
-          env: dict[str, str] | None = None, name: str = "sitsmesh") -> harness.Sitsmesh:
+          env: dict[str, str] | None = None, name: str = "sitsmesh",
+          data_addr: str = "") -> harness.Sitsmesh:
     """`serve` with `extra` flags, returned once both servers answer health over the
-    transport `data` / `admin` describe: (CA to trust or None for plaintext, client pair)."""
-    node = harness.start_sitsmesh(tmp, *extra, env=env, wait=False, name=name)
+    transport `data` / `admin` describe: (CA to trust or None for plaintext, client pair).
+    `data_addr`: a fixed data address (to restart on the same one)."""
+    fixed = ("--data-addr", data_addr) if data_addr else ()
+    node = harness.start_sitsmesh(tmp, *extra, *fixed, env=env, wait=False, name=name)
+    node.data_addr = data_addr or node.data_addr
 
     def up() -> bool:
         if node.proc.poll() is not None:
