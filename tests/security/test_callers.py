@@ -9,6 +9,7 @@ tokens are warned about, and secrets can come from files."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -205,3 +206,63 @@ def test_workers_serve_mtls_and_count_refusals_where_the_supervisor_sees_them(
             assert _should_rate_limit(ch).overall_code == rls_pb2.RateLimitResponse.OK
     assert harness.metric_value(node.metrics(), "sitsmesh_data_calls_refused_total",
                                 service="ratelimit") == 4
+
+
+PIPELINE = """name: plain
+models: ["svc"]
+stages:
+  - name: svc
+    match: {upstream_cluster: upstream}
+    sla_p99_ms: 250
+"""
+
+
+def _failures(count: int) -> Iterator[als_pb2.StreamAccessLogsMessage]:
+    """`count` entries of 503s on the stage's cluster over the last second."""
+    now = time.time()
+    message = als_pb2.StreamAccessLogsMessage()
+    message.identifier.log_name = "forged"
+    for i in range(count):
+        entry = message.http_logs.log_entry.add()
+        entry.request.request_id = f"forged-{i}"
+        started = now - 1.0 + i / count
+        entry.common_properties.start_time.FromNanoseconds(int(started * 1e9))
+        entry.common_properties.duration.nanos = 5_000_000
+        entry.common_properties.upstream_cluster = "upstream"
+        entry.response.response_code.value = 503
+    yield message
+
+
+def _levels(node: harness.Sitsmesh, seconds: float) -> set[str]:
+    seen = set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seen.add(node.pressure("plain").level)
+        time.sleep(0.2)
+    return seen
+
+
+def test_forged_failures_from_an_unlisted_caller_do_not_mark_a_stage_overloaded(
+        tmp_path: Path, ca: Ca, nodes: list[harness.Sitsmesh]) -> None:
+    server = ca.issue("server", "IP:127.0.0.1")
+    envoy = ca.issue("envoy", f"URI:{ENVOY_ID}")
+    intruder = ca.issue("intruder", "URI:spiffe://cluster.local/ns/apps/sa/intruder")
+    node = tlsnode.start(
+        tmp_path, "--data-tls-cert-file", str(server.cert), "--data-tls-key-file",
+        str(server.key), "--data-tls-client-ca-file", str(ca.cert),
+        "--data-callers", f"accesslog={ENVOY_ID}", data=(ca.cert, envoy))
+    nodes.append(node)
+    (tmp_path / "plain.yaml").write_text(PIPELINE)
+    assert node.cli("pipelines", "apply", str(tmp_path / "plain.yaml")).returncode == 0
+
+    with tlsnode.channel(node.data_addr, ca.cert, intruder) as ch, \
+            pytest.raises(grpc.RpcError) as refused:
+        als_pb2_grpc.AccessLogServiceStub(ch).StreamAccessLogs(_failures(1800), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert _levels(node, 1.5) == {"ok"}
+
+    # The same entries from the allowlisted Envoy are believed: the attack was real.
+    with tlsnode.channel(node.data_addr, ca.cert, envoy) as ch:
+        als_pb2_grpc.AccessLogServiceStub(ch).StreamAccessLogs(_failures(1800), timeout=10)
+    harness.wait_until(lambda: node.pressure("plain").level == "overloaded", 5,
+                       "the believed failures to mark the stage overloaded")
