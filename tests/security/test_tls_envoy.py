@@ -122,11 +122,12 @@ def test_envoy_reaches_sitsmesh_over_mtls_and_only_the_allowlisted_one_is_answer
         tmp_path, "--ratelimit-config", str(RATELIMIT_CONFIG),
         "--data-tls-cert-file", str(server.cert), "--data-tls-key-file", str(server.key),
         "--data-tls-client-ca-file", str(ca.cert),
-        "--data-callers", f"ratelimit={ENVOY_ID},accesslog={ENVOY_ID}",
+        "--data-callers", f"ratelimit={ENVOY_ID},accesslog={ENVOY_ID},metrics={ENVOY_ID}",
         data=(ca.cert, envoy_pair))
     procs.append(node)
+    everything = ("ratelimit", "access_log", "metrics_service")
     with harness.echo_upstream() as upstream:
-        gateway = _launch(tmp_path, "gateway", ca, envoy_pair, node, upstream)
+        gateway = _launch(tmp_path, "gateway", ca, envoy_pair, node, upstream, everything)
         procs.append(gateway)
         # Envoy's gRPC health check crosses the mTLS connection too.
         harness.wait_until(lambda: gateway.cluster_health("sitsmesh_data") == ["healthy"],
@@ -143,14 +144,21 @@ def test_envoy_reaches_sitsmesh_over_mtls_and_only_the_allowlisted_one_is_answer
         # ...so her second request of the minute still has 3 left after it.
         assert _get(gateway)["x-ratelimit-remaining"] == "3"
 
-        intruder = _launch(tmp_path, "intruder", ca, intruder_pair, node, upstream)
+        intruder = _launch(tmp_path, "intruder", ca, intruder_pair, node, upstream, everything)
         procs.append(intruder)
         harness.wait_until(lambda: intruder.cluster_health("sitsmesh_data") == ["healthy"],
                            15, "the intruder's Envoy to connect")
         assert "x-ratelimit-limit" not in _get(intruder)  # refused; the filter fails open
-    refused = harness.metric_value(node.metrics(), "sitsmesh_data_calls_refused_total",
-                                   service="ratelimit")
-    assert refused >= 1
+        # Its stats sink and access logs are refused as well, the gateway's are taken.
+        harness.wait_until(lambda: all(
+            harness.metric_value(node.metrics(), "sitsmesh_data_calls_refused_total",
+                                 service=service) >= 1
+            for service in ("ratelimit", "metrics", "accesslog")), 10,
+            "the intruder's stats and access logs to be refused")
+    handled = harness.metric_value(
+        node.metrics(), "sitsmesh_grpc_server_handled_total", server="data",
+        grpc_service="envoy.service.ratelimit.v3.RateLimitService", grpc_code="OK")
+    assert handled >= 2  # the gateway's own calls
 
 
 def _infer(envoy: harness.Envoy, key: str) -> tuple[int, str]:
