@@ -2,7 +2,7 @@
 # sitsmesh control plane image.
 #
 #   docker build -t sitsmesh:0.1.0 .
-#   docker run --rm -p 50051:50051 -p 50052:50052 -p 9464:9464 \
+#   docker run --rm -p 50051:50051 -p 9464:9464 \
 #     -v sitsmesh-state:/var/lib/sitsmesh --stop-timeout 20 sitsmesh:0.1.0
 #
 # Shutdown takes up to SITSMESH_DRAIN_SECONDS + SITSMESH_GRACE_SECONDS (5 + 10 by
@@ -40,9 +40,12 @@ RUN groupadd --system --gid 10001 sitsmesh \
         --home-dir /var/lib/sitsmesh --no-create-home --shell /usr/sbin/nologin sitsmesh \
     && install -d -o 10001 -g 10001 -m 0700 /var/lib/sitsmesh
 
-# Defaults bind 127.0.0.1; in a container every listener must be reachable.
+# Defaults bind 127.0.0.1; in a container the data plane and /metrics must be reachable.
+# The admin API stays on loopback (`docker exec ... sitsmesh status`): on a network its
+# token needs TLS (SITSMESH_ADMIN_TLS_CERT_FILE / _KEY_FILE) or mesh mTLS, and `serve`
+# refuses a non-loopback admin address without either unless SITSMESH_ADMIN_INSECURE=true.
 ENV SITSMESH_DATA_ADDR=0.0.0.0:50051 \
-    SITSMESH_ADMIN_ADDR=0.0.0.0:50052 \
+    SITSMESH_ADMIN_ADDR=127.0.0.1:50052 \
     SITSMESH_METRICS_ADDR=0.0.0.0:9464 \
     SITSMESH_STATE_DIR=/var/lib/sitsmesh \
     SITSMESH_LOG_FORMAT=json

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import ipaddress
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -18,43 +17,19 @@ from typing import Any
 
 import yaml
 
+from sitsmesh import netsettings
+from sitsmesh import settingvalues as values
 from sitsmesh.authz.extract import open_path
 from sitsmesh.errors import ConfigError
 from sitsmesh.limits import LIMIT_PARSERS
+from sitsmesh.netsettings import callers, data_address, identities
 
+# Defined in netsettings with the other address values; callers import them from here.
+Address = netsettings.Address
+parse_address = netsettings.parse_address
 ENV_PREFIX = "SITSMESH_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
-
-
-@dataclass(frozen=True, slots=True)
-class Address:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-def parse_address(text: str) -> Address:
-    """Parse HOST:PORT or [V6]:PORT. Raises ValueError with a readable reason."""
-    text = text.strip()
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or not rest.startswith(":"):
-            raise ValueError(f"expected [IPV6]:PORT, got {text!r}")
-        port_text = rest[1:]
-        ipaddress.IPv6Address(host)
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"expected HOST:PORT, got {text!r}")
-        if ":" in host:
-            raise ValueError(f"IPv6 hosts need brackets, as in [::1]:PORT; got {text!r}")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"port must be a number from 0 to 65535, got {port_text!r}")
-    return Address(host, int(port_text))
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +49,9 @@ def default_state_dir() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    data_addr: Address = Address("127.0.0.1", 50051)
-    admin_addr: Address = Address("127.0.0.1", 50052)
-    metrics_addr: Address = Address("127.0.0.1", 9464)
+    data_addr: Address = Address("127.0.0.1", 50051)  # noqa: RUF009 - frozen
+    admin_addr: Address = Address("127.0.0.1", 50052)  # noqa: RUF009 - frozen
+    metrics_addr: Address = Address("127.0.0.1", 9464)  # noqa: RUF009 - frozen
     state_dir: Path = field(default_factory=default_state_dir)
     log_level: str = "info"
     log_format: str = "auto"
@@ -99,7 +74,7 @@ class Settings:
     authz_jwt_tenant_claim: str = "tenant"
     authz_priority_header: str = "x-priority"
     admission_hold_seconds: float = 60.0
-    # --- authz request-path policy (issue 13): README "Request-path policy" ---
+    # --- authz request-path policy: README "Request-path policy" ---
     authz_jwt_trusted_principals: tuple[str, ...] = ()
     authz_trust_pipeline_hint: bool = False
     authz_open_paths: tuple[str, ...] = ()
@@ -111,7 +86,7 @@ class Settings:
     triton_url: str = ""
     triton_metrics_url: str = ""
     triton_preflight_url: str = ""
-    # Limits (issue 13): untrusted bytes and memory bounds; ranges in sitsmesh/limits.py.
+    # Limits: untrusted bytes and memory bounds; ranges in sitsmesh/limits.py.
     max_message_bytes: int = 4 << 20
     max_check_message_bytes: int = 1 << 20
     max_ratelimit_message_bytes: int = 1 << 20
@@ -126,6 +101,17 @@ class Settings:
     ratelimit_store_bytes: int = 64 << 20
     request_id_max_length: int = 128
     chain_max_bytes: int = 32 << 20
+    # transport security: TLS / mTLS, who may call, secrets in files
+    data_tls_cert_file: Path | None = None
+    data_tls_key_file: Path | None = None
+    data_tls_client_ca_file: Path | None = None
+    data_callers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    admin_tls_cert_file: Path | None = None
+    admin_tls_key_file: Path | None = None
+    admin_tls_client_ca_file: Path | None = None
+    admin_clients: tuple[str, ...] = ()
+    admin_insecure: bool = False
+    redis_password_file: Path | None = None
     config_file: Path | None = None
 
     @property
@@ -149,134 +135,14 @@ class Settings:
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def _int_range(low: int, high: int) -> Callable[[Any], int]:
-    def parse(raw: Any) -> int:
-        if isinstance(raw, bool) or not isinstance(raw, int | str):
-            raise ValueError(f"expected an integer, got {raw!r}")
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {raw!r}") from None
-        if not low <= value <= high:
-            raise ValueError(f"must be between {low} and {high}, got {value}")
-        return value
-
-    return parse
-
-
-def _seconds(raw: Any) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, int | float | str):
-        raise ValueError(f"expected a number of seconds, got {raw!r}")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"expected a number of seconds, got {raw!r}") from None
-    if not 0 <= value <= 3600:
-        raise ValueError(f"must be between 0 and 3600 seconds, got {value:g}")
-    return value
-
-
-def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
-    def parse(raw: Any) -> str:
-        value = str(raw).lower()
-        if value not in options:
-            raise ValueError(f"must be one of {', '.join(options)}; got {raw!r}")
-        return value
-
-    return parse
-
-
-def _bool(raw: Any) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, got {raw!r}")
-
-
-def _paths(raw: Any) -> tuple[Path, ...]:
-    """A list (YAML) or an os.pathsep-separated string (env, repeated flags)."""
-    items = raw if isinstance(raw, list) else str(raw).split(os.pathsep)
-    if not all(isinstance(i, str) for i in items):
-        raise ValueError(f"expected paths, got {raw!r}")
-    return tuple(Path(i).expanduser() for i in items if i)
-
-
-def _redis_url(raw: Any) -> str:
-    if not isinstance(raw, str) or not raw.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {raw!r}")
-    return raw
-
-
-def _header_names(raw: Any) -> tuple[str, ...]:
-    items = raw if isinstance(raw, list) else str(raw).split(",")
-    names = tuple(str(i).strip().lower() for i in items if str(i).strip())
-    if not names:
-        raise ValueError("expected at least one header name")
-    return names
-
-
-def _header_name(raw: Any) -> str:
-    if not isinstance(raw, str):
-        raise ValueError(f"expected a header name, got {raw!r}")
-    return raw.strip().lower()
-
-
-def _string(raw: Any) -> str:
-    if not isinstance(raw, str) or not raw:
-        raise ValueError(f"expected a non-empty string, got {raw!r}")
-    return raw
-
-
-def _mapping(raw: Any) -> dict[str, str]:
-    """A YAML mapping, or 'key=value,key=value' from the environment or a flag."""
-    if isinstance(raw, dict):
-        items = list(raw.items())
-    else:
-        items = []
-        for part in str(raw).split(","):
-            if part.strip():
-                key, sep, value = part.partition("=")
-                if not sep:
-                    raise ValueError(f"expected key=value, got {part!r}")
-                items.append((key.strip(), value.strip()))
-    if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in items):
-        raise ValueError("expected a mapping of non-empty strings")
-    return dict(items)
-
-
 def _address(raw: Any) -> Address:
     if not isinstance(raw, str):
         raise ValueError(f"expected HOST:PORT as a string, got {raw!r}")
     return parse_address(raw)
 
 
-def _path(raw: Any) -> Path:
-    if not isinstance(raw, str) or not raw:
-        raise ValueError(f"expected a path, got {raw!r}")
-    return Path(raw).expanduser()
-
-
-def _grpc_target(raw: Any) -> str:
-    """HOST:PORT, as tritonclient takes it; a grpc:// prefix is dropped."""
-    if not isinstance(raw, str) or not raw:
-        raise ValueError(f"expected a gRPC HOST:PORT, got {raw!r}")
-    text = raw.removeprefix("grpc://")
-    parse_address(text)
-    return text
-
-
-def _http_url(raw: Any) -> str:
-    if not isinstance(raw, str) or not raw.startswith(("http://", "https://")):
-        raise ValueError(f"expected an http:// URL, got {raw!r}")
-    return raw
-
-
-_ENDPOINT_KEYS = {"name": _string, "url": _grpc_target, "metrics_url": _http_url,
-                  "preflight_url": _grpc_target}
+_ENDPOINT_KEYS = {"name": values.string, "url": values.grpc_target, "metrics_url": values.http_url,
+                  "preflight_url": values.grpc_target}
 
 
 def _triton(raw: Any) -> tuple[TritonEndpoint, ...]:
@@ -315,51 +181,56 @@ def _triton(raw: Any) -> tuple[TritonEndpoint, ...]:
 
 
 PARSERS: dict[str, Callable[[Any], Any]] = {
-    "data_addr": _address,
+    "data_addr": data_address,
     "admin_addr": _address,
     "metrics_addr": _address,
-    "state_dir": _path,
-    "log_level": _choice(LOG_LEVELS),
-    "log_format": _choice(LOG_FORMATS),
-    "workers": _int_range(1, 64),
-    "drain_seconds": _seconds,
-    "grace_seconds": _seconds,
-    "admin_token_file": _path,
-    "ratelimit_config": _paths,
-    "ratelimit_store": _choice(("memory", "redis")),
-    "redis_url": _redis_url,
-    "redis_timeout_ms": _int_range(1, 10_000),
-    "on_store_error": _choice(("allow", "deny", "local")),
-    "store_replicas": _int_range(1, 10_000),
-    "ratelimit_shadow_mode": _bool,
-    "ratelimit_max_descriptors": _int_range(1, 100_000),
-    "reload_interval_seconds": _seconds,
-    "authz_api_key_headers": _header_names,
-    "authz_peer_tenants": _mapping,
-    "authz_jwt_header": _header_name,
-    "authz_jwt_tenant_claim": _string,
-    "authz_priority_header": _header_name,
-    "admission_hold_seconds": _seconds,
-    "chain_ttl_seconds": _seconds,
-    "pressure_scrape_seconds": _seconds,
-    "pressure_stale_seconds": _seconds,
+    "state_dir": values.path,
+    "log_level": values.choice(LOG_LEVELS),
+    "log_format": values.choice(LOG_FORMATS),
+    "workers": values.int_range(1, 64),
+    "drain_seconds": values.seconds,
+    "grace_seconds": values.seconds,
+    "admin_token_file": values.path,
+    "ratelimit_config": values.paths,
+    "ratelimit_store": values.choice(("memory", "redis")),
+    "redis_url": values.redis_url,
+    "redis_timeout_ms": values.int_range(1, 10_000),
+    "on_store_error": values.choice(("allow", "deny", "local")),
+    "store_replicas": values.int_range(1, 10_000),
+    "ratelimit_shadow_mode": values.boolean,
+    "ratelimit_max_descriptors": values.int_range(1, 100_000),
+    "reload_interval_seconds": values.seconds,
+    "authz_api_key_headers": values.header_names,
+    "authz_peer_tenants": values.mapping,
+    "authz_jwt_header": values.header_name,
+    "authz_jwt_tenant_claim": values.string,
+    "authz_priority_header": values.header_name,
+    "admission_hold_seconds": values.seconds,
+    "chain_ttl_seconds": values.seconds,
+    "pressure_scrape_seconds": values.seconds,
+    "pressure_stale_seconds": values.seconds,
     "triton": _triton,
-    "triton_url": _grpc_target,
-    "triton_metrics_url": _http_url,
-    "triton_preflight_url": _grpc_target,
+    "triton_url": values.grpc_target,
+    "triton_metrics_url": values.http_url,
+    "triton_preflight_url": values.grpc_target,
     **LIMIT_PARSERS,
+    # transport security
+    "data_tls_cert_file": values.path,
+    "data_tls_key_file": values.path,
+    "data_tls_client_ca_file": values.path,
+    "data_callers": callers,
+    "admin_tls_cert_file": values.path,
+    "admin_tls_key_file": values.path,
+    "admin_tls_client_ca_file": values.path,
+    "admin_clients": identities,
+    "admin_insecure": values.boolean,
+    "redis_password_file": values.path,
+    # authz request-path policy: README "Request-path policy"
+    "authz_jwt_trusted_principals": values.strings,
+    "authz_trust_pipeline_hint": values.boolean,
+    "authz_open_paths": lambda raw: tuple(map(open_path, values.strings(raw))),
+    "authz_jwt_metadata_key": values.string,
 }
-
-
-# --- authz request-path policy (issue 13): README "Request-path policy" ---
-def _strings(raw: Any) -> tuple[str, ...]:
-    items = raw if isinstance(raw, list) else str(raw).split(",")
-    return tuple(str(i).strip() for i in items if str(i).strip())
-
-
-PARSERS.update(authz_jwt_trusted_principals=_strings, authz_trust_pipeline_hint=_bool,
-               authz_open_paths=lambda raw: tuple(map(open_path, _strings(raw))),
-               authz_jwt_metadata_key=_string)
 FILE_KEYS = tuple(PARSERS)
 
 
@@ -425,7 +296,8 @@ def load_settings(
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from None
     settings = Settings(config_file=config_file, **values)
-    if settings.workers > 1 and settings.data_addr.port == 0:
+    # (A Unix socket, also port 0, gets its own message from `serve`'s checks.)
+    if settings.workers > 1 and settings.data_addr.port == 0 and not settings.data_addr.is_unix:
         raise ConfigError("data_addr: port 0 cannot be shared by several workers; pick a port")
     return settings
 

@@ -18,6 +18,7 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry
 
+from sitsmesh.app.tls import redis_url
 from sitsmesh.authz.admission import Admission, AdmissionPolicy
 from sitsmesh.authz.check import Authorizer, AuthzSettings, AuthzSnapshot
 from sitsmesh.authz.directory import TenantDirectory
@@ -164,7 +165,7 @@ def _counter_store(settings: Settings, registry: CollectorRegistry | None,
 
     timeout = settings.redis_timeout_ms / 1000
     # The Redis store bounds each batch itself, so the wrapper adds no timer per call.
-    store = ResilientStore(RedisStore.from_url(settings.redis_url, timeout_s=timeout),
+    store = ResilientStore(RedisStore.from_url(redis_url(settings), timeout_s=timeout),
                            StoreErrorPolicy(settings.on_store_error), timeout_s=None,
                            replicas=settings.store_replicas, on_health=on_health)
     if registry is not None:  # live counters; worker processes report store_up only

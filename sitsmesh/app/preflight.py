@@ -37,12 +37,21 @@ def check_bindable(name: str, addr: Address) -> None:
             raise StartupError(f"{name} {addr}: cannot bind: {exc.strerror or exc}") from None
 
 
+def check_socket_dir(name: str, addr: Address) -> None:
+    directory = Path(addr.host.removeprefix("unix:")).parent
+    if not directory.is_dir():
+        raise StartupError(f"{name} {addr}: directory {directory} does not exist")
+
+
 def check_all(settings: Settings) -> None:
     check_state_dir(settings.state_dir)
     addrs = {"data_addr": settings.data_addr, "admin_addr": settings.admin_addr,
              "metrics_addr": settings.metrics_addr}
     seen: dict[tuple[str, int], str] = {}
     for name, addr in addrs.items():
+        if addr.is_unix:
+            check_socket_dir(name, addr)
+            continue
         key = (addr.host, addr.port)
         if addr.port and key in seen:
             raise StartupError(f"{name} {addr}: same address as {seen[key]}")

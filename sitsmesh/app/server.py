@@ -22,16 +22,20 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from sitsmesh import __version__, logs
 from sitsmesh.admin.v1 import admin_pb2
-from sitsmesh.app import admintoken, compose
+from sitsmesh.app import admintoken, compose, tls
 from sitsmesh.app.components import DataService, RateLimitComponent
 from sitsmesh.app.metrics import MULTIPROC_ENV, RpcMetrics, admin_auth_failures, new_registry
 from sitsmesh.app.workers import WorkerPool
-from sitsmesh.config import Settings, describe
+from sitsmesh.config import Address, Settings, describe
 from sitsmesh.errors import StartupError
 from sitsmesh.state import SqliteStore
 from sitsmesh.status import ServiceState, Serving, StatusBoard
+from sitsmesh.transport.accesslog import SERVICE_NAME as ACCESSLOG_SERVICE
 from sitsmesh.transport.admin import AdminServicer
-from sitsmesh.transport.auth import BearerTokenInterceptor
+from sitsmesh.transport.auth import BearerTokenInterceptor, CallerGate
+from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
+from sitsmesh.transport.metrics import SERVICE_NAME as METRICS_SERVICE
+from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
 
 _log = logs.get("sitsmesh.server")
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -50,14 +54,22 @@ def _health_listener(servicer: health_aio.HealthServicer, server: str) -> Any:
     return on_change
 
 
-def _bind(server: aio.Server, name: str, addr: str) -> int:
+def _bind(server: aio.Server, name: str, addr: Address, side: str, settings: Settings) -> str:
+    """Listen on `addr`, with TLS (mTLS with a client CA) when `side`'s files are set;
+    return the bound address. TLS material follows rotated files (see tls.CertFiles)."""
+    files = tls.cert_files(settings, side)
     try:
-        port = server.add_insecure_port(addr)
+        if files is None:
+            port = server.add_insecure_port(str(addr))
+        else:
+            port = server.add_secure_port(str(addr), files.credentials())
     except RuntimeError as exc:
         raise StartupError(f"{name} {addr}: cannot bind: {exc}") from None
+    if addr.is_unix:
+        return str(addr)
     if port == 0:
         raise StartupError(f"{name} {addr}: cannot bind")
-    return port
+    return f"{_host(str(addr))}:{port}"
 
 
 def _host(addr: str) -> str:
@@ -73,6 +85,27 @@ def _server_options(settings: Settings, reuseport: bool) -> dict[str, Any]:
     return {"options": [("grpc.so_reuseport", int(reuseport)),
                         ("grpc.max_receive_message_length", largest)],
             "maximum_concurrent_rpcs": settings.max_concurrent_rpcs}
+def _gated(settings: Settings, services: list[DataService],
+           registry: CollectorRegistry | None) -> list[DataService]:
+    """`services`, each answering only the callers `data_callers` names for it. The gate
+    registers inside the metrics wrapper, so refusals show in the RPC series too."""
+    if not settings.data_callers:
+        return services
+    names = {"authz": AUTHZ_SERVICE, "ratelimit": RATELIMIT_SERVICE,
+             "accesslog": ACCESSLOG_SERVICE, "metrics": METRICS_SERVICE}
+    short = {full: key for key, full in names.items()}
+    refused = tls.refused_calls(registry)
+    gate = CallerGate({names[k]: ids for k, ids in settings.data_callers.items()},
+                      on_refuse=lambda service: refused.labels(short[service]).inc())
+
+    def add(service: DataService) -> Callable[[aio.Server], None]:
+        def register(server: aio.Server) -> None:
+            registrar: Any = gate.registrar(server)  # stands in for the server meanwhile
+            service.add_to_server(registrar)
+
+        return register
+
+    return [DataService(s.name, add(s)) for s in services]
 
 
 async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetrics,
@@ -93,9 +126,9 @@ async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetric
     board.register("", "data")
     for name in names:
         board.register(name, "data")
-    port = _bind(server, "data_addr", str(settings.data_addr))
+    bound = _bind(server, "data_addr", settings.data_addr, "data", settings)
     await server.start()
-    return server, f"{_host(str(settings.data_addr))}:{port}"
+    return server, bound
 
 
 async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMetrics,
@@ -106,16 +139,19 @@ async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMe
         interceptors=[auth, metrics.interceptor("admin")],
         options=[("grpc.so_reuseport", 0)],
     )
-    servicer.add_to_server(server)
+    registrar: Any = server
+    if settings.admin_clients:  # mTLS identities allowed to call, on top of the token
+        registrar = CallerGate({ADMIN_NAME: settings.admin_clients}).registrar(server)
+    servicer.add_to_server(registrar)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     board.add_listener(_health_listener(health, "admin"))
     reflection.enable_server_reflection([ADMIN_NAME, HEALTH_NAME, reflection.SERVICE_NAME],
                                         server)
     board.register(ADMIN_NAME, "admin")
-    port = _bind(server, "admin_addr", str(settings.admin_addr))
+    bound = _bind(server, "admin_addr", settings.admin_addr, "admin", settings)
     await server.start()
-    return server, f"{_host(str(settings.admin_addr))}:{port}"
+    return server, bound
 
 
 def _stop_event(on_hup: Callable[[], None] | None = None) -> asyncio.Event:
@@ -174,7 +210,7 @@ async def run_worker(settings: Settings, index: int,
     stop = _stop_event(_reload_on_hup(graph.ratelimit))
     await graph.start()
     server, data = await _start_data(settings, board, RpcMetrics(None), reuseport=True,
-                                     services=graph.data_services())
+                                     services=_gated(settings, graph.data_services(), None))
     board.set_all(Serving.SERVING)
     await graph.ratelimit.probe()
     on_ready()
@@ -223,6 +259,7 @@ def _admin_token(settings: Settings) -> str:
     token, created = admintoken.load_or_create(settings.token_path, os.environ)
     if created:
         _log.info("admin token created", path=str(settings.token_path))
+    tls.warn_weak_secrets(settings, token)
     return token
 
 
@@ -256,7 +293,8 @@ async def run(settings: Settings) -> int:
         await graph.start()
         if role is compose.Role.SINGLE:
             data_server, bound["data"] = await _start_data(
-                settings, board, rpc_metrics, reuseport=False, services=graph.data_services())
+                settings, board, rpc_metrics, reuseport=False,
+                services=_gated(settings, graph.data_services(), metric_registry))
             servers.append(data_server)
         else:
             bound["data"] = str(settings.data_addr)

@@ -47,11 +47,57 @@ def add_common_admin(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (or SITSMESH_CONFIG)")
     p.add_argument("--admin", dest="admin_addr", metavar="HOST:PORT",
                    help="admin address (or SITSMESH_ADMIN_ADDR; default 127.0.0.1:50052)")
-    p.add_argument("--token", help="admin token (or SITSMESH_ADMIN_TOKEN, or the token file)")
+    p.add_argument("--token", help="admin token (prefer SITSMESH_ADMIN_TOKEN or --token-file: "
+                   "argv is visible to every user of the machine)")
+    p.add_argument("--token-file", "--admin-token-file", dest="admin_token_file",
+                   help="file holding the admin token (or SITSMESH_ADMIN_TOKEN_FILE; "
+                   "default STATE_DIR/admin-token)")
     p.add_argument("--state-dir", dest="state_dir", help="where to find admin-token")
-    p.add_argument("--admin-token-file", dest="admin_token_file", help=argparse.SUPPRESS)
+    add_tls_flags(p, "admin API")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     p.add_argument("--output", "-o", choices=("table", "json"), default="table")
+
+
+# flag, environment variable, help: what the CLI needs to speak TLS / mTLS to `serve`.
+_TLS_FLAGS = (
+    ("--ca", "SITSMESH_ADMIN_CA", "CA bundle that signed the server's certificate"),
+    ("--cert", "SITSMESH_ADMIN_CERT", "client certificate, when the server wants mTLS"),
+    ("--key", "SITSMESH_ADMIN_KEY", "private key of --cert"),
+    ("--server-name", "SITSMESH_ADMIN_SERVER_NAME",
+     "name to verify in the server's certificate, when it differs from --admin's host"),
+)
+
+
+def add_tls_flags(p: argparse.ArgumentParser, what: str) -> None:
+    tls = p.add_argument_group(f"TLS to the {what} (any of these turns TLS on)")
+    for flag, env, meaning in _TLS_FLAGS:
+        tls.add_argument(flag, metavar="PEM" if flag != "--server-name" else "NAME",
+                         help=f"{meaning} (or {env})")
+
+
+def _tls_option(args: argparse.Namespace, flag: str, env: str) -> str:
+    value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+    return str(value or os.environ.get(env, ""))
+
+
+def admin_channel(args: argparse.Namespace, target: str) -> Any:
+    """A channel to `target` (the admin API, or the data plane for `health`): TLS when
+    --ca/--cert/--key (or their variables) say so."""
+    import grpc
+
+    ca, cert, key, name = (_tls_option(args, flag, env) for flag, env, _ in _TLS_FLAGS)
+    if not (ca or cert or key):
+        return grpc.insecure_channel(target)
+    if bool(cert) != bool(key):
+        raise UsageError("--cert and --key go together (or SITSMESH_ADMIN_CERT and "
+                         "SITSMESH_ADMIN_KEY)")
+    read = {path: read_text(path, what).encode() for path, what in
+            ((ca, "CA bundle"), (cert, "client certificate"), (key, "client key")) if path}
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=read.get(ca), private_key=read.get(key),
+        certificate_chain=read.get(cert))
+    options = [("grpc.ssl_target_name_override", name)] if name else []
+    return grpc.secure_channel(target, credentials, options=options)
 
 
 def _admin_token(args: argparse.Namespace, settings: Settings) -> str:
@@ -77,7 +123,7 @@ def admin_call(args: argparse.Namespace, method: str,
     settings = settings_from(args, ["admin_addr", "state_dir", "admin_token_file"])
     metadata = (("authorization", f"Bearer {_admin_token(args, settings)}"),
                 *extra_metadata)
-    with grpc.insecure_channel(str(settings.admin_addr)) as channel:
+    with admin_channel(args, str(settings.admin_addr)) as channel:
         bound = getattr(admin_pb2_grpc.AdminStub(channel), method)
         try:
             yield lambda request: bound(request, timeout=args.timeout, metadata=metadata)

@@ -14,7 +14,8 @@ from sitsmesh.config import PARSERS, flag_name
 # PROMETHEUS_MULTIPROC_DIR is set: importing it here would be too early.
 
 _FLAG_HELP = {
-    "data_addr": "data-plane gRPC address (Envoy-facing services, health, reflection)",
+    "data_addr": "data-plane gRPC address (Envoy-facing services, health, reflection), "
+                 "HOST:PORT or unix:/PATH",
     "admin_addr": "admin gRPC address",
     "metrics_addr": "Prometheus /metrics HTTP address",
     "state_dir": "directory for the state database and the admin token",
@@ -23,10 +24,12 @@ _FLAG_HELP = {
     "workers": "data-plane processes sharing data_addr through SO_REUSEPORT",
     "drain_seconds": "seconds to keep answering after health goes NOT_SERVING",
     "grace_seconds": "seconds in-flight RPCs get once the listeners close",
-    "admin_token_file": "admin token file (default: STATE_DIR/admin-token)",
+    "admin_token_file": "admin token file (default: STATE_DIR/admin-token); at least 32 "
+                        "random bytes",
     "ratelimit_config": "rate-limit config file or directory (repeatable)",
     "ratelimit_store": "counter store: memory (per process) or redis (shared)",
-    "redis_url": "redis://HOST:PORT/DB for --ratelimit-store redis",
+    "redis_url": "redis://HOST:PORT/DB for --ratelimit-store redis (password: use "
+                 "--redis-password-file)",
     "redis_timeout_ms": "bound on each Redis round trip (default 50)",
     "on_store_error": "when Redis fails: allow, deny, or local (per-replica counting)",
     "store_replicas": "replica count that divides limits under on_store_error=local",
@@ -53,7 +56,7 @@ _FLAG_HELP = {
     "triton_url": "gRPC HOST:PORT of the one Triton server (endpoint 'default')",
     "triton_metrics_url": "its http://HOST:PORT/metrics",
     "triton_preflight_url": "gRPC HOST:PORT of a sandbox Triton that vets candidates first",
-    # limits (issue 13)
+    # limits
     "max_message_bytes": "largest gRPC message the data port accepts (access-log, metrics)",
     "max_check_message_bytes": "largest Check (headers + body); bigger ones: a 413 deny, unparsed",
     "max_ratelimit_message_bytes": "largest ShouldRateLimit request (RESOURCE_EXHAUSTED)",
@@ -68,6 +71,25 @@ _FLAG_HELP = {
     "ratelimit_store_bytes": "memory bound of the in-process counter store",
     "request_id_max_length": "access-log entries with a longer request id are dropped",
     "chain_max_bytes": "memory bound of open latency chains (oldest evicted first)",
+    # transport security
+    "data_tls_cert_file": "PEM certificate chain: the data plane serves TLS (reloaded when "
+                          "the file changes)",
+    "data_tls_key_file": "PEM private key of --data-tls-cert-file",
+    "data_tls_client_ca_file": "PEM CA bundle: the data plane requires client certificates "
+                               "it signed (mTLS)",
+    "data_callers": "who may call each data-plane service, by client certificate SAN or "
+                    "SPIFFE id: authz=ID|ID,ratelimit=ID,accesslog=ID,metrics=ID "
+                    "(needs mTLS)",
+    "admin_tls_cert_file": "PEM certificate chain: the admin API serves TLS (reloaded)",
+    "admin_tls_key_file": "PEM private key of --admin-tls-cert-file",
+    "admin_tls_client_ca_file": "PEM CA bundle: admin callers need a client certificate "
+                                "it signed, besides the token",
+    "admin_clients": "client certificate SANs / SPIFFE ids allowed to call the admin API "
+                     "(comma-separated; needs mTLS)",
+    "admin_insecure": "true: serve the admin API without TLS on a non-loopback address "
+                      "(the token crosses the network in clear)",
+    "redis_password_file": "file holding the Redis password (keeps it out of argv and "
+                           "--redis-url)",
 }
 
 
@@ -84,10 +106,14 @@ def add_commands(sub: Subcommands) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from sitsmesh import logs
-    from sitsmesh.app import preflight
+    from sitsmesh.app import preflight, tls
     from sitsmesh.ratelimit import config as rlconfig
 
     settings = settings_from(args, list(PARSERS))
+    tls.check_transport(settings)
+    for side in ("data", "admin"):
+        tls.cert_files(settings, side)  # unreadable or mismatched files stop the start here
+    tls.redis_url(settings)
     preflight.check_all(settings)
     rlconfig.load(settings.ratelimit_config)  # a bad file stops the start, before any port
     logs.configure(settings.log_level, settings.log_format)

@@ -10,6 +10,8 @@ from sitsmesh.cli.common import (
     EXIT_FAILED,
     Subcommands,
     add_common_admin,
+    add_tls_flags,
+    admin_channel,
     call_admin,
     die,
     message_dict,
@@ -25,6 +27,7 @@ def add_commands(sub: Subcommands) -> None:
     health.add_argument("--addr", default="127.0.0.1:50051", help="data-plane HOST:PORT")
     health.add_argument("--service", default="", help="service name ('' = whole server)")
     health.add_argument("--timeout", type=float, default=3.0)
+    add_tls_flags(health, "data plane")
     health.set_defaults(func=cmd_health)
 
 
@@ -55,7 +58,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.addr) as channel:
+    with admin_channel(args, args.addr) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from sitsmesh.config import Address, load_settings, parse_address
+from sitsmesh.config import Address, describe, load_settings, parse_address
 from sitsmesh.errors import ConfigError
 
 
@@ -149,3 +149,97 @@ def test_bad_triton_sections_name_file_key_and_endpoint(tmp_path: Path, body: st
     path.write_text(body + "\n")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_settings({"config": str(path)}, env={})
+
+
+# --- transport security (issue 13) --------------------------------------------------
+
+def test_transport_security_settings_from_file_env_and_flags(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data_callers:\n  accesslog: [spiffe://a/envoy]\n"
+                   "  authz: [spiffe://a/envoy, spiffe://a/gw]\n"
+                   "admin_clients: [spiffe://a/sre]\n")
+    s = load_settings({"config": str(cfg), "data_addr": "unix:/run/sitsmesh/data.sock"},
+                      env={"SITSMESH_ADMIN_INSECURE": "true"})
+    assert s.data_callers == {"accesslog": ("spiffe://a/envoy",),
+                              "authz": ("spiffe://a/envoy", "spiffe://a/gw")}
+    assert s.admin_clients == ("spiffe://a/sre",)
+    assert s.admin_insecure is True
+    assert s.data_addr.is_unix and str(s.data_addr) == "unix:/run/sitsmesh/data.sock"
+    flagged = load_settings({"data_callers": "ratelimit=spiffe://a/x|spiffe://a/y"}, env={})
+    assert flagged.data_callers == {"ratelimit": ("spiffe://a/x", "spiffe://a/y")}
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"data_callers": "billing=spiffe://a"},
+     "--data-callers: unknown service 'billing' (allowed: authz, ratelimit, accesslog, "
+     "metrics)"),
+    ({"data_callers": "authz"}, "--data-callers: expected SERVICE=ID|ID, got 'authz'"),
+    ({"data_callers": "authz=|"}, "--data-callers: authz: expected at least one client "
+     "identity"),
+    ({"admin_clients": " , "}, "--admin-clients: expected at least one client identity"),
+    ({"data_addr": "unix:relative.sock"},
+     "--data-addr: expected unix:/ABSOLUTE/PATH, got 'unix:relative.sock'"),
+    ({"admin_insecure": "maybe"}, "--admin-insecure: expected true or false, got 'maybe'"),
+])
+def test_bad_transport_values_name_their_source(flags: dict[str, str | None],
+                                                message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(flags, env={})
+    assert err.value.message == message
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"data_tls_cert_file": "/c.pem"},
+     "data_tls_cert_file and data_tls_key_file: set both or neither"),
+    ({"admin_tls_client_ca_file": "/ca.pem"},
+     "admin_tls_client_ca_file: client certificates need TLS; set admin_tls_cert_file and "
+     "admin_tls_key_file too"),
+    ({"data_callers": "authz=spiffe://a", "data_tls_cert_file": "/c", "data_tls_key_file": "/k"},
+     "data_callers: an allowlist needs mTLS on the data plane; set data_tls_client_ca_file "
+     "(with data_tls_cert_file and data_tls_key_file)"),
+    ({"admin_clients": "spiffe://a"},
+     "admin_clients: an allowlist needs mTLS on the admin API; set admin_tls_client_ca_file "
+     "(with admin_tls_cert_file and admin_tls_key_file)"),
+    ({"data_addr": "unix:/tmp/s.sock", "workers": "2"},
+     "data_addr unix:/tmp/s.sock: a Unix socket cannot be shared by several workers; use "
+     "HOST:PORT or --workers 1"),
+    ({"admin_addr": "0.0.0.0:50052"},
+     "admin_addr 0.0.0.0:50052: not a loopback address and the admin API has no TLS, so its "
+     "bearer token would cross the network in clear; set --admin-tls-cert-file and "
+     "--admin-tls-key-file, bind 127.0.0.1, or pass --admin-insecure true to accept that"),
+])
+def test_serve_refuses_contradicting_transport_settings(flags: dict[str, str | None],
+                                                        message: str) -> None:
+    from sitsmesh.app.tls import check_transport
+
+    with pytest.raises(ConfigError) as err:
+        check_transport(load_settings(flags, env={}))
+    assert err.value.message == message
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1:1", "[::1]:1", "localhost:1", "127.8.0.1:1"])
+def test_loopback_admin_needs_no_tls(addr: str) -> None:
+    from sitsmesh.app.tls import check_transport
+
+    check_transport(load_settings({"admin_addr": addr}, env={}))
+    check_transport(load_settings({"admin_addr": "0.0.0.0:1", "admin_insecure": "yes"},
+                                  env={}))
+
+
+def test_redis_password_file(tmp_path: Path) -> None:
+    from sitsmesh.app.tls import redis_url
+
+    secret = tmp_path / "pw"
+    secret.write_text("p@ss:/word\n")
+    s = load_settings({"redis_url": "redis://10.0.0.1:6379/2",
+                       "redis_password_file": str(secret)}, env={})
+    assert redis_url(s) == "redis://:p%40ss%3A%2Fword@10.0.0.1:6379/2"
+    assert "p@ss" not in str(describe(s))  # the file's content never reaches the logs
+    secret.write_text("\n")
+    with pytest.raises(ConfigError, match=f"redis_password_file {secret}: file is empty"):
+        redis_url(s)
+    both = load_settings({"redis_url": "redis://:x@h:1/0", "redis_password_file": str(secret)},
+                         env={})
+    secret.write_text("y")
+    with pytest.raises(ConfigError, match="already carries credentials"):
+        redis_url(both)

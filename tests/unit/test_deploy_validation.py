@@ -144,6 +144,15 @@ AUTHORIZATION_POLICY = _top("security.istio.io/v1", "AuthorizationPolicy", _obj(
     })),
 }, ["action"]))
 
+_MTLS_MODE = _obj({"mode": {"enum": ["UNSET", "DISABLE", "PERMISSIVE", "STRICT"]}}, ["mode"])
+
+PEER_AUTHENTICATION = _top("security.istio.io/v1", "PeerAuthentication", _obj({
+    "selector": _obj({"matchLabels": STR_MAP}, ["matchLabels"]),
+    "mtls": _MTLS_MODE,
+    "portLevelMtls": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                      "additionalProperties": _MTLS_MODE},
+}, ["mtls"]))
+
 KUSTOMIZATION = _obj({
     "apiVersion": {"const": "kustomize.config.k8s.io/v1beta1"},
     "kind": {"const": "Kustomization"},
@@ -160,6 +169,7 @@ KUSTOMIZATION = _obj({
 SCHEMAS: dict[tuple[str, str], Schema] = {
     ("install.istio.io/v1alpha1", "IstioOperator"): ISTIO_OPERATOR,
     ("security.istio.io/v1", "AuthorizationPolicy"): AUTHORIZATION_POLICY,
+    ("security.istio.io/v1", "PeerAuthentication"): PEER_AUTHENTICATION,
     ("telemetry.istio.io/v1", "Telemetry"): TELEMETRY,
     ("networking.istio.io/v1alpha3", "EnvoyFilter"): ENVOY_FILTER,
     ("kustomize.config.k8s.io/v1beta1", "Kustomization"): KUSTOMIZATION,
@@ -188,7 +198,10 @@ def validate_manifest(doc: Doc) -> None:
 
 
 def _only(docs: Sequence[Doc], kind: str) -> Doc:
-    found = [d for d in docs if d.get("kind") == kind]
+    """The one document of `kind`, written Kind or Kind/name."""
+    kind, _, name = kind.partition("/")
+    found = [d for d in docs if d.get("kind") == kind
+             and (not name or d.get("metadata", {}).get("name") == name)]
     assert len(found) == 1, f"expected one {kind}, found {len(found)}"
     return found[0]
 
@@ -213,8 +226,10 @@ def check_ext_authz_wiring(kube: Sequence[Doc], istio: Sequence[Doc]) -> None:
     providers = {p["name"]: p for d in istio if d["kind"] == "IstioOperator"
                  for p in d["spec"]["meshConfig"]["extensionProviders"]
                  if "envoyExtAuthzGrpc" in p}
-    policies = [d for d in istio if d["kind"] == "AuthorizationPolicy"]
-    assert policies, "no AuthorizationPolicy"
+    # ALLOW policies guard sitsmesh itself (check_callers_are_limited).
+    policies = [d for d in istio if d["kind"] == "AuthorizationPolicy"
+                and d["spec"].get("action") == "CUSTOM"]
+    assert policies, "no CUSTOM AuthorizationPolicy"
     for policy in policies:
         spec = policy["spec"]
         assert spec["action"] == "CUSTOM"
@@ -236,6 +251,53 @@ def check_ext_authz_wiring(kube: Sequence[Doc], istio: Sequence[Doc]) -> None:
         assert labels, "select the inference workload; no namespace- or mesh-wide policy"
         assert policy["metadata"]["namespace"] != namespace or not labels.items() <= \
             pod_labels.items(), "the policy must not select sitsmesh itself"
+
+
+def check_callers_are_limited(kube: Sequence[Doc], istio: Sequence[Doc]) -> None:
+    """Only named callers reach sitsmesh (issue 13): under Istio, STRICT mTLS on its pod
+    and an ALLOW policy naming principals for the data port; without Istio, a
+    NetworkPolicy that opens the data port to named sources and the admin port to none."""
+    service = _only(kube, "Service")
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    data, admin = ports[DATA_PORT_NAME], ports["grpc-admin"]
+    pod_labels = _only(kube, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    namespace = _only(kube, "Kustomization").get("namespace")
+
+    peer = _only(istio, "PeerAuthentication")
+    assert peer["metadata"]["namespace"] == namespace
+    assert peer["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert peer["spec"]["mtls"]["mode"] == "STRICT"
+    relaxed = {int(p) for p, m in peer["spec"].get("portLevelMtls", {}).items()
+               if m["mode"] != "STRICT"}
+    assert not relaxed & {data, admin}, f"ports {relaxed} accept plaintext"
+
+    allow = [d for d in istio if d["kind"] == "AuthorizationPolicy"
+             and d["spec"].get("action") == "ALLOW"]
+    assert len(allow) == 1, "one ALLOW policy on sitsmesh's pod"
+    spec = allow[0]["spec"]
+    assert allow[0]["metadata"]["namespace"] == namespace
+    assert spec["selector"]["matchLabels"].items() <= pod_labels.items()
+    for rule in spec.get("rules", []):
+        rule_ports = {int(p) for t in rule.get("to", []) for p in t["operation"].get("ports", [])}
+        assert rule_ports, "a rule without ports opens every port"
+        if data in rule_ports:
+            principals = [p for f in rule.get("from", []) for p in f["source"].get("principals",
+                                                                                   [])]
+            assert rule.get("from") and all(
+                f["source"].keys() == {"principals"} for f in rule["from"]), \
+                "the data port admits named principals only"
+            assert principals and "*" not in principals
+
+    policy = _only(kube, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    opened: set[int] = set()
+    for rule in policy["spec"].get("ingress", []):
+        rule_ports = {p["port"] for p in rule.get("ports", [])}
+        assert rule_ports, "an ingress rule without ports opens every port"
+        assert rule.get("from"), "an ingress rule without sources admits everyone"
+        opened |= rule_ports
+    assert data in opened and admin not in opened
 
 
 def check_signal_wiring(kube: Sequence[Doc], istio: Sequence[Doc]) -> None:
@@ -289,6 +351,10 @@ def test_manifest_validates(where: str, doc: Doc) -> None:
 
 def test_ext_authz_wiring() -> None:
     check_ext_authz_wiring(_kube_docs(), _istio_docs())
+
+
+def test_only_named_callers_reach_sitsmesh() -> None:
+    check_callers_are_limited(_kube_docs(), _istio_docs())
 
 
 def test_access_logs_and_stats_reach_the_data_port() -> None:
@@ -348,12 +414,12 @@ SCHEMA_BREAKS = [
     ("IstioOperator", f"{_GRPC}.timeout", "500ms"),
     ("IstioOperator", f"{_GRPC}.service", DELETE),
     ("IstioOperator", f"{_GRPC}.includeRequestBodyInCheck.packAsByte", True),
-    ("AuthorizationPolicy", "kind", "AuthorisationPolicy"),
-    ("AuthorizationPolicy", "spec.providers", {}),
-    ("AuthorizationPolicy", "spec.action", "custom"),
-    ("AuthorizationPolicy", "spec.provider.nam", "x"),
-    ("AuthorizationPolicy", "spec.rules.0.to", [{"operation": {"path": ["/"]}}]),
-    ("AuthorizationPolicy", "metadata.namespace", DELETE),
+    ("AuthorizationPolicy/sitsmesh-ext-authz", "kind", "AuthorisationPolicy"),
+    ("AuthorizationPolicy/sitsmesh-ext-authz", "spec.providers", {}),
+    ("AuthorizationPolicy/sitsmesh-ext-authz", "spec.action", "custom"),
+    ("AuthorizationPolicy/sitsmesh-ext-authz", "spec.provider.nam", "x"),
+    ("AuthorizationPolicy/sitsmesh-ext-authz", "spec.rules.0.to", [{"operation": {"path": ["/"]}}]),
+    ("AuthorizationPolicy/sitsmesh-ext-authz", "metadata.namespace", DELETE),
     ("Telemetry", "spec.accessLogging.0.provider", []),
     ("EnvoyFilter", "spec.configPatches.0.applyTo", "bootstrap"),
     ("EnvoyFilter", "spec.configPatches.0.patch.operation", "merge"),
@@ -376,10 +442,11 @@ def test_validation_rejects_a_broken_manifest(kind: str, path: str, value: objec
 
 
 WIRING_BREAKS = [
-    ("AuthorizationPolicy", "spec.action", "ALLOW"),
-    ("AuthorizationPolicy", "spec.provider.name", "other-ext-authz"),
-    ("AuthorizationPolicy", "spec.selector", DELETE),
-    ("AuthorizationPolicy", "metadata.namespace", "sitsmesh"),  # with sitsmesh's labels, below
+    ("AuthorizationPolicy/sitsmesh-ext-authz", "spec.action", "ALLOW"),
+    ("AuthorizationPolicy/sitsmesh-ext-authz", "spec.provider.name", "other-ext-authz"),
+    ("AuthorizationPolicy/sitsmesh-ext-authz", "spec.selector", DELETE),
+    # with sitsmesh's labels, below
+    ("AuthorizationPolicy/sitsmesh-ext-authz", "metadata.namespace", "sitsmesh"),
     ("IstioOperator", f"{_GRPC}.service", "sitsmesh.default.svc.cluster.local"),
     ("IstioOperator", f"{_GRPC}.service", "sitsmesh.sitsmesh"),
     ("IstioOperator", f"{_GRPC}.service", "default/sitsmesh.sitsmesh.svc.cluster.local"),
@@ -408,8 +475,32 @@ def test_wiring_check_rejects_a_broken_setup(kind: str, path: str, value: object
         pytest.skip("the wiring is broken as it is: see test_ext_authz_wiring")
     doc = _only(kube + istio, kind)
     _break(doc, path, value)
-    if kind == "AuthorizationPolicy" and path == "metadata.namespace":
+    if kind.startswith("AuthorizationPolicy") and path == "metadata.namespace":
         pod_labels = _only(kube, "Deployment")["spec"]["template"]["metadata"]["labels"]
         _break(doc, "spec.selector.matchLabels", dict(pod_labels))
     with pytest.raises(AssertionError):
         check_ext_authz_wiring(kube, istio)
+
+
+CALLER_BREAKS = [
+    ("PeerAuthentication", "spec.mtls.mode", "PERMISSIVE"),
+    ("PeerAuthentication", "spec.portLevelMtls", {"50051": {"mode": "PERMISSIVE"}}),
+    ("PeerAuthentication", "spec.selector.matchLabels", {"app": "other"}),
+    ("AuthorizationPolicy/sitsmesh-callers", "spec.rules.0.from", DELETE),
+    ("AuthorizationPolicy/sitsmesh-callers", "spec.rules.0.from.0.source",
+     {"namespaces": ["inference"]}),
+    ("AuthorizationPolicy/sitsmesh-callers", "spec.rules.0.from.0.source.principals", ["*"]),
+    ("AuthorizationPolicy/sitsmesh-callers", "spec.rules.2.to", DELETE),
+    ("NetworkPolicy", "spec.ingress.0.from", DELETE),
+    ("NetworkPolicy", "spec.ingress.1.ports.0.port", 50052),
+    ("NetworkPolicy", "spec.ingress.0.ports", DELETE),
+]
+
+
+@pytest.mark.parametrize(("kind", "path", "value"), CALLER_BREAKS,
+                         ids=[f"{k}:{p}" for k, p, _ in CALLER_BREAKS])
+def test_callers_check_rejects_an_open_setup(kind: str, path: str, value: object) -> None:
+    kube, istio = _kube_docs(), _istio_docs()
+    _break(_only(kube + istio, kind), path, value)
+    with pytest.raises(AssertionError):
+        check_callers_are_limited(kube, istio)

@@ -109,12 +109,13 @@ def test_final_stage_runs_sitsmesh_as_non_root() -> None:
     assert _args(final, "STOPSIGNAL") == ["SIGTERM"]
 
 
-def test_final_stage_listens_on_all_interfaces_with_state_in_var_lib() -> None:
+def test_final_stage_listens_on_all_interfaces_but_admin_with_state_in_var_lib() -> None:
     env: dict[str, str] = {}
     for args in _args(_stages()[-1], "ENV"):
         env |= dict(item.split("=", 1) for item in shlex.split(args))
     assert env["SITSMESH_DATA_ADDR"] == "0.0.0.0:50051"
-    assert env["SITSMESH_ADMIN_ADDR"] == "0.0.0.0:50052"
+    # Without TLS the admin token must not cross a network: `serve` refuses it (issue 13).
+    assert env["SITSMESH_ADMIN_ADDR"] == "127.0.0.1:50052"
     assert env["SITSMESH_METRICS_ADDR"] == "0.0.0.0:9464"
     assert env["SITSMESH_STATE_DIR"] == "/var/lib/sitsmesh"
     assert env["SITSMESH_LOG_FORMAT"] == "json"

@@ -14,6 +14,7 @@ from sitsmesh.pressure.controller import Decision, Snapshot
 from sitsmesh.pressure.ledger import ThresholdLedger
 from sitsmesh.pressure.runtime import PressureRuntime
 from sitsmesh.transport.admin.common import read_yaml, timestamp, yaml_text
+from sitsmesh.transport.auth import admin_actor
 
 ACTOR_METADATA = "x-sitsmesh-actor"
 MAX_ACTOR = 200
@@ -61,7 +62,9 @@ class PressureAdmin:
         _require_pipeline(request.pipeline)
         body = read_yaml(request.yaml, source) if request.yaml.strip() else {}
         metadata = dict(context.invocation_metadata() or ())
-        actor = str(metadata.get(ACTOR_METADATA, "") or "unknown")[:MAX_ACTOR]
+        # The audit names who the server can vouch for; the header is only a claim.
+        claimed = str(metadata.get(ACTOR_METADATA, "") or "")[:MAX_ACTOR]
+        actor = admin_actor(context) + (f" (claims {claimed})" if claimed else "")
         thresholds = await self._thresholds.set(
             request.pipeline, body, source=source, actor=actor, peer=context.peer(),
             dry_run=request.dry_run)

@@ -1,0 +1,137 @@
+"""Parsers of one setting's raw value (YAML, an environment variable or a flag): each
+returns the typed value or raises ValueError saying what was expected. Shared by
+sitsmesh.config and the modules that keep a group of settings apart from it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sitsmesh.netsettings import parse_address
+
+
+def int_range(low: int, high: int) -> Callable[[Any], int]:
+    def parse(raw: Any) -> int:
+        if isinstance(raw, bool) or not isinstance(raw, int | str):
+            raise ValueError(f"expected an integer, got {raw!r}")
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {raw!r}") from None
+        if not low <= value <= high:
+            raise ValueError(f"must be between {low} and {high}, got {value}")
+        return value
+
+    return parse
+
+
+def seconds(raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+        raise ValueError(f"expected a number of seconds, got {raw!r}")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, got {raw!r}") from None
+    if not 0 <= value <= 3600:
+        raise ValueError(f"must be between 0 and 3600 seconds, got {value:g}")
+    return value
+
+
+def choice(options: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(raw: Any) -> str:
+        value = str(raw).lower()
+        if value not in options:
+            raise ValueError(f"must be one of {', '.join(options)}; got {raw!r}")
+        return value
+
+    return parse
+
+
+def boolean(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {raw!r}")
+
+
+def paths(raw: Any) -> tuple[Path, ...]:
+    """A list (YAML) or an os.pathsep-separated string (env, repeated flags)."""
+    items = raw if isinstance(raw, list) else str(raw).split(os.pathsep)
+    if not all(isinstance(i, str) for i in items):
+        raise ValueError(f"expected paths, got {raw!r}")
+    return tuple(Path(i).expanduser() for i in items if i)
+
+
+def redis_url(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {raw!r}")
+    return raw
+
+
+def header_names(raw: Any) -> tuple[str, ...]:
+    items = raw if isinstance(raw, list) else str(raw).split(",")
+    names = tuple(str(i).strip().lower() for i in items if str(i).strip())
+    if not names:
+        raise ValueError("expected at least one header name")
+    return names
+
+
+def header_name(raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise ValueError(f"expected a header name, got {raw!r}")
+    return raw.strip().lower()
+
+
+def string(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise ValueError(f"expected a non-empty string, got {raw!r}")
+    return raw
+
+
+def mapping(raw: Any) -> dict[str, str]:
+    """A YAML mapping, or 'key=value,key=value' from the environment or a flag."""
+    if isinstance(raw, dict):
+        items = list(raw.items())
+    else:
+        items = []
+        for part in str(raw).split(","):
+            if part.strip():
+                key, sep, value = part.partition("=")
+                if not sep:
+                    raise ValueError(f"expected key=value, got {part!r}")
+                items.append((key.strip(), value.strip()))
+    if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in items):
+        raise ValueError("expected a mapping of non-empty strings")
+    return dict(items)
+
+
+def path(raw: Any) -> Path:
+    if not isinstance(raw, str) or not raw:
+        raise ValueError(f"expected a path, got {raw!r}")
+    return Path(raw).expanduser()
+
+
+def grpc_target(raw: Any) -> str:
+    """HOST:PORT, as tritonclient takes it; a grpc:// prefix is dropped."""
+    if not isinstance(raw, str) or not raw:
+        raise ValueError(f"expected a gRPC HOST:PORT, got {raw!r}")
+    text = raw.removeprefix("grpc://")
+    parse_address(text)
+    return text
+
+
+def http_url(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw.startswith(("http://", "https://")):
+        raise ValueError(f"expected an http:// URL, got {raw!r}")
+    return raw
+
+
+def strings(raw: Any) -> tuple[str, ...]:
+    items = raw if isinstance(raw, list) else str(raw).split(",")
+    return tuple(str(i).strip() for i in items if str(i).strip())
