@@ -259,8 +259,12 @@ class RateLimiter:
             if addend is None:
                 addend = default_addend
             if d.override is not None:
-                matched.append((i, _override_rule(domain, d),
-                                f"{domain}_{_plain_key(entries)}", addend))
+                # As envoyproxy/ratelimit: the domain is checked first, so an override on a
+                # domain with no config limits nothing (one with config applies it, even
+                # where no rule matches and on a descriptor with no entries).
+                if domain in config.domains:
+                    matched.append((i, _override_rule(domain, d),
+                                    f"{domain}_{_plain_key(entries)}", addend))
                 continue
             if type(entries) is not tuple:
                 entries = tuple(entries)
@@ -284,8 +288,7 @@ class RateLimiter:
         max_key, max_value = limits.key_length, limits.value_length
         for i, d in enumerate(descriptors):
             entries = d.entries
-            if not entries:
-                raise RequestError(f"descriptor {i} has no entries")
+            # A descriptor with no entries matches nothing: OK, no limit (as the reference).
             if len(entries) > limits.entries:
                 raise RequestError(f"descriptor {i} has {len(entries)} entries, more than "
                                    f"{limits.entries}")
@@ -307,7 +310,9 @@ class RateLimiter:
         for (i, rule, addend), count in zip(counted, counts, strict=True):
             over = count.over
             near = not over and count.used > NEAR_LIMIT_RATIO * rule.requests_per_unit
-            self._metrics.record(rule, descriptors[i].entries[-1][1], addend, count, near=near)
+            entries = descriptors[i].entries
+            self._metrics.record(rule, entries[-1][1] if entries else "", addend, count,
+                                 near=near)
             quota = quota or rule.quota_mode
             if over and rule.shadow_mode:
                 over = False

@@ -99,6 +99,21 @@ def test_bad_requests_get_invalid_argument(node: harness.Sitsmesh, domain: str, 
 def test_unknown_domain_is_ok_like_the_reference(node: harness.Sitsmesh) -> None:
     reply = _ask(node, "nobody", _desc("user", "a"))
     assert reply.overall_code == OK and reply.statuses[0].code == OK
+    # A request-level limit override on a domain with no config limits nothing either.
+    capped = _desc("user", "a")
+    capped.limit.requests_per_unit = 1
+    capped.limit.unit = rls_pb2.RateLimitResponse.RateLimit.SECOND
+    for _ in range(3):
+        reply = _ask(node, "nobody", capped)
+        assert reply.overall_code == OK and not reply.statuses[0].HasField("current_limit")
+
+
+def test_a_descriptor_with_no_entries_is_ok_with_no_limit_like_the_reference(
+        node: harness.Sitsmesh) -> None:
+    reply = _ask(node, "files", ratelimit_pb2.RateLimitDescriptor(), _desc("user", "e"))
+    assert reply.overall_code == OK and len(reply.statuses) == 2
+    assert reply.statuses[0].code == OK and not reply.statuses[0].HasField("current_limit")
+    assert reply.statuses[1].current_limit.requests_per_unit > 0
 
 
 def test_huge_hits_addend_is_over_limit_without_corrupting_the_counter(

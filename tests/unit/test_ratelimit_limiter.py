@@ -224,11 +224,28 @@ async def test_limit_override_from_envoy() -> None:
         False, True]
 
 
+async def test_like_the_reference_an_override_on_an_unknown_domain_limits_nothing() -> None:
+    limiter, registry = _limiter(Clock())
+    desc = Descriptor([("any", "thing")], override=(1, 1))
+    answers = [await limiter.check("nope", [desc]) for _ in range(3)]
+    assert not any(r.over for r in answers)
+    assert all(r.statuses[0].rule is None for r in answers)
+    assert registry.get_sample_value("sitsmesh_ratelimit_unknown_domain_total") == 3
+
+
+async def test_like_the_reference_a_descriptor_with_no_entries_is_ok_with_no_limit() -> None:
+    limiter, _ = _limiter(Clock())
+    empty = await limiter.check("edge", [Descriptor([]), d("ldap", "x")])
+    assert not empty.over and empty.statuses[0].rule is None
+    # On a domain with config, a request-level override still applies to it.
+    capped = Descriptor([], override=(1, 1))
+    assert [(await limiter.check("edge", [capped])).over for _ in range(2)] == [False, True]
+
+
 @pytest.mark.parametrize(("domain", "descs", "message"), [
     ("", [d("a", "b")], "rate limit domain must not be empty"),
     ("edge", [], "rate limit descriptor list must not be empty"),
     ("edge", [d("a", "b")] * 10_000, "too many descriptors: 10000 > 64"),
-    ("edge", [Descriptor([])], "descriptor 0 has no entries"),
     ("edge", [d("a", "b", addend=2**40)], "descriptor 0: hits_addend 1099511627776 exceeds"),
 ])
 async def test_bad_requests_are_rejected_and_count_nothing(

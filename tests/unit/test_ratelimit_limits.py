@@ -155,7 +155,7 @@ async def test_override_keys_past_the_metric_bounds_count_as_overflow() -> None:
                           rule_metrics, clock=lambda: NOW)
     n = rlmetrics.MAX_KEY_BYTES // 900 + 50
     for i in range(n):
-        await limiter.check("any", [Descriptor((("k", f"{i:0>900}"),), None, (10, 4))])
+        await limiter.check("edge", [Descriptor((("k", f"{i:0>900}"),), None, (10, 4))])
     rule_metrics.flush()
     overflow = registry.get_sample_value("sitsmesh_ratelimit_hits_total",
                                          {"key": "overflow", "outcome": "total_hits"})
