@@ -303,28 +303,35 @@ class RateLimiter:
 
     def _decide(self, descriptors: Sequence[Descriptor], counted: list[tuple[int, Rule, int]],
                 counts: list[Count], statuses: list[Status]) -> tuple[bool, list[int] | None]:
-        """Fold each rule's count into its descriptor's status; the tightest rule wins."""
+        """Fold each rule's count into its descriptor's status; the tightest rule wins.
+
+        As envoyproxy/ratelimit: a quota-mode descriptor that went over still says
+        OVER_LIMIT, but the whole answer is OVER_LIMIT only when some other descriptor
+        is over, or every quota-mode descriptor of the request is."""
         over_any = False
         violations: set[int] = set()
-        quota = False
+        quota: set[int] = set()
         for (i, rule, addend), count in zip(counted, counts, strict=True):
             over = count.over
             near = not over and count.used > NEAR_LIMIT_RATIO * rule.requests_per_unit
             entries = descriptors[i].entries
             self._metrics.record(rule, entries[-1][1] if entries else "", addend, count,
                                  near=near)
-            quota = quota or rule.quota_mode
             if over and rule.shadow_mode:
                 over = False
-            elif over and rule.quota_mode:
-                violations.add(i)
-                over = False
-            over_any = over_any or over
+            if rule.quota_mode:
+                quota.add(i)
+                if over:
+                    violations.add(i)
+            elif over:
+                over_any = True
             current = statuses[i]
             if (current.rule is None or current.rule.unlimited
                     or (over and not current.over)
                     or (over == current.over and count.remaining < current.remaining)):
                 statuses[i] = Status(over, rule, 0 if over else count.remaining, count.reset_s)
+        if quota and violations >= quota:
+            over_any = True
         return over_any, (sorted(violations) if quota else None)
 
 

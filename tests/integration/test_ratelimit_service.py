@@ -24,6 +24,9 @@ descriptors:
   - key: user
     # Hour windows: a window rolling over mid-test (a minute boundary) would reset counts.
     rate_limit: {unit: hour, requests_per_unit: 2}
+  - key: plan
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
 """
 API_CONFIG = """
 domain: api
@@ -106,6 +109,17 @@ def test_unknown_domain_is_ok_like_the_reference(node: harness.Sitsmesh) -> None
     for _ in range(3):
         reply = _ask(node, "nobody", capped)
         assert reply.overall_code == OK and not reply.statuses[0].HasField("current_limit")
+
+
+def test_quota_mode_answers_like_the_reference(node: harness.Sitsmesh) -> None:
+    """An over quota-mode descriptor says OVER_LIMIT in its status; the answer is
+    OVER_LIMIT only when every quota-mode descriptor is over."""
+    assert _ask(node, "files", _desc("plan", "a")).overall_code == OK
+    mixed = _ask(node, "files", _desc("plan", "a"), _desc("plan", "b"))
+    assert mixed.overall_code == OK
+    assert [s.code for s in mixed.statuses] == [OVER, OK]
+    both = _ask(node, "files", _desc("plan", "a"), _desc("plan", "b"))
+    assert both.overall_code == OVER and [s.code for s in both.statuses] == [OVER, OVER]
 
 
 def test_a_descriptor_with_no_entries_is_ok_with_no_limit_like_the_reference(

@@ -159,13 +159,28 @@ async def test_global_shadow_mode_never_enforces() -> None:
     assert registry.get_sample_value("sitsmesh_ratelimit_global_shadow_mode_total") == 2
 
 
-async def test_quota_mode_allows_and_reports_violations_in_metadata() -> None:
+async def test_quota_mode_reports_violations_and_denies_only_when_every_quota_is_over(
+) -> None:
+    """As envoyproxy/ratelimit: an over quota-mode descriptor says OVER_LIMIT; the answer
+    is OVER_LIMIT when every quota-mode descriptor is over, or any other one is."""
     limiter, _ = _limiter(Clock())
     first, second = await _codes(limiter, 2, d("quota", "q"))
-    assert not first.over and not second.over
+    assert not first.over and second.over  # its only quota descriptor is over
     assert first.metadata == {"descriptors": {"0": {"plan": "gold"}}, "quotaModeEnabled": True,
                               "quotaModeViolations": []}
     assert second.metadata is not None and second.metadata["quotaModeViolations"] == [0]
+    assert second.statuses[0].over
+    # One quota descriptor over, another still within: allowed, the status says which.
+    mixed = await limiter.check("edge", [d("quota", "q"), d("quota", "fresh")])
+    assert not mixed.over and [s.over for s in mixed.statuses] == [True, False]
+    # Both over: denied.
+    both = await limiter.check("edge", [d("quota", "q"), d("quota", "fresh")])
+    assert both.over and [s.over for s in both.statuses] == [True, True]
+    # A plain rule over denies whatever the quota descriptors say.
+    await limiter.check("edge", [d("win", "w")])
+    await limiter.check("edge", [d("win", "w")])
+    plain = await limiter.check("edge", [d("quota", "new"), d("win", "w")])
+    assert plain.over and [s.over for s in plain.statuses] == [False, True]
 
 
 async def test_unlimited_and_unknown_domain_and_no_match() -> None:
