@@ -70,12 +70,39 @@ class Rule:
     adaptive_pipeline: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Wildcard:
+    """A final key (`key_value`) with `*`s, each matching any run of characters (none
+    included), as envoyproxy/ratelimit matches it: the string starts with the first
+    literal part, ends with the last, and holds the middle ones in order, leftmost."""
+
+    parts: tuple[str, ...]
+
+    @classmethod
+    def of(cls, final: str) -> Wildcard:
+        return cls(tuple(final.split("*")))
+
+    def matches(self, text: str) -> bool:
+        parts = self.parts
+        first, last = parts[0], parts[-1]
+        if (not text.startswith(first) or not text.endswith(last)
+                or len(first) + len(last) > len(text)):
+            return False
+        at, end = len(first), len(text) - len(last)
+        for middle in parts[1:-1]:
+            found = text.find(middle, at, end)
+            if found < 0:
+                return False
+            at = found + len(middle)
+        return True
+
+
 @dataclass(slots=True)
 class Node:
     """One descriptor level: children by `key_value` or `key`, wildcards in config order."""
 
     children: dict[str, Node] = field(default_factory=dict)
-    wildcards: list[tuple[str, Node]] = field(default_factory=list)
+    wildcards: list[tuple[Wildcard, Node]] = field(default_factory=list)
     rules: tuple[Rule, ...] = ()
     share_threshold: bool = False
     # The config value of a wildcard node, used as the shared counter key.
@@ -210,10 +237,10 @@ class _Loader:
             flags = {k: self.flag(item, k, here)
                      for k in ("shadow_mode", "quota_mode", "detailed_metric")}
             share = self.flag(item, "share_threshold", here)
-            wildcard = isinstance(value, str) and value.endswith("*")
+            wildcard = "*" in final  # anywhere in the key or the value, as the reference
             if share and not wildcard:
-                raise self.fail(f"share_threshold can only be used with a wildcard value "
-                                f"ending in '*' (at {here})")
+                raise self.fail(f"share_threshold can only be used with wildcard values "
+                                f"(containing '*'), but found key '{final}' (at {here})")
             if "rate_limit" in item and "rate_limits" in item:
                 raise self.fail(f"use either rate_limit or rate_limits, not both (at {here})")
             blocks: list[Any]
@@ -234,7 +261,7 @@ class _Loader:
                              f"{here}.descriptors")
             parent.children[final] = node
             if wildcard:
-                parent.wildcards.append((final[:-1], node))
+                parent.wildcards.append((Wildcard.of(final), node))
 
 
 def parse_domain(source: str, text: str) -> tuple[str, Node]:

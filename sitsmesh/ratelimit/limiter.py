@@ -82,8 +82,8 @@ def _match(root: Node, entries: Sequence[tuple[str, str]]) -> tuple[Node | None,
         exact = f"{key}_{value}"
         node = level.children.get(exact)
         if node is None:
-            for prefix, candidate in level.wildcards:
-                if exact.startswith(prefix):
+            for pattern, candidate in level.wildcards:
+                if pattern.matches(exact):
                     node = candidate
                     break
         if node is None:

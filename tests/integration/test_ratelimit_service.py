@@ -27,6 +27,10 @@ descriptors:
   - key: plan
     quota_mode: true
     rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: route
+    value: /api*v1
+    share_threshold: true
+    rate_limit: {unit: hour, requests_per_unit: 2}
 """
 API_CONFIG = """
 domain: api
@@ -120,6 +124,15 @@ def test_quota_mode_answers_like_the_reference(node: harness.Sitsmesh) -> None:
     assert [s.code for s in mixed.statuses] == [OVER, OK]
     both = _ask(node, "files", _desc("plan", "a"), _desc("plan", "b"))
     assert both.overall_code == OVER and [s.code for s in both.statuses] == [OVER, OVER]
+
+
+def test_a_middle_wildcard_with_a_shared_threshold_like_the_reference(
+        node: harness.Sitsmesh) -> None:
+    codes = [_ask(node, "files", _desc("route", path)).overall_code
+             for path in ("/api/users/v1", "/api/teams/v1", "/api/x/v1")]
+    assert codes == [OK, OK, OVER]  # one counter for every path the pattern matches
+    other = _ask(node, "files", _desc("route", "/api/x/v2"))
+    assert other.overall_code == OK and not other.statuses[0].HasField("current_limit")
 
 
 def test_a_descriptor_with_no_entries_is_ok_with_no_limit_like_the_reference(

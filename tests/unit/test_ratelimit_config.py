@@ -70,8 +70,8 @@ descriptors:
     value: v
     share_threshold: true
     rate_limit: {unit: second, requests_per_unit: 1}
-""", "f.yaml: share_threshold can only be used with a wildcard value ending in '*' "
-     "(at descriptors[0])"),
+""", "f.yaml: share_threshold can only be used with wildcard values (containing '*'), "
+     "but found key 'k_v' (at descriptors[0])"),
     ("missing requests_per_unit", """
 domain: d
 descriptors:
@@ -147,7 +147,7 @@ descriptors:
     rule = api.rules[0]
     assert (rule.unit, rule.window_s, rule.shadow_mode, rule.quota_mode, rule.name) == (
         Unit.MINUTE, 60, True, True, "api")
-    assert root.wildcards[0][0] == "path_/api/"
+    assert root.wildcards[0][0].parts == ("path_/api/", "")
     burst, sustained = root.children["tenant"].rules
     assert burst.algorithm is Algorithm.GCRA and burst.window_s == 1
     assert sustained.window_s == 30 and sustained.index == 1

@@ -183,6 +183,52 @@ async def test_quota_mode_reports_violations_and_denies_only_when_every_quota_is
     assert plain.over and [s.over for s in plain.statuses] == [False, True]
 
 
+WILD = """
+domain: wild
+descriptors:
+  - key: route
+    value: bar*b
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: route
+    value: foo*bar*baz
+    share_threshold: true
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: route
+    value: "*"
+    rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: route
+    value: barb
+    rate_limit: {unit: minute, requests_per_unit: 9}
+  - key: svc*
+    rate_limit: {unit: minute, requests_per_unit: 3}
+"""
+
+
+@pytest.mark.parametrize(("value", "limit"), [
+    ("bar123b", 1), ("barb", 9), ("barb1", 5), ("fooXbarYbaz", 2), ("foobarbaz", 2),
+    ("foobazbar", 5), ("", 5), ("anything", 5)])
+async def test_wildcards_in_the_middle_and_several_match_like_the_reference(
+        value: str, limit: int) -> None:
+    """Each `*` is any run of characters; an exact value wins, then the first wildcard
+    in config order, then the key alone."""
+    limiter = RateLimiter(ConfigHolder(rlconfig.build([("w.yaml", WILD)])), MemoryStore(),
+                          RuleMetrics(CollectorRegistry()), clock=Clock())
+    rule = (await limiter.check("wild", [d("route", value)])).statuses[0].rule
+    assert rule is not None and rule.requests_per_unit == limit
+
+
+async def test_a_shared_threshold_on_a_middle_wildcard_shares_one_counter() -> None:
+    limiter = RateLimiter(ConfigHolder(rlconfig.build([("w.yaml", WILD)])), MemoryStore(),
+                          RuleMetrics(CollectorRegistry()), clock=Clock())
+    first = await limiter.check("wild", [d("route", "fooAbarBbaz")])
+    second = await limiter.check("wild", [d("route", "foo-bar-baz")])
+    third = await limiter.check("wild", [d("route", "foo1bar2baz")])
+    assert [first.over, second.over, third.over] == [False, False, True]
+    # Without share_threshold each value counts on its own (the key wildcard here).
+    assert not (await limiter.check("wild", [d("svc-a", "x")])).over
+    assert not (await limiter.check("wild", [d("svc-b", "x")])).over
+
+
 async def test_unlimited_and_unknown_domain_and_no_match() -> None:
     limiter, registry = _limiter(Clock())
     r = await limiter.check("edge", [d("ldap", "x")])
