@@ -43,7 +43,7 @@ class Algorithm(enum.Enum):
 
 DESCRIPTOR_KEYS = frozenset({"key", "value", "rate_limit", "rate_limits", "descriptors",
                              "shadow_mode", "detailed_metric", "quota_mode",
-                             "share_threshold", "metadata"})
+                             "share_threshold", "value_to_metric", "metadata"})
 RATE_LIMIT_KEYS = frozenset({"unit", "requests_per_unit", "unlimited", "name", "replaces",
                              "algorithm", "unit_multiplier", "adaptive", "pipeline"})
 ROOT_KEYS = frozenset({"domain", "descriptors"})
@@ -108,6 +108,8 @@ class Node:
     # The config value of a wildcard node, used as the shared counter key.
     pattern: str = ""
     metadata: Mapping[str, Any] | None = None
+    # Name the request's value, not the config's key or pattern, in the stats key.
+    value_to_metric: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +258,8 @@ class _Loader:
             metadata = item.get("metadata")
             if metadata is not None and not isinstance(metadata, dict):
                 raise self.fail(f"metadata must be a mapping (at {here})")
-            node = Node(rules=rules, share_threshold=share, pattern=final, metadata=metadata)
+            node = Node(rules=rules, share_threshold=share, pattern=final, metadata=metadata,
+                        value_to_metric=self.flag(item, "value_to_metric", here))
             self.descriptors(node, item.get("descriptors"), composite + ".",
                              f"{here}.descriptors")
             parent.children[final] = node

@@ -72,35 +72,73 @@ class ConfigHolder:
         self.current = config
 
 
-def _match(root: Node, entries: Sequence[tuple[str, str]]) -> tuple[Node | None, str]:
-    """The node whose rules apply, and the counter key suffix; reference matching order."""
+def _match(root: Node, entries: Sequence[tuple[str, str]]
+           ) -> tuple[Node | None, str, list[str] | None]:
+    """The node whose rules apply, the counter key suffix, and, where a node on the path
+    has `value_to_metric`, the stats key's parts; reference matching order."""
     level = root
     parts: list[str] = []
+    named: list[str] | None = None
     found: Node | None = None
     last = len(entries) - 1
     for i, (key, value) in enumerate(entries):
         exact = f"{key}_{value}"
         node = level.children.get(exact)
+        how = "exact"
         if node is None:
+            how = "wildcard"
             for pattern, candidate in level.wildcards:
                 if pattern.matches(exact):
                     node = candidate
                     break
         if node is None:
-            node = level.children.get(key)
+            node, how = level.children.get(key), "key"
         if node is None:
-            return None, ""
+            return None, "", None
         parts.append(node.pattern if node.share_threshold else exact)
+        if node.value_to_metric and named is None:
+            named = _stats_parts(root, entries[:i])
+        if named is not None:
+            named.append(_stats_part(node, how, key, value))
         if i == last:
             found = node
         elif not node.children:
-            return None, ""  # the request is deeper than the config
+            return None, "", None  # the request is deeper than the config
         level = node
-    return found, "_".join(parts)
+    return found, "_".join(parts), named
 
 
-# A matched descriptor: the rules that apply with their counter keys, and the node's metadata.
-_Match = tuple[tuple[tuple[Rule, str], ...], "dict[str, Any] | None"]
+def _stats_part(node: Node, how: str, key: str, value: str) -> str:
+    """One level of a value_to_metric stats key, as envoyproxy/ratelimit names it."""
+    if how == "exact" or (how == "wildcard" and node.share_threshold):
+        return node.pattern
+    if node.value_to_metric:
+        return f"{key}_{value}" if value else key
+    return node.pattern
+
+
+def _stats_parts(root: Node, entries: Sequence[tuple[str, str]]) -> list[str]:
+    """The stats key parts of the levels above the first value_to_metric node: walked
+    again only for the rare descriptors that need them."""
+    named: list[str] = []
+    level = root
+    for key, value in entries:
+        exact = f"{key}_{value}"
+        node = level.children.get(exact)
+        how = "exact"
+        if node is None:
+            how = "wildcard"
+            node = next((n for p, n in level.wildcards if p.matches(exact)), None)
+        if node is None:
+            node, how = level.children[key], "key"
+        named.append(_stats_part(node, how, key, value))
+        level = node
+    return named
+
+
+# A matched descriptor: the rules that apply with their counter keys and stats keys ("": the
+# rule's own), and the node's metadata.
+_Match = tuple[tuple[tuple[Rule, str, str], ...], "dict[str, Any] | None"]
 _NO_MATCH: _Match = ((), None)
 MATCH_CACHE_SIZE = 65_536
 DEFAULT_CACHE_BYTES = 16 << 20
@@ -115,8 +153,8 @@ def _cache_cost(domain: str, entries: tuple[tuple[str, str], ...], found: _Match
     cost = _ENTRY_BYTES + len(domain)
     for key, value in entries:
         cost += _PAIR_BYTES + len(key) + len(value)
-    for _, counter_key in found[0]:
-        cost += _KEY_BYTES + len(counter_key)
+    for _, counter_key, stats_key in found[0]:
+        cost += _KEY_BYTES + len(counter_key) + len(stats_key)
     return cost
 
 
@@ -163,11 +201,13 @@ class RateLimiter:
         root = config.domains.get(domain)
         if root is None:
             return _NO_MATCH
-        node, suffix = _match(root, entries)
+        node, suffix, named = _match(root, entries)
         if node is None:
             return _NO_MATCH
         base = f"{domain}_{suffix}"
-        found = (tuple((rule, f"{base}#{rule.index}" if rule.index else base)
+        stats = f"{domain}." + ".".join(named) if named is not None else ""
+        found = (tuple((rule, f"{base}#{rule.index}" if rule.index else base,
+                        stats if stats != rule.stats_key and not rule.detailed_metric else "")
                        for rule in node.rules),
                  dict(node.metadata) if node.metadata else None)
         cost = _cache_cost(domain, entries, found)
@@ -200,10 +240,10 @@ class RateLimiter:
                                           else 1)
         statuses = [Status(False, None, 0, 0.0) for _ in descriptors]
         hits: list[Hit] = []
-        counted: list[tuple[int, Rule, int]] = []
+        counted: list[tuple[int, Rule, int, str]] = []
         oversized: dict[int, Count] = {}
         arrived: set[str] | None = None  # pipelines this request counted as an arrival at
-        for i, rule, key, addend in matched:
+        for i, rule, key, addend, stats in matched:
             if rule.unlimited:
                 if statuses[i].rule is None:
                     statuses[i] = Status(False, rule, UNLIMITED_REMAINING, 0.0)
@@ -218,7 +258,7 @@ class RateLimiter:
                 oversized[len(counted)] = Count(True, 0, float(rule.window_s), addend)
             else:
                 hits.append(Hit(key, rule.algorithm, limit, rule.window_s, addend))
-            counted.append((i, rule, addend))
+            counted.append((i, rule, addend, stats))
         counts = await self._store.hit(hits, self._clock()) if hits else []
         if oversized:
             stored = iter(counts)
@@ -247,11 +287,12 @@ class RateLimiter:
         return max(1 if limit else 0, int(limit * gate.fraction(pipeline)))
 
     def _collect(self, domain: str, descriptors: Sequence[Descriptor], default_addend: int
-                 ) -> tuple[list[tuple[int, Rule, str, int]], dict[str, Any] | None]:
-        """(descriptor index, rule, counter key, addend) for every rule that applies."""
+                 ) -> tuple[list[tuple[int, Rule, str, int, str]], dict[str, Any] | None]:
+        """(descriptor index, rule, counter key, addend, stats key) for every rule that
+        applies."""
         config = self._holder.current
         self._validate(descriptors)
-        matched: list[tuple[int, Rule, str, int]] = []
+        matched: list[tuple[int, Rule, str, int, str]] = []
         metadata: dict[str, Any] | None = None
         for i, d in enumerate(descriptors):
             entries = d.entries
@@ -264,7 +305,7 @@ class RateLimiter:
                 # where no rule matches and on a descriptor with no entries).
                 if domain in config.domains:
                     matched.append((i, _override_rule(domain, d),
-                                    f"{domain}_{_plain_key(entries)}", addend))
+                                    f"{domain}_{_plain_key(entries)}", addend, ""))
                 continue
             if type(entries) is not tuple:
                 entries = tuple(entries)
@@ -272,12 +313,12 @@ class RateLimiter:
             if node_metadata:
                 metadata = metadata or {}
                 metadata.setdefault("descriptors", {})[str(i)] = node_metadata
-            for rule, key in rules:
-                matched.append((i, rule, key, addend))
+            for rule, key, stats in rules:
+                matched.append((i, rule, key, addend, stats))
         if domain not in config.domains and not matched:
             self._metrics.unknown_domain()
         if len(matched) > 1:
-            replaced = {name for _, rule, _, _ in matched for name in rule.replaces}
+            replaced = {name for _, rule, _, _, _ in matched for name in rule.replaces}
             if replaced:
                 matched = [m for m in matched if m[1].name not in replaced]
         return matched, metadata
@@ -301,7 +342,8 @@ class RateLimiter:
                 raise RequestError(f"descriptor {i}: hits_addend {d.addend} exceeds "
                                    f"{limits.hits_addend}")
 
-    def _decide(self, descriptors: Sequence[Descriptor], counted: list[tuple[int, Rule, int]],
+    def _decide(self, descriptors: Sequence[Descriptor],
+                counted: list[tuple[int, Rule, int, str]],
                 counts: list[Count], statuses: list[Status]) -> tuple[bool, list[int] | None]:
         """Fold each rule's count into its descriptor's status; the tightest rule wins.
 
@@ -311,12 +353,12 @@ class RateLimiter:
         over_any = False
         violations: set[int] = set()
         quota: set[int] = set()
-        for (i, rule, addend), count in zip(counted, counts, strict=True):
+        for (i, rule, addend, stats), count in zip(counted, counts, strict=True):
             over = count.over
             near = not over and count.used > NEAR_LIMIT_RATIO * rule.requests_per_unit
             entries = descriptors[i].entries
             self._metrics.record(rule, entries[-1][1] if entries else "", addend, count,
-                                 near=near)
+                                 near=near, stats_key=stats)
             if over and rule.shadow_mode:
                 over = False
             if rule.quota_mode:

@@ -58,8 +58,9 @@ class RuleMetrics:
             self._children[key] = children
         return children
 
-    def record(self, rule: Rule, value: str, addend: int, count: Count, *, near: bool) -> None:
-        key = rule.stats_key
+    def record(self, rule: Rule, value: str, addend: int, count: Count, *, near: bool,
+               stats_key: str = "") -> None:
+        key = stats_key or rule.stats_key
         if rule.detailed_metric:
             detailed = f"{key}_{value}"
             if detailed in self._detailed or len(self._detailed) < MAX_DETAILED_KEYS:

@@ -229,6 +229,57 @@ async def test_a_shared_threshold_on_a_middle_wildcard_shares_one_counter() -> N
     assert not (await limiter.check("wild", [d("svc-b", "x")])).over
 
 
+VALUED = """
+domain: d
+descriptors:
+  - key: k1
+    value_to_metric: true
+    descriptors:
+      - key: k2
+        rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: a
+    descriptors:
+      - key: b
+        value_to_metric: true
+        descriptors:
+          - key: c
+            rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: route
+    value: dr*
+    value_to_metric: true
+    descriptors:
+      - key: http_method
+        value_to_metric: true
+        descriptors:
+          - key: subject_id
+            rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: detailed
+    value_to_metric: true
+    detailed_metric: true
+    rate_limit: {unit: minute, requests_per_unit: 5}
+"""
+
+
+@pytest.mark.parametrize(("entries", "stats_key"), [
+    ((("k1", "A"), ("k2", "B")), "d.k1_A.k2"),
+    ((("a", "X"), ("b", "Y"), ("c", "Z")), "d.a.b_Y.c"),
+    ((("route", "draw"), ("http_method", "GET"), ("subject_id", "9")),
+     "d.route_draw.http_method_GET.subject_id"),
+    ((("detailed", "v"),), "d.detailed_v"),  # detailed_metric's own name wins
+])
+async def test_value_to_metric_names_the_request_value_like_the_reference(
+        entries: tuple[tuple[str, str], ...], stats_key: str) -> None:
+    registry = CollectorRegistry()
+    metrics = RuleMetrics(registry)
+    limiter = RateLimiter(ConfigHolder(rlconfig.build([("v.yaml", VALUED)])), MemoryStore(),
+                          metrics, clock=Clock())
+    assert (await limiter.check("d", [Descriptor(entries)])).statuses[0].rule is not None
+    metrics.flush()
+    keys = {s.labels["key"] for m in registry.collect() for s in m.samples
+            if s.name == "sitsmesh_ratelimit_hits_total"}
+    assert keys == {stats_key}
+
+
 async def test_unlimited_and_unknown_domain_and_no_match() -> None:
     limiter, registry = _limiter(Clock())
     r = await limiter.check("edge", [d("ldap", "x")])
