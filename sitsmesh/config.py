@@ -66,6 +66,7 @@ class Settings:
     on_store_error: str = "allow"
     store_replicas: int = 1
     ratelimit_shadow_mode: bool = False
+    ratelimit_merge_domain_config: bool = False
     ratelimit_max_descriptors: int = 64
     reload_interval_seconds: float = 1.0
     authz_api_key_headers: tuple[str, ...] = ("x-api-key", "authorization")
@@ -198,6 +199,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "on_store_error": values.choice(("allow", "deny", "local")),
     "store_replicas": values.int_range(1, 10_000),
     "ratelimit_shadow_mode": values.boolean,
+    "ratelimit_merge_domain_config": values.boolean,
     "ratelimit_max_descriptors": values.int_range(1, 100_000),
     "reload_interval_seconds": values.seconds,
     "authz_api_key_headers": values.header_names,

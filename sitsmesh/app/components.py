@@ -103,7 +103,8 @@ class RateLimitComponent:
                  registry: CollectorRegistry | None, board: StatusBoard, *,
                  serve: bool, gate: PressureGate | None = None) -> None:
         self._settings = settings
-        self.config = ConfigManager(settings.ratelimit_config, state, registry)
+        self.config = ConfigManager(settings.ratelimit_config, state, registry,
+                                    merge=settings.ratelimit_merge_domain_config)
         self.store: CounterStore | None = None
         self.limiter: RateLimiter | None = None
         self._metrics: RuleMetrics | None = None

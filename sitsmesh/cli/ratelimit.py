@@ -24,6 +24,9 @@ def add_commands(sub: Subcommands) -> None:
         dest="ratelimit_command", required=True)
     check = rl.add_parser("check", help="validate config files offline; exit 1 if any is bad")
     check.add_argument("paths", nargs="+", metavar="PATH")
+    check.add_argument("--merge-domain-config", action="store_true",
+                       help="files naming one domain add their top-level descriptors "
+                            "together (as serve's ratelimit_merge_domain_config)")
     check.set_defaults(func=cmd_ratelimit_check)
     apply = rl.add_parser("apply", help="validate and apply config files (admin API)")
     apply.add_argument("files", nargs="+", metavar="FILE")
@@ -61,7 +64,7 @@ def cmd_ratelimit_check(args: argparse.Namespace) -> int:
         good.append(item)
         print(f"{path}: ok (domain '{domain}')")
     try:
-        rlconfig.build(good)
+        rlconfig.build(good, merge=args.merge_domain_config)
     except ConfigError as exc:
         print(exc.message)
         failed = True

@@ -34,6 +34,9 @@ _FLAG_HELP = {
     "on_store_error": "when Redis fails: allow, deny, or local (per-replica counting)",
     "store_replicas": "replica count that divides limits under on_store_error=local",
     "ratelimit_shadow_mode": "true: log and count over-limit decisions, never enforce",
+    "ratelimit_merge_domain_config": "true: files naming one domain add their top-level "
+                                     "descriptors together (envoyproxy/ratelimit's "
+                                     "MERGE_DOMAIN_CONFIG)",
     "ratelimit_max_descriptors": "most descriptors one ShouldRateLimit may carry",
     "reload_interval_seconds": "how often config files and applied configs are checked",
     "authz_api_key_headers": "headers that may carry an API key (comma-separated)",
@@ -115,7 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls.cert_files(settings, side)  # unreadable or mismatched files stop the start here
     tls.redis_url(settings)
     preflight.check_all(settings)
-    rlconfig.load(settings.ratelimit_config)  # a bad file stops the start, before any port
+    # A bad file stops the start, before any port opens.
+    rlconfig.load(settings.ratelimit_config, merge=settings.ratelimit_merge_domain_config)
     logs.configure(settings.log_level, settings.log_format)
     if settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Must be set before prometheus_client is imported (server imports it).

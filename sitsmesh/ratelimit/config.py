@@ -286,13 +286,22 @@ def parse_domain(source: str, text: str) -> tuple[str, Node]:
     return domain, root
 
 
-def build(files: Iterable[tuple[str, str]]) -> RateLimitConfig:
-    """Build one snapshot from (source name, YAML text) pairs; all or nothing."""
+def build(files: Iterable[tuple[str, str]], *, merge: bool = False) -> RateLimitConfig:
+    """Build one snapshot from (source name, YAML text) pairs; all or nothing.
+
+    With `merge` (envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG), a later file of a domain
+    adds its top-level descriptors to the earlier ones; a descriptor both define is an
+    error, as in the reference, and nothing merges below the top level."""
     domains: dict[str, Node] = {}
     sources: dict[str, str] = {}
     texts: dict[str, str] = {}
     for source, text in files:
         domain, root = parse_domain(source, text)
+        if domain in domains and merge:
+            _merge(domains[domain], root, domain, source)
+            sources[domain] += f" + {source}"
+            texts[domain] += f"\n---\n{text}"
+            continue
         if domain in domains:
             raise ConfigError(f"{source}: duplicate domain '{domain}' in config file "
                               f"(also in {sources[domain]})")
@@ -306,6 +315,15 @@ def build(files: Iterable[tuple[str, str]]) -> RateLimitConfig:
                     raise ConfigError(f"{sources[domain]}: replaces names no rule: '{target}' "
                                       f"(in {rule.stats_key})")
     return config
+
+
+def _merge(into: Node, root: Node, domain: str, source: str) -> None:
+    for final, node in root.children.items():
+        if final in into.children:
+            raise ConfigError(f"{source}: duplicate descriptor composite key "
+                              f"'{domain}.{final}'")
+        into.children[final] = node
+    into.wildcards.extend(root.wildcards)  # after the earlier file's, as loaded
 
 
 def expand(paths: Iterable[Path]) -> list[Path]:
@@ -331,8 +349,8 @@ def read_files(paths: Iterable[Path]) -> list[tuple[str, str]]:
     return files
 
 
-def load(paths: Iterable[Path]) -> RateLimitConfig:
-    return build(read_files(paths))
+def load(paths: Iterable[Path], *, merge: bool = False) -> RateLimitConfig:
+    return build(read_files(paths), merge=merge)
 
 
 EMPTY = RateLimitConfig({}, {}, {})

@@ -35,8 +35,9 @@ def version_of(config: RateLimitConfig) -> str:
 
 class ConfigManager:
     def __init__(self, paths: Sequence[Path], state: StateStore,
-                 registry: CollectorRegistry | None) -> None:
+                 registry: CollectorRegistry | None, *, merge: bool = False) -> None:
         self._paths = list(paths)
+        self._merge = merge
         self._state = state
         self.holder = ConfigHolder(rlconfig.EMPTY)
         self.version = version_of(rlconfig.EMPTY)
@@ -73,7 +74,7 @@ class ConfigManager:
             domain = rlconfig.parse_domain(src, text)[0]
             if domain not in extra_domains and domain not in dropped:
                 applied.append((src, text))
-        return rlconfig.build([*files, *applied, *extra])
+        return rlconfig.build([*files, *applied, *extra], merge=self._merge)
 
     async def reload(self, reason: str) -> bool:
         """Make a fresh snapshot live. False (old snapshot kept) when it is invalid."""

@@ -135,6 +135,21 @@ def test_a_middle_wildcard_with_a_shared_threshold_like_the_reference(
     assert other.overall_code == OK and not other.statuses[0].HasField("current_limit")
 
 
+def test_two_files_of_one_domain_merge_when_asked_like_the_reference(
+        start_sitsmesh: Start, tmp_path: Path) -> None:
+    config_dir = tmp_path / "merged"
+    config_dir.mkdir()
+    (config_dir / "a.yaml").write_text(FILE_CONFIG)
+    (config_dir / "b.yaml").write_text(
+        "domain: files\ndescriptors:\n  - key: team\n"
+        "    rate_limit: {unit: hour, requests_per_unit: 1}\n")
+    node = start_sitsmesh("--ratelimit-config", str(config_dir),
+                          "--ratelimit-merge-domain-config", "true")
+    assert _ask(node, "files", _desc("user", "m")).statuses[0].current_limit.requests_per_unit == 2
+    codes = [_ask(node, "files", _desc("team", "t")).overall_code for _ in range(2)]
+    assert codes == [OK, OVER]  # the second file's rule is live beside the first's
+
+
 def test_a_descriptor_with_no_entries_is_ok_with_no_limit_like_the_reference(
         node: harness.Sitsmesh) -> None:
     reply = _ask(node, "files", ratelimit_pb2.RateLimitDescriptor(), _desc("user", "e"))

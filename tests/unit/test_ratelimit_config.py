@@ -162,3 +162,25 @@ def test_directory_loading_reads_yaml_files_only(tmp_path: Path) -> None:
     (tmp_path / ".hidden.yaml").write_text("domain: [")
     cfg = rlconfig.load([tmp_path])
     assert sorted(cfg.domains) == ["a", "b"]
+
+
+def test_merge_domain_config_adds_top_level_descriptors_like_the_reference() -> None:
+    first = "domain: d\ndescriptors:\n  - {key: a, rate_limit: {unit: second, " \
+            "requests_per_unit: 1}}\n  - {key: w, value: 'x*', rate_limit: {unit: second, " \
+            "requests_per_unit: 1}}\n"
+    second = "domain: d\ndescriptors:\n  - {key: b, rate_limit: {unit: second, " \
+             "requests_per_unit: 2}}\n  - {key: w, value: '*', rate_limit: {unit: second, " \
+             "requests_per_unit: 2}}\n"
+    with pytest.raises(ConfigError, match=r"two\.yaml: duplicate domain 'd' in config file"):
+        rlconfig.build([("one.yaml", first), ("two.yaml", second)])
+    merged = rlconfig.build([("one.yaml", first), ("two.yaml", second)], merge=True)
+    root = merged.domains["d"]
+    assert set(root.children) >= {"a", "b", "w_x*", "w_*"}
+    # The earlier file's wildcards come first.
+    assert [node.pattern for _, node in root.wildcards] == ["w_x*", "w_*"]
+    assert merged.sources["d"] == "one.yaml + two.yaml"
+    clash = "domain: d\ndescriptors:\n  - {key: a, rate_limit: {unit: second, " \
+            "requests_per_unit: 1}}\n"
+    with pytest.raises(ConfigError,
+                       match=r"three\.yaml: duplicate descriptor composite key 'd\.a'$"):
+        rlconfig.build([("one.yaml", first), ("three.yaml", clash)], merge=True)
