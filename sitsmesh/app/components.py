@@ -123,7 +123,8 @@ class RateLimitComponent:
     def services(self) -> list[DataService]:
         if self.limiter is None:
             return []
-        servicer = RateLimitServicer(self.limiter, self._settings.max_ratelimit_message_bytes)
+        servicer = RateLimitServicer(self.limiter, self._settings.max_ratelimit_message_bytes,
+                                     limit_headers=self._settings.ratelimit_response_headers)
         services = [DataService(RATELIMIT_SERVICE,
                                 lambda server: add_ratelimit(servicer, server))]
         if self._settings.ratelimit_store == "redis":

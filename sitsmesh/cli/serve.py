@@ -37,6 +37,9 @@ _FLAG_HELP = {
     "ratelimit_merge_domain_config": "true: files naming one domain add their top-level "
                                      "descriptors together (envoyproxy/ratelimit's "
                                      "MERGE_DOMAIN_CONFIG)",
+    "ratelimit_response_headers": "true: answers with a limit carry RateLimit-Limit, "
+                                  "-Remaining and -Reset (envoyproxy/ratelimit's "
+                                  "LIMIT_RESPONSE_HEADERS_ENABLED)",
     "ratelimit_max_descriptors": "most descriptors one ShouldRateLimit may carry",
     "reload_interval_seconds": "how often config files and applied configs are checked",
     "authz_api_key_headers": "headers that may carry an API key (comma-separated)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.message import DecodeError
 from google.protobuf.struct_pb2 import Struct
@@ -13,7 +14,7 @@ from grpc import aio
 from sitsmesh import logs
 from sitsmesh.errors import Code, InvalidArgumentError, SitsmeshError
 from sitsmesh.ratelimit.config import Rule
-from sitsmesh.ratelimit.limiter import Descriptor, RateLimiter
+from sitsmesh.ratelimit.limiter import Descriptor, RateLimiter, Status
 from sitsmesh.transport.errors import abort
 
 SERVICE_NAME = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
@@ -78,11 +79,35 @@ def add_to_server(servicer: RateLimitServicer, server: aio.Server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
+LIMIT_HEADERS = ("RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Reset")
+
+
+def header_status(statuses: list[Status]) -> Status | None:
+    """The status envoyproxy/ratelimit's RateLimit-* headers describe: the one with the
+    least remaining among those with a limit (the first on a tie), unless a descriptor
+    is over, outside quota mode (then the last of those)."""
+    chosen: Status | None = None
+    for status in statuses:
+        rule = status.rule
+        if rule is None or rule.unlimited:
+            continue
+        if chosen is None or status.remaining < chosen.remaining:
+            chosen = status
+    for status in statuses:
+        if status.over and status.rule is not None and not status.rule.quota_mode:
+            chosen = status
+    return chosen
+
+
 class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def __init__(self, limiter: RateLimiter,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
+                 limit_headers: bool = False) -> None:
         self._limiter = limiter
         self.max_message_bytes = max_message_bytes
+        # RateLimit-Limit/-Remaining/-Reset on every answer with a limit, as
+        # envoyproxy/ratelimit's LIMIT_RESPONSE_HEADERS_ENABLED.
+        self._limit_headers = limit_headers
         # One RateLimit message per rule, built once; rules live as long as their snapshot.
         self._limits: dict[int, Any] = {}
         self._limits_bytes = 0
@@ -125,6 +150,13 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
                 until = entry.duration_until_reset
                 until.seconds = whole
                 until.nanos = int((reset - whole) * 1e9)
+        if self._limit_headers:
+            shown = header_status(decision.statuses)
+            if shown is not None and shown.rule is not None:
+                values = (shown.rule.requests_per_unit, shown.remaining, int(shown.reset_s))
+                response.response_headers_to_add.extend(
+                    base_pb2.HeaderValue(key=name, value=str(value))
+                    for name, value in zip(LIMIT_HEADERS, values, strict=True))
         if decision.metadata:
             metadata = Struct()
             metadata.update(decision.metadata)

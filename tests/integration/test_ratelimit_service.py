@@ -150,6 +150,27 @@ def test_two_files_of_one_domain_merge_when_asked_like_the_reference(
     assert codes == [OK, OVER]  # the second file's rule is live beside the first's
 
 
+def test_ratelimit_headers_when_enabled_like_the_reference(
+        start_sitsmesh: Start, tmp_path: Path, node: harness.Sitsmesh) -> None:
+    assert not _ask(node, "files", _desc("user", "quiet")).response_headers_to_add  # off
+    config_dir = tmp_path / "headers"
+    config_dir.mkdir()
+    (config_dir / "files.yaml").write_text(FILE_CONFIG)
+    loud = start_sitsmesh("--ratelimit-config", str(config_dir),
+                          "--ratelimit-response-headers", "true", name="loud")
+
+    def headers(reply: rls_pb2.RateLimitResponse) -> dict[str, str]:
+        return {h.key: h.value for h in reply.response_headers_to_add}
+
+    first = headers(_ask(loud, "files", _desc("user", "h"), _desc("team", "none")))
+    assert first["RateLimit-Limit"] == "2" and first["RateLimit-Remaining"] == "1"
+    assert 0 <= int(first["RateLimit-Reset"]) <= 3600
+    _ask(loud, "files", _desc("user", "h"))
+    over = _ask(loud, "files", _desc("user", "h"))
+    assert over.overall_code == OVER and headers(over)["RateLimit-Remaining"] == "0"
+    assert not _ask(loud, "files", _desc("team", "none")).response_headers_to_add  # no limit
+
+
 def test_a_descriptor_with_no_entries_is_ok_with_no_limit_like_the_reference(
         node: harness.Sitsmesh) -> None:
     reply = _ask(node, "files", ratelimit_pb2.RateLimitDescriptor(), _desc("user", "e"))

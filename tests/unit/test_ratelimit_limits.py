@@ -163,3 +163,23 @@ async def test_override_keys_past_the_metric_bounds_count_as_overflow() -> None:
     labelled = {s.labels["key"] for m in registry.collect() for s in m.samples
                 if s.name == "sitsmesh_ratelimit_hits_total"}
     assert sum(map(len, labelled)) <= rlmetrics.MAX_KEY_BYTES + len("overflow")
+
+
+def test_ratelimit_headers_describe_the_least_remaining_or_the_last_one_over() -> None:
+    """envoyproxy/ratelimit's choice for RateLimit-*: the least remaining among statuses
+    with a limit (the first on a tie), replaced by the last non-quota one over."""
+    from sitsmesh.ratelimit.config import Rule, Unit
+    from sitsmesh.ratelimit.limiter import Status
+    from sitsmesh.transport.ratelimit import header_status
+
+    def rule(quota: bool = False, unlimited: bool = False) -> Rule:
+        return Rule("d.k", 10, Unit.MINUTE, 60, quota_mode=quota, unlimited=unlimited)
+
+    a, b = Status(False, rule(), 3, 1.0), Status(False, rule(), 3, 2.0)
+    free = Status(False, rule(unlimited=True), 0, 0.0)
+    assert header_status([Status(False, None, 0, 0.0), free]) is None
+    assert header_status([free, a, b]) is a
+    over_quota, over = Status(True, rule(quota=True), 0, 5.0), Status(True, rule(), 0, 6.0)
+    assert header_status([a, over_quota]) is over_quota  # least remaining, quota or not
+    last = Status(True, rule(), 0, 7.0)
+    assert header_status([over, a, over_quota, last]) is last
