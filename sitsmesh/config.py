@@ -68,6 +68,7 @@ class Settings:
     ratelimit_shadow_mode: bool = False
     ratelimit_merge_domain_config: bool = False
     ratelimit_response_headers: bool = False
+    ratelimit_response_dynamic_metadata: bool = False
     ratelimit_max_descriptors: int = 64
     reload_interval_seconds: float = 1.0
     authz_api_key_headers: tuple[str, ...] = ("x-api-key", "authorization")
@@ -202,6 +203,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "ratelimit_shadow_mode": values.boolean,
     "ratelimit_merge_domain_config": values.boolean,
     "ratelimit_response_headers": values.boolean,
+    "ratelimit_response_dynamic_metadata": values.boolean,
     "ratelimit_max_descriptors": values.int_range(1, 100_000),
     "reload_interval_seconds": values.seconds,
     "authz_api_key_headers": values.header_names,

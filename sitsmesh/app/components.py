@@ -124,7 +124,9 @@ class RateLimitComponent:
         if self.limiter is None:
             return []
         servicer = RateLimitServicer(self.limiter, self._settings.max_ratelimit_message_bytes,
-                                     limit_headers=self._settings.ratelimit_response_headers)
+                                     limit_headers=self._settings.ratelimit_response_headers,
+                                     dynamic_metadata=(
+                                         self._settings.ratelimit_response_dynamic_metadata))
         services = [DataService(RATELIMIT_SERVICE,
                                 lambda server: add_ratelimit(servicer, server))]
         if self._settings.ratelimit_store == "redis":

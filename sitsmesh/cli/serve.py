@@ -40,6 +40,9 @@ _FLAG_HELP = {
     "ratelimit_response_headers": "true: answers with a limit carry RateLimit-Limit, "
                                   "-Remaining and -Reset (envoyproxy/ratelimit's "
                                   "LIMIT_RESPONSE_HEADERS_ENABLED)",
+    "ratelimit_response_dynamic_metadata": "true: answers carry Envoy dynamic metadata "
+                                           "(domain, descriptors, merged config metadata; "
+                                           "envoyproxy/ratelimit's RESPONSE_DYNAMIC_METADATA)",
     "ratelimit_max_descriptors": "most descriptors one ShouldRateLimit may carry",
     "reload_interval_seconds": "how often config files and applied configs are checked",
     "authz_api_key_headers": "headers that may carry an API key (comma-separated)",

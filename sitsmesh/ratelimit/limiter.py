@@ -59,8 +59,10 @@ class Status:
 class Decision:
     over: bool
     statuses: list[Status]
-    # Dynamic metadata for Envoy: quota-mode violations and matched rules' metadata.
-    metadata: dict[str, Any] | None
+    # The config `metadata` of each descriptor's matched node, by descriptor index.
+    metadata: dict[int, Any] | None = None
+    # Quota-mode descriptors that went over (None: no quota-mode descriptor matched).
+    violations: list[int] | None = None
 
 
 class ConfigHolder:
@@ -265,14 +267,10 @@ class RateLimiter:
             counts = [oversized[n] if n in oversized else next(stored)
                       for n in range(len(counted))]
         over_any, violations = self._decide(descriptors, counted, counts, statuses)
-        if violations is not None:
-            metadata = metadata or {}
-            metadata["quotaModeEnabled"] = True
-            metadata["quotaModeViolations"] = violations
         if over_any and self._global_shadow:
             self._metrics.global_shadow()
             over_any = False
-        return Decision(over_any, statuses, metadata)
+        return Decision(over_any, statuses, metadata, violations)
 
     def _adaptive(self, rule: Rule, limit: int, arrived: set[str]) -> int:
         """The rule's limit scaled by its pipeline's admitted fraction (at least 1). The
@@ -287,13 +285,13 @@ class RateLimiter:
         return max(1 if limit else 0, int(limit * gate.fraction(pipeline)))
 
     def _collect(self, domain: str, descriptors: Sequence[Descriptor], default_addend: int
-                 ) -> tuple[list[tuple[int, Rule, str, int, str]], dict[str, Any] | None]:
+                 ) -> tuple[list[tuple[int, Rule, str, int, str]], dict[int, Any] | None]:
         """(descriptor index, rule, counter key, addend, stats key) for every rule that
         applies."""
         config = self._holder.current
         self._validate(descriptors)
         matched: list[tuple[int, Rule, str, int, str]] = []
-        metadata: dict[str, Any] | None = None
+        metadata: dict[int, Any] | None = None
         for i, d in enumerate(descriptors):
             entries = d.entries
             addend = d.addend
@@ -312,7 +310,7 @@ class RateLimiter:
             rules, node_metadata = self._lookup(config, domain, entries)
             if node_metadata:
                 metadata = metadata or {}
-                metadata.setdefault("descriptors", {})[str(i)] = node_metadata
+                metadata[i] = node_metadata
             for rule, key, stats in rules:
                 matched.append((i, rule, key, addend, stats))
         if domain not in config.domains and not matched:

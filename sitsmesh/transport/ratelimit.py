@@ -14,7 +14,7 @@ from grpc import aio
 from sitsmesh import logs
 from sitsmesh.errors import Code, InvalidArgumentError, SitsmeshError
 from sitsmesh.ratelimit.config import Rule
-from sitsmesh.ratelimit.limiter import Descriptor, RateLimiter, Status
+from sitsmesh.ratelimit.limiter import Decision, Descriptor, RateLimiter, Status
 from sitsmesh.transport.errors import abort
 
 SERVICE_NAME = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
@@ -99,15 +99,53 @@ def header_status(statuses: list[Status]) -> Status | None:
     return chosen
 
 
+def dynamic_metadata(request: Any, decision: Decision) -> dict[str, Any]:
+    """envoyproxy/ratelimit's response metadata: the domain, each descriptor's entries
+    (and hits_addend), the request's hits_addend, and the config `metadata` of the
+    descriptors that passed, merged in request order (the first value of a key wins).
+    sitsmesh adds which quota-mode descriptors went over."""
+    descriptors = []
+    for d in request.descriptors:
+        item: dict[str, Any] = {"entries": [f"{e.key}={e.value}" for e in d.entries]}
+        if d.HasField("hits_addend"):
+            item["hitsAddend"] = d.hits_addend.value
+        descriptors.append(item)
+    out: dict[str, Any] = {"domain": request.domain, "descriptors": descriptors}
+    if request.hits_addend:
+        out["hitsAddend"] = request.hits_addend
+    merged: dict[str, Any] = {}
+    for i, found in sorted((decision.metadata or {}).items()):
+        if not decision.statuses[i].over:
+            _merge_first(merged, found)
+    if merged:
+        out["metadata"] = merged
+    if decision.violations is not None:
+        out["quotaModeEnabled"] = True
+        out["quotaModeViolations"] = decision.violations
+    return out
+
+
+def _merge_first(into: dict[str, Any], more: Any) -> None:
+    for key, value in more.items():
+        if key not in into:
+            into[key] = value
+        elif isinstance(into[key], dict) and isinstance(value, dict):
+            merged = dict(into[key])
+            _merge_first(merged, value)
+            into[key] = merged
+
+
 class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def __init__(self, limiter: RateLimiter,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
-                 limit_headers: bool = False) -> None:
+                 limit_headers: bool = False, dynamic_metadata: bool = False) -> None:
         self._limiter = limiter
         self.max_message_bytes = max_message_bytes
         # RateLimit-Limit/-Remaining/-Reset on every answer with a limit, as
         # envoyproxy/ratelimit's LIMIT_RESPONSE_HEADERS_ENABLED.
         self._limit_headers = limit_headers
+        # Envoy's dynamic metadata on every answer, as RESPONSE_DYNAMIC_METADATA.
+        self._dynamic_metadata = dynamic_metadata
         # One RateLimit message per rule, built once; rules live as long as their snapshot.
         self._limits: dict[int, Any] = {}
         self._limits_bytes = 0
@@ -157,9 +195,9 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
                 response.response_headers_to_add.extend(
                     base_pb2.HeaderValue(key=name, value=str(value))
                     for name, value in zip(LIMIT_HEADERS, values, strict=True))
-        if decision.metadata:
+        if self._dynamic_metadata:
             metadata = Struct()
-            metadata.update(decision.metadata)
+            metadata.update(dynamic_metadata(request, decision))
             response.dynamic_metadata.CopyFrom(metadata)
         if decision.over:
             _log.debug("over limit", domain=request.domain)

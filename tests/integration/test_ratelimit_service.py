@@ -26,6 +26,7 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 2}
   - key: plan
     quota_mode: true
+    metadata: {tier: gold}
     rate_limit: {unit: hour, requests_per_unit: 1}
   - key: route
     value: /api*v1
@@ -169,6 +170,24 @@ def test_ratelimit_headers_when_enabled_like_the_reference(
     over = _ask(loud, "files", _desc("user", "h"))
     assert over.overall_code == OVER and headers(over)["RateLimit-Remaining"] == "0"
     assert not _ask(loud, "files", _desc("team", "none")).response_headers_to_add  # no limit
+
+
+def test_dynamic_metadata_only_when_enabled_like_the_reference(
+        start_sitsmesh: Start, tmp_path: Path, node: harness.Sitsmesh) -> None:
+    assert not _ask(node, "files", _desc("plan", "quiet")).HasField("dynamic_metadata")
+    config_dir = tmp_path / "meta"
+    config_dir.mkdir()
+    (config_dir / "files.yaml").write_text(FILE_CONFIG)
+    told = start_sitsmesh("--ratelimit-config", str(config_dir),
+                          "--ratelimit-response-dynamic-metadata", "true", name="told")
+    fields = _ask(told, "files", _desc("plan", "p")).dynamic_metadata.fields
+    assert fields["domain"].string_value == "files"
+    assert [v.string_value for v in
+            fields["descriptors"].list_value.values[0].struct_value.fields["entries"]
+            .list_value.values] == ["plan=p"]
+    assert fields["metadata"].struct_value.fields["tier"].string_value == "gold"
+    over = _ask(told, "files", _desc("plan", "p")).dynamic_metadata.fields
+    assert "metadata" not in over  # an over quota descriptor did not pass
 
 
 def test_a_descriptor_with_no_entries_is_ok_with_no_limit_like_the_reference(

@@ -183,3 +183,32 @@ def test_ratelimit_headers_describe_the_least_remaining_or_the_last_one_over() -
     assert header_status([a, over_quota]) is over_quota  # least remaining, quota or not
     last = Status(True, rule(), 0, 7.0)
     assert header_status([over, a, over_quota, last]) is last
+
+
+def test_dynamic_metadata_has_the_reference_shape_and_merges_passed_descriptors() -> None:
+    from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+    from envoy.service.ratelimit.v3 import rls_pb2
+
+    from sitsmesh.ratelimit.config import Rule, Unit
+    from sitsmesh.ratelimit.limiter import Decision, Status
+    from sitsmesh.transport.ratelimit import dynamic_metadata
+
+    entry = ratelimit_pb2.RateLimitDescriptor.Entry
+    request = rls_pb2.RateLimitRequest(domain="d", hits_addend=2, descriptors=[
+        ratelimit_pb2.RateLimitDescriptor(entries=[entry(key="a", value="1")]),
+        ratelimit_pb2.RateLimitDescriptor(entries=[entry(key="b", value="2"),
+                                                   entry(key="c", value="")]),
+        ratelimit_pb2.RateLimitDescriptor(entries=[entry(key="x", value="y")])])
+    request.descriptors[1].hits_addend.value = 3
+    rule = Rule("d.a", 1, Unit.MINUTE, 60)
+    decision = Decision(True, [Status(False, rule, 0, 1.0), Status(False, rule, 0, 1.0),
+                               Status(True, rule, 0, 1.0)],
+                        {0: {"plan": "gold", "tier": {"a": 1}},
+                         1: {"plan": "silver", "tier": {"a": 2, "b": 2}},
+                         2: {"over": True}})
+    assert dynamic_metadata(request, decision) == {
+        "domain": "d", "hitsAddend": 2,
+        "descriptors": [{"entries": ["a=1"]}, {"entries": ["b=2", "c="], "hitsAddend": 3},
+                        {"entries": ["x=y"]}],
+        "metadata": {"plan": "gold", "tier": {"a": 1, "b": 2}},  # the first value wins
+    }
