@@ -21,6 +21,8 @@ from prometheus_client import (
     multiprocess,
 )
 
+from sitsmesh.transport.handlers import behaviour
+
 # Sub-millisecond buckets: the request path answers in well under 1 ms.
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                0.25, 0.5, 1.0, 2.5, 5.0)
@@ -162,17 +164,7 @@ class _MetricsInterceptor(aio.ServerInterceptor):
                     self._server, service, name, status.name)
             child.inc()
 
-        request_streaming = handler.unary_unary is None and handler.unary_stream is None
-        if handler.unary_unary or handler.stream_unary:
-            inner = handler.stream_unary if request_streaming else handler.unary_unary
-            factory = (grpc.stream_unary_rpc_method_handler if request_streaming
-                       else grpc.unary_unary_rpc_method_handler)
-        else:
-            inner = handler.stream_stream if request_streaming else handler.unary_stream
-            factory = (grpc.stream_stream_rpc_method_handler if request_streaming
-                       else grpc.unary_stream_rpc_method_handler)
-
-        assert inner is not None  # one of the four behaviours is always set
+        inner, factory = behaviour(handler)
         if inspect.isasyncgenfunction(inner):
             async def gen_behavior(request: Any, context: Any) -> Any:
                 start = time.perf_counter()

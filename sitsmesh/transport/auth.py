@@ -15,6 +15,7 @@ from grpc import aio
 from sitsmesh import logs
 from sitsmesh.errors import Code, SitsmeshError, UnauthenticatedError
 from sitsmesh.transport.errors import abort
+from sitsmesh.transport.handlers import behaviour
 
 # Discovery and liveness carry no secrets and must work for probes and grpcurl.
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -161,16 +162,7 @@ def _wrap(handler: grpc.RpcMethodHandler[Any, Any],
           permitted: Callable[[aio.ServicerContext[Any, Any]], bool],
           refuse: Callable[[aio.ServicerContext[Any, Any]], Awaitable[None]]
           ) -> grpc.RpcMethodHandler[Any, Any]:
-    request_streaming = handler.unary_unary is None and handler.unary_stream is None
-    if handler.unary_unary or handler.stream_unary:
-        inner = handler.stream_unary if request_streaming else handler.unary_unary
-        factory = (grpc.stream_unary_rpc_method_handler if request_streaming
-                   else grpc.unary_unary_rpc_method_handler)
-    else:
-        inner = handler.stream_stream if request_streaming else handler.unary_stream
-        factory = (grpc.stream_stream_rpc_method_handler if request_streaming
-                   else grpc.unary_stream_rpc_method_handler)
-    assert inner is not None  # one of the four behaviours is always set
+    inner, factory = behaviour(handler)
     if inspect.isasyncgenfunction(inner):
         async def gen_behavior(request: Any, context: Any) -> Any:
             if not permitted(context):
