@@ -80,7 +80,7 @@ def _match(root: Node, entries: Sequence[tuple[str, str]]
     has `value_to_metric`, the stats key's parts; reference matching order."""
     level = root
     parts: list[str] = []
-    named: list[str] | None = None
+    path: list[tuple[Node, str, str, str]] = []  # (node, how it matched, key, value)
     found: Node | None = None
     last = len(entries) - 1
     for i, (key, value) in enumerate(entries):
@@ -98,15 +98,14 @@ def _match(root: Node, entries: Sequence[tuple[str, str]]
         if node is None:
             return None, "", None
         parts.append(node.pattern if node.share_threshold else exact)
-        if node.value_to_metric and named is None:
-            named = _stats_parts(root, entries[:i])
-        if named is not None:
-            named.append(_stats_part(node, how, key, value))
+        path.append((node, how, key, value))
         if i == last:
             found = node
         elif not node.children:
             return None, "", None  # the request is deeper than the config
         level = node
+    named = ([_stats_part(*step) for step in path]
+             if any(step[0].value_to_metric for step in path) else None)
     return found, "_".join(parts), named
 
 
@@ -117,25 +116,6 @@ def _stats_part(node: Node, how: str, key: str, value: str) -> str:
     if node.value_to_metric:
         return f"{key}_{value}" if value else key
     return node.pattern
-
-
-def _stats_parts(root: Node, entries: Sequence[tuple[str, str]]) -> list[str]:
-    """The stats key parts of the levels above the first value_to_metric node: walked
-    again only for the rare descriptors that need them."""
-    named: list[str] = []
-    level = root
-    for key, value in entries:
-        exact = f"{key}_{value}"
-        node = level.children.get(exact)
-        how = "exact"
-        if node is None:
-            how = "wildcard"
-            node = next((n for p, n in level.wildcards if p.matches(exact)), None)
-        if node is None:
-            node, how = level.children[key], "key"
-        named.append(_stats_part(node, how, key, value))
-        level = node
-    return named
 
 
 # A matched descriptor: the rules that apply with their counter keys and stats keys ("": the
