@@ -70,6 +70,18 @@ class Settings:
     ratelimit_response_headers: bool = False
     ratelimit_response_dynamic_metadata: bool = False
     ratelimit_max_descriptors: int = 64
+    # --- envoyproxy/ratelimit parity: README "Migrating from envoyproxy/ratelimit" ---
+    ratelimit_quota_mode: bool = False
+    ratelimit_stop_increment_when_over: bool = False
+    ratelimit_near_limit_ratio: float = 0.8
+    ratelimit_count_rejected_hits: bool = True
+    ratelimit_require_config: bool = False
+    ratelimit_healthy_requires_config: bool = False
+    ratelimit_limit_header: str = "RateLimit-Limit"
+    ratelimit_remaining_header: str = "RateLimit-Remaining"
+    ratelimit_reset_header: str = "RateLimit-Reset"
+    ratelimit_metric_names: str = "sitsmesh"
+    ratelimit_expiration_jitter_seconds: int = 0
     reload_interval_seconds: float = 1.0
     authz_api_key_headers: tuple[str, ...] = ("x-api-key", "authorization")
     authz_peer_tenants: Mapping[str, str] = field(default_factory=dict)
@@ -205,6 +217,17 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "ratelimit_response_headers": values.boolean,
     "ratelimit_response_dynamic_metadata": values.boolean,
     "ratelimit_max_descriptors": values.int_range(1, 100_000),
+    "ratelimit_quota_mode": values.boolean,
+    "ratelimit_stop_increment_when_over": values.boolean,
+    "ratelimit_near_limit_ratio": values.fraction,
+    "ratelimit_count_rejected_hits": values.boolean,
+    "ratelimit_require_config": values.boolean,
+    "ratelimit_healthy_requires_config": values.boolean,
+    "ratelimit_limit_header": values.header_name,
+    "ratelimit_remaining_header": values.header_name,
+    "ratelimit_reset_header": values.header_name,
+    "ratelimit_metric_names": values.choice(("sitsmesh", "envoyproxy", "both")),
+    "ratelimit_expiration_jitter_seconds": values.int_range(0, 86_400),
     "reload_interval_seconds": values.seconds,
     "authz_api_key_headers": values.header_names,
     "authz_peer_tenants": values.mapping,

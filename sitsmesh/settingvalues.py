@@ -39,6 +39,19 @@ def seconds(raw: Any) -> float:
     return value
 
 
+def fraction(raw: Any) -> float:
+    """A ratio in [0, 1]."""
+    if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+        raise ValueError(f"expected a number between 0 and 1, got {raw!r}")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"expected a number between 0 and 1, got {raw!r}") from None
+    if not 0 <= value <= 1:
+        raise ValueError(f"must be between 0 and 1, got {value:g}")
+    return value
+
+
 def choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     def parse(raw: Any) -> str:
         value = str(raw).lower()

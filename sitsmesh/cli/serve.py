@@ -44,6 +44,26 @@ _FLAG_HELP = {
                                            "(domain, descriptors, merged config metadata; "
                                            "envoyproxy/ratelimit's RESPONSE_DYNAMIC_METADATA)",
     "ratelimit_max_descriptors": "most descriptors one ShouldRateLimit may carry",
+    "ratelimit_quota_mode": "true: every descriptor is in quota mode (QUOTA_MODE)",
+    "ratelimit_stop_increment_when_over": "true: a request that goes over counts only on "
+                                          "the descriptors that went over "
+                                          "(STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT)",
+    "ratelimit_near_limit_ratio": "share of a limit past which hits count as near_limit "
+                                  "(NEAR_LIMIT_RATIO, default 0.8)",
+    "ratelimit_count_rejected_hits": "false: a fixed-window hit that is over the limit is "
+                                     "not counted (the default counts it, as the reference)",
+    "ratelimit_require_config": "true: refuse to start when the rate-limit config does not "
+                                "load (the default serves and answers each call with an error)",
+    "ratelimit_healthy_requires_config": "true: health is NOT_SERVING until a config with at "
+                                         "least one domain is live "
+                                         "(HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED)",
+    "ratelimit_limit_header": "name of the limit header (LIMIT_LIMIT_HEADER)",
+    "ratelimit_remaining_header": "name of the remaining header (LIMIT_REMAINING_HEADER)",
+    "ratelimit_reset_header": "name of the reset header (LIMIT_RESET_HEADER)",
+    "ratelimit_metric_names": "rate-limit metric names: sitsmesh, envoyproxy "
+                              "(ratelimit_service_rate_limit_*) or both",
+    "ratelimit_expiration_jitter_seconds": "random extra seconds [0, N) on Redis counter "
+                                           "expiry (EXPIRATION_JITTER_MAX_SECONDS)",
     "reload_interval_seconds": "how often config files and applied configs are checked",
     "authz_api_key_headers": "headers that may carry an API key (comma-separated)",
     "authz_peer_tenants": "SPIFFE principal=tenant pairs for mTLS callers (comma-separated)",
