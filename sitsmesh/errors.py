@@ -17,6 +17,8 @@ class Code(enum.Enum):
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
+    # For errors a compatible peer reports without a code (envoyproxy/ratelimit's plain errors).
+    UNKNOWN = "unknown"
 
 
 class SitsmeshError(Exception):

@@ -59,6 +59,11 @@ class StatusBoard:
             service.state = state
             self._notify(service)
 
+    def state(self, name: str) -> Serving | None:
+        """The service's state, or None when no server registered it (yet)."""
+        service = self._services.get(name)
+        return None if service is None else service.state
+
     def set_all(self, state: Serving, server: str | None = None) -> None:
         for service in self._services.values():
             if server is None or service.server == server:

@@ -103,6 +103,8 @@ class RateLimitComponent:
                  registry: CollectorRegistry | None, board: StatusBoard, *,
                  serve: bool, gate: PressureGate | None = None) -> None:
         self._settings = settings
+        self._board = board
+        self._config_healthy: bool | None = None
         self.config = ConfigManager(settings.ratelimit_config, state, registry,
                                     merge=settings.ratelimit_merge_domain_config)
         self.store: CounterStore | None = None
@@ -118,7 +120,9 @@ class RateLimitComponent:
                 gate=gate, cache_bytes=settings.ratelimit_cache_bytes, limits=RequestLimits(
                     settings.ratelimit_max_descriptors, settings.ratelimit_max_entries,
                     settings.ratelimit_max_key_length, settings.ratelimit_max_value_length,
-                    settings.ratelimit_max_hits_addend))
+                    settings.ratelimit_max_hits_addend),
+                quota_mode=settings.ratelimit_quota_mode,
+                stop_increment_when_over=settings.ratelimit_stop_increment_when_over)
 
     def services(self) -> list[DataService]:
         if self.limiter is None:
@@ -126,7 +130,10 @@ class RateLimitComponent:
         servicer = RateLimitServicer(self.limiter, self._settings.max_ratelimit_message_bytes,
                                      limit_headers=self._settings.ratelimit_response_headers,
                                      dynamic_metadata=(
-                                         self._settings.ratelimit_response_dynamic_metadata))
+                                         self._settings.ratelimit_response_dynamic_metadata),
+                                     header_names=(self._settings.ratelimit_limit_header,
+                                                   self._settings.ratelimit_remaining_header,
+                                                   self._settings.ratelimit_reset_header))
         services = [DataService(RATELIMIT_SERVICE,
                                 lambda server: add_ratelimit(servicer, server))]
         if self._settings.ratelimit_store == "redis":
@@ -134,13 +141,33 @@ class RateLimitComponent:
         return services
 
     async def start(self) -> None:
+        self.config.on_live = self._config_health
         await self.config.reload("startup")
         self._background.spawn(self.config.watch(self._settings.reload_interval_seconds))
         if self._metrics is not None:
             self._background.every(HOUSEKEEPING_S, self._metrics.flush)
 
+    def _config_health(self) -> None:
+        """HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED: NOT_SERVING while no domain is live.
+        It only undoes its own NOT_SERVING, never a drain's."""
+        if self.limiter is None or not self._settings.ratelimit_healthy_requires_config:
+            return
+        healthy = bool(self.config.holder.current.domains)
+        if healthy is self._config_healthy:
+            return
+        self._config_healthy = healthy
+        for name in ("", RATELIMIT_SERVICE):
+            state = self._board.state(name)
+            if not healthy and state is Serving.SERVING:
+                self._board.set(name, Serving.NOT_SERVING)
+            elif healthy and state is Serving.NOT_SERVING:
+                self._board.set(name, Serving.SERVING)
+
     async def probe(self) -> None:
-        """One read-only call, so a store that is down shows in health before traffic does."""
+        """One read-only call, so a store that is down shows in health before traffic does
+        (and a missing config, where health waits for one)."""
+        self._config_healthy = None
+        self._config_health()
         if self.store is not None and self._settings.ratelimit_store != "memory":
             await self.store.hit([Hit("sitsmesh:probe", Algorithm.FIXED_WINDOW, 1, 1, 0)],
                                  time.time())
@@ -156,7 +183,8 @@ class RateLimitComponent:
 def _counter_store(settings: Settings, registry: CollectorRegistry | None,
                    board: StatusBoard) -> CounterStore:
     if settings.ratelimit_store == "memory":
-        return MemoryStore(max_bytes=settings.ratelimit_store_bytes)
+        return MemoryStore(max_bytes=settings.ratelimit_store_bytes,
+                           count_rejected=settings.ratelimit_count_rejected_hits)
     # Imported here: redis-py loads only where the shared store is configured.
     from sitsmesh.ratelimit.redis_store import RedisStore
     from sitsmesh.ratelimit.resilient import ResilientStore, StoreErrorPolicy
@@ -169,7 +197,10 @@ def _counter_store(settings: Settings, registry: CollectorRegistry | None,
 
     timeout = settings.redis_timeout_ms / 1000
     # The Redis store bounds each batch itself, so the wrapper adds no timer per call.
-    store = ResilientStore(RedisStore.from_url(redis_url(settings), timeout_s=timeout),
+    redis = RedisStore.from_url(redis_url(settings), timeout_s=timeout,
+                                count_rejected=settings.ratelimit_count_rejected_hits,
+                                jitter_s=settings.ratelimit_expiration_jitter_seconds)
+    store = ResilientStore(redis,
                            StoreErrorPolicy(settings.on_store_error), timeout_s=None,
                            replicas=settings.store_replicas, on_health=on_health)
     if registry is not None:  # live counters; worker processes report store_up only

@@ -144,8 +144,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls.cert_files(settings, side)  # unreadable or mismatched files stop the start here
     tls.redis_url(settings)
     preflight.check_all(settings)
-    # A bad file stops the start, before any port opens.
-    rlconfig.load(settings.ratelimit_config, merge=settings.ratelimit_merge_domain_config)
+    if settings.ratelimit_require_config:
+        # A bad file stops the start, before any port opens. (By default, as
+        # envoyproxy/ratelimit, sitsmesh serves and answers each call with an error.)
+        rlconfig.load(settings.ratelimit_config, merge=settings.ratelimit_merge_domain_config)
     logs.configure(settings.log_level, settings.log_format)
     if settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Must be set before prometheus_client is imported (server imports it).

@@ -354,3 +354,6 @@ def load(paths: Iterable[Path], *, merge: bool = False) -> RateLimitConfig:
 
 
 EMPTY = RateLimitConfig({}, {}, {})
+# Before the first successful load: told apart from EMPTY (loaded, no domains) by identity,
+# because the reference answers the two differently (an error, and OK for every domain).
+NOT_LOADED = RateLimitConfig({}, {}, {})

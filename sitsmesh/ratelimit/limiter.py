@@ -14,7 +14,15 @@ from typing import Any
 
 from sitsmesh.errors import Code, SitsmeshError
 from sitsmesh.pressure.gate import PressureGate
-from sitsmesh.ratelimit.config import UNIT_SECONDS, Algorithm, Node, RateLimitConfig, Rule, Unit
+from sitsmesh.ratelimit.config import (
+    NOT_LOADED,
+    UNIT_SECONDS,
+    Algorithm,
+    Node,
+    RateLimitConfig,
+    Rule,
+    Unit,
+)
 from sitsmesh.ratelimit.metrics import RuleMetrics
 from sitsmesh.ratelimit.store import Count, CounterStore, Hit
 
@@ -25,6 +33,13 @@ NEAR_LIMIT_RATIO = 0.8
 
 class RequestError(SitsmeshError):
     code = Code.INVALID_ARGUMENT
+
+
+class NoConfigError(SitsmeshError):
+    """No rate-limit config has loaded yet; the reference answers every call with this
+    plain (UNKNOWN) error until one does."""
+
+    code = Code.UNKNOWN
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,19 +157,23 @@ def _cache_cost(domain: str, entries: tuple[tuple[str, str], ...], found: _Match
 
 class RateLimiter:
     __slots__ = ("_cache", "_cache_budget", "_cache_bytes", "_cache_config", "_clock", "_gate",
-                 "_global_shadow", "_holder", "_limits", "_metrics", "_store")
+                 "_global_quota", "_global_shadow", "_holder", "_limits", "_metrics",
+                 "_stop_increment", "_store")
 
     def __init__(self, holder: ConfigHolder, store: CounterStore, metrics: RuleMetrics,
                  *, clock: Callable[[], float] = time.time, global_shadow: bool = False,
                  max_descriptors: int = 64, gate: PressureGate | None = None,
                  limits: RequestLimits | None = None,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, quota_mode: bool = False,
+                 stop_increment_when_over: bool = False) -> None:
         self._holder = holder
         self._gate = gate
         self._store = store
         self._metrics = metrics
         self._clock = clock
         self._global_shadow = global_shadow
+        self._global_quota = quota_mode
+        self._stop_increment = stop_increment_when_over
         self._limits = limits or RequestLimits(descriptors=max_descriptors)
         # (domain, entries) -> match; the tree walk and key building happen once per
         # distinct descriptor and snapshot, not once per request. Only matches are kept,
@@ -218,8 +237,11 @@ class RateLimiter:
         if len(domain) > limits.key_length:
             raise RequestError(f"domain is {len(domain)} characters, more than "
                                f"{limits.key_length}")
-        matched, metadata = self._collect(domain, descriptors, hits_addend if hits_addend > 1
-                                          else 1)
+        config = self._holder.current
+        if config is NOT_LOADED:
+            raise NoConfigError("no rate limit configuration loaded")
+        matched, metadata = self._collect(config, domain, descriptors,
+                                          hits_addend if hits_addend > 1 else 1)
         statuses = [Status(False, None, 0, 0.0) for _ in descriptors]
         hits: list[Hit] = []
         counted: list[tuple[int, Rule, int, str]] = []
@@ -234,14 +256,18 @@ class RateLimiter:
             if rule.adaptive_pipeline:
                 arrived = arrived if arrived is not None else set()
                 limit = self._adaptive(rule, limit, arrived)
-            if addend > limit:
-                # Can never fit (the adaptive limit included): answer over limit without
-                # letting it swamp the counter for everyone else in the window.
+            if addend > limit and rule.algorithm is not Algorithm.FIXED_WINDOW:
+                # Can never fit, and these algorithms never count a rejected hit: answer
+                # without the round trip. (A fixed window counts it, as the reference does,
+                # unless count_rejected_hits is off.)
                 oversized[len(counted)] = Count(True, 0, float(rule.window_s), addend)
             else:
                 hits.append(Hit(key, rule.algorithm, limit, rule.window_s, addend))
             counted.append((i, rule, addend, stats))
-        counts = await self._store.hit(hits, self._clock()) if hits else []
+        now = self._clock()
+        if self._stop_increment and len(hits) > 1:
+            await self._spare_the_others(hits, now)
+        counts = await self._store.hit(hits, now) if hits else []
         if oversized:
             stored = iter(counts)
             counts = [oversized[n] if n in oversized else next(stored)
@@ -251,6 +277,20 @@ class RateLimiter:
             self._metrics.global_shadow()
             over_any = False
         return Decision(over_any, statuses, metadata, violations)
+
+    async def _spare_the_others(self, hits: list[Hit], now: float) -> None:
+        """STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT: when some counter would go over, only
+        the counters that would go over are incremented, so a rejected request does not use
+        up the quota of its other descriptors. Costs a read round trip first, as in the
+        reference (which reads before it increments, not atomically)."""
+        peeked = await self._store.hit(
+            [Hit(h.key, h.algorithm, h.limit, h.window_s, 0) for h in hits], now)
+        over = [h.algorithm is Algorithm.FIXED_WINDOW and c.used + h.addend > h.limit
+                for h, c in zip(hits, peeked, strict=True)]
+        if any(over):
+            for hit, goes_over in zip(hits, over, strict=True):
+                if not goes_over:
+                    hit.addend = 0
 
     def _adaptive(self, rule: Rule, limit: int, arrived: set[str]) -> int:
         """The rule's limit scaled by its pipeline's admitted fraction (at least 1). The
@@ -264,11 +304,11 @@ class RateLimiter:
             gate.rate_limited(pipeline)
         return max(1 if limit else 0, int(limit * gate.fraction(pipeline)))
 
-    def _collect(self, domain: str, descriptors: Sequence[Descriptor], default_addend: int
+    def _collect(self, config: RateLimitConfig, domain: str, descriptors: Sequence[Descriptor],
+                 default_addend: int
                  ) -> tuple[list[tuple[int, Rule, str, int, str]], dict[int, Any] | None]:
         """(descriptor index, rule, counter key, addend, stats key) for every rule that
         applies."""
-        config = self._holder.current
         self._validate(descriptors)
         matched: list[tuple[int, Rule, str, int, str]] = []
         metadata: dict[int, Any] | None = None
@@ -339,7 +379,7 @@ class RateLimiter:
                                  near=near, stats_key=stats)
             if over and rule.shadow_mode:
                 over = False
-            if rule.quota_mode:
+            if rule.quota_mode or self._global_quota:
                 quota.add(i)
                 if over:
                     violations.add(i)

@@ -24,7 +24,8 @@ class MemoryStore:
     name = "memory"
 
     def __init__(self, max_keys: int = DEFAULT_MAX_KEYS,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES, *, count_rejected: bool = True) -> None:
+        self._count_rejected = count_rejected
         # key -> (value, expires_at); insertion order doubles as age for eviction.
         self._data: dict[str, tuple[float, float]] = {}
         self._max_keys = max_keys
@@ -83,8 +84,10 @@ class MemoryStore:
             if hit.algorithm is Algorithm.FIXED_WINDOW:
                 start = now - now % window
                 key = f"{hit.key}:{int(start)}"
-                value, count = fixed_window(int(self._get(key, now)), hit, now)
-                if hit.addend:
+                current = int(self._get(key, now))
+                value, count = fixed_window(current, hit, now,
+                                            count_rejected=self._count_rejected)
+                if value != current:
                     self._set(key, value, start + window)
             elif hit.algorithm is Algorithm.SLIDING_WINDOW:
                 start = now - now % window

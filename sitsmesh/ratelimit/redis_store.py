@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,16 +33,20 @@ from sitsmesh.ratelimit.store import Count, Hit, fixed_window, gcra, sliding_win
 
 DEFAULT_PREFIX = "sitsmesh:rl:"
 
-# KEYS[1] counter. ARGV: addend, ttl_ms. Returns the count after this hit.
-# The hit is counted even when over, as in the reference; addend 0 only reads.
+# KEYS[1] counter. ARGV: addend, ttl_ms, limit (-1: count hits over it too, as the
+# reference does). Returns the count before this hit; addend 0 only reads.
 _FIXED_LUA = """
 local addend = tonumber(ARGV[1])
-if addend == 0 then
-  return tonumber(redis.call('GET', KEYS[1]) or '0')
+local limit = tonumber(ARGV[3])
+if addend == 0 or limit >= 0 then
+  local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+  if addend == 0 or current + addend > limit then
+    return current
+  end
 end
 local after = redis.call('INCRBY', KEYS[1], addend)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return after
+return after - addend
 """
 
 # KEYS[1] current window, KEYS[2] previous window. ARGV: addend, limit, weight,
@@ -141,17 +146,22 @@ class RedisStore:
     the hash tag puts every key of one counter in one cluster slot.
     """
 
-    __slots__ = ("_client", "_flush_scheduled", "_in_flight", "_pending", "_tag_open",
-                 "_timeout_s")
+    __slots__ = ("_client", "_count_rejected", "_flush_scheduled", "_in_flight", "_jitter_s",
+                 "_pending", "_tag_open", "_timeout_s")
 
     name = "redis"
 
     def __init__(self, client: Redis | RedisCluster, *, prefix: str = DEFAULT_PREFIX,
-                 timeout_s: float = 0.05) -> None:
+                 timeout_s: float = 0.05, count_rejected: bool = True,
+                 jitter_s: int = 0) -> None:
         if "{" in prefix or "}" in prefix:
             # A brace in the prefix would become the hash tag and split counters across slots.
             raise ValueError(f"redis key prefix must not contain braces: {prefix!r}")
         self._client = client
+        self._count_rejected = count_rejected
+        # Spreads the expiry of keys written in one window over jitter_s seconds, so
+        # Redis does not expire a whole window's keys in the same instant.
+        self._jitter_s = jitter_s
         self._tag_open = prefix + "{"
         # One deadline per batch, not per request: a caller waits at most for the
         # batch ahead of it and its own, so 2 x timeout_s.
@@ -167,7 +177,8 @@ class RedisStore:
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, timeout_s: float = 0.05,
-                 cluster: bool = False) -> RedisStore:
+                 cluster: bool = False, count_rejected: bool = True,
+                 jitter_s: int = 0) -> RedisStore:
         # No retries: a retry would multiply the time a request waits on a sick
         # Redis; the caller's error policy answers instead. RESP2: under RESP3,
         # redis-py 8 turns on maintenance notifications and then skips its check
@@ -178,10 +189,12 @@ class RedisStore:
             return cls(RedisCluster.from_url(url, socket_timeout=timeout_s,
                                              socket_connect_timeout=timeout_s, retry=retry,
                                              protocol=2),
-                       prefix=prefix, timeout_s=timeout_s)
+                       prefix=prefix, timeout_s=timeout_s, count_rejected=count_rejected,
+                       jitter_s=jitter_s)
         return cls(Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                   retry=retry, protocol=2),
-                   prefix=prefix, timeout_s=timeout_s)
+                   prefix=prefix, timeout_s=timeout_s, count_rejected=count_rejected,
+                   jitter_s=jitter_s)
 
     def _call(self, hit: Hit, now: float) -> _Call | None:
         window = hit.window_s
@@ -192,11 +205,15 @@ class RedisStore:
                            hit.addend, window)
         start = now - now % window
         base = f"{self._tag_open}{hit.key}}}:"
+        # Spread, not secrecy: a plain PRNG is right here.
+        jitter = random.randrange(self._jitter_s) if self._jitter_s else 0  # noqa: S311
         if hit.algorithm is Algorithm.FIXED_WINDOW:
-            return _FIXED, (f"{base}{int(start)}", hit.addend, _ttl_ms(start + window - now))
+            return _FIXED, (f"{base}{int(start)}", hit.addend,
+                            _ttl_ms(start + window + jitter - now),
+                            -1 if self._count_rejected else hit.limit)
         weight = 1.0 - (now - start) / window
         return _SLIDING, (f"{base}{int(start)}", f"{base}{int(start - window)}", hit.addend,
-                          hit.limit, weight, _ttl_ms(start + 2 * window - now))
+                          hit.limit, weight, _ttl_ms(start + 2 * window + jitter - now))
 
     async def hit(self, hits: Sequence[Hit], now: float) -> list[Count]:
         calls = [self._call(hit, now) for hit in hits]
@@ -306,8 +323,7 @@ class RedisStore:
 
 def _count(hit: Hit, now: float, reply: object) -> Count:
     if hit.algorithm is Algorithm.FIXED_WINDOW:
-        after = _int(reply)
-        return fixed_window(after - hit.addend, hit, now)[1]
+        return fixed_window(_int(reply), hit, now)[1]
     if hit.algorithm is Algorithm.SLIDING_WINDOW:
         if not isinstance(reply, list) or len(reply) != 2:
             raise TypeError(f"unexpected sliding window reply: {reply!r}")

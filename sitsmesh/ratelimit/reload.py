@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter
@@ -23,6 +23,7 @@ from sitsmesh.ratelimit.limiter import ConfigHolder
 from sitsmesh.state import StateStore
 
 KIND = "ratelimit_config"
+NOT_LOADED_VERSION = "not-loaded"
 _log = logs.get("sitsmesh.ratelimit.reload")
 
 
@@ -39,14 +40,16 @@ class ConfigManager:
         self._paths = list(paths)
         self._merge = merge
         self._state = state
-        self.holder = ConfigHolder(rlconfig.EMPTY)
-        self.version = version_of(rlconfig.EMPTY)
+        self.holder = ConfigHolder(rlconfig.NOT_LOADED)
+        self.version = NOT_LOADED_VERSION
         self._errors = Counter("sitsmesh_ratelimit_config_load_errors_total",
                                "Rate-limit config reloads rejected; the old config stays live.",
                                registry=registry)
         self._loads = Counter("sitsmesh_ratelimit_config_loads_total",
                               "Rate-limit config snapshots made live.", registry=registry)
         self._signature: tuple[object, ...] = ()
+        # Told after every snapshot that goes live (config health follows it).
+        self.on_live: Callable[[], None] = lambda: None
         self._lock = asyncio.Lock()
 
     async def _applied(self) -> list[tuple[str, str]]:
@@ -85,8 +88,14 @@ class ConfigManager:
             except ConfigError as exc:
                 self._errors.inc()
                 self._signature = signature
-                _log.error("rate-limit config rejected; keeping the previous one",
-                           reason=reason, error=exc.message, version=self.version)
+                if self.holder.current is rlconfig.NOT_LOADED:
+                    _log.error("rate-limit config rejected; none is live, so every "
+                               "ShouldRateLimit fails with 'no rate limit configuration "
+                               "loaded' until a reload succeeds", reason=reason,
+                               error=exc.message)
+                else:
+                    _log.error("rate-limit config rejected; keeping the previous one",
+                               reason=reason, error=exc.message, version=self.version)
                 return False
             self._signature = signature
             version = version_of(config)
@@ -96,6 +105,7 @@ class ConfigManager:
                 self._loads.inc()
                 _log.info("rate-limit config live", reason=reason, version=version,
                           domains=sorted(config.domains))
+                self.on_live()
             return True
 
     async def watch(self, interval_s: float) -> None:

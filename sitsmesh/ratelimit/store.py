@@ -42,16 +42,20 @@ class CounterStore(Protocol):
     async def close(self) -> None: ...
 
 
-def fixed_window(current: int, hit: Hit, now: float) -> tuple[int, Count]:
+def fixed_window(current: int, hit: Hit, now: float, *, count_rejected: bool = True
+                 ) -> tuple[int, Count]:
     """`current` is the count before this hit; returns (new count, answer).
 
-    As in the reference service, the hit is counted even when it is over the limit.
+    As in the reference service, the hit is counted even when it is over the limit,
+    unless `count_rejected` is off; and the reset is in whole seconds
+    (window - now mod window, never 0), as the reference's clock ticks in seconds.
     """
     after = current + hit.addend
-    start = now - now % hit.window_s
+    window = hit.window_s
     over = after > hit.limit
-    return after, Count(over, 0 if over else hit.limit - after,
-                        start + hit.window_s - now, after)
+    return (current if over and not count_rejected else after,
+            Count(over, 0 if over else hit.limit - after, float(window - int(now) % window),
+                  after))
 
 
 def sliding_window(previous: int, current: int, hit: Hit, now: float) -> tuple[int, Count]:

@@ -19,6 +19,7 @@ GRPC_STATUS = {
     Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Code.INTERNAL: grpc.StatusCode.INTERNAL,
+    Code.UNKNOWN: grpc.StatusCode.UNKNOWN,
 }
 
 

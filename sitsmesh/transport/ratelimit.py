@@ -138,12 +138,14 @@ def _merge_first(into: dict[str, Any], more: Any) -> None:
 class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def __init__(self, limiter: RateLimiter,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
-                 limit_headers: bool = False, dynamic_metadata: bool = False) -> None:
+                 limit_headers: bool = False, dynamic_metadata: bool = False,
+                 header_names: tuple[str, str, str] = LIMIT_HEADERS) -> None:
         self._limiter = limiter
         self.max_message_bytes = max_message_bytes
         # RateLimit-Limit/-Remaining/-Reset on every answer with a limit, as
         # envoyproxy/ratelimit's LIMIT_RESPONSE_HEADERS_ENABLED.
         self._limit_headers = limit_headers
+        self._header_names = header_names
         # Envoy's dynamic metadata on every answer, as RESPONSE_DYNAMIC_METADATA.
         self._dynamic_metadata = dynamic_metadata
         # One RateLimit message per rule, built once; rules live as long as their snapshot.
@@ -194,7 +196,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
                 values = (shown.rule.requests_per_unit, shown.remaining, int(shown.reset_s))
                 response.response_headers_to_add.extend(
                     base_pb2.HeaderValue(key=name, value=str(value))
-                    for name, value in zip(LIMIT_HEADERS, values, strict=True))
+                    for name, value in zip(self._header_names, values, strict=True))
         if self._dynamic_metadata:
             metadata = Struct()
             metadata.update(dynamic_metadata(request, decision))

@@ -11,6 +11,7 @@ import grpc
 import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
@@ -198,11 +199,10 @@ def test_a_descriptor_with_no_entries_is_ok_with_no_limit_like_the_reference(
     assert reply.statuses[1].current_limit.requests_per_unit > 0
 
 
-def test_huge_hits_addend_is_over_limit_without_corrupting_the_counter(
-    node: harness.Sitsmesh,
-) -> None:
+def test_a_huge_hits_addend_is_counted_like_the_reference(node: harness.Sitsmesh) -> None:
     assert _ask(node, "files", _desc("user", "h"), hits_addend=1_000_000).overall_code == OVER
-    assert _ask(node, "files", _desc("user", "h")).statuses[0].limit_remaining == 1
+    after = _ask(node, "files", _desc("user", "h")).statuses[0]
+    assert (after.code, after.limit_remaining) == (OVER, 0)
     for request_addend, descriptor_addend in ((2**32 - 1, None), (0, 2**40)):
         with pytest.raises(grpc.RpcError) as err:
             _ask(node, "files", _desc("user", "h", addend=descriptor_addend),
@@ -307,14 +307,57 @@ def test_file_change_reloads_and_a_bad_file_keeps_the_old_config(
     assert node.proc.poll() is None
 
 
-def test_bad_file_at_start_exits_2_naming_the_file(tmp_path: Path) -> None:
+def test_rejected_hits_not_counted_when_asked(start_sitsmesh: Start, tmp_path: Path) -> None:
+    config = tmp_path / "files.yaml"
+    config.write_text(FILE_CONFIG)
+    node = start_sitsmesh("--ratelimit-config", str(config),
+                          "--ratelimit-count-rejected-hits", "false")
+    assert _ask(node, "files", _desc("user", "h"), hits_addend=1_000_000).overall_code == OVER
+    assert _ask(node, "files", _desc("user", "h"), hits_addend=2).overall_code == OK
+    assert _ask(node, "files", _desc("user", "h")).overall_code == OVER
+
+
+BAD_FILE = "domain: d\ndescriptors: [{key: k, rate_limit: {unlimied: true}}]\n"
+
+
+def test_no_loadable_config_serves_an_error_until_one_loads_like_the_reference(
+    start_sitsmesh: Start, tmp_path: Path
+) -> None:
+    config = tmp_path / "rl" / "files.yaml"
+    config.parent.mkdir()
+    config.write_text(BAD_FILE)
+    node = start_sitsmesh("--ratelimit-config", str(config.parent),
+                          "--reload-interval-seconds", "0.2",
+                          "--ratelimit-healthy-requires-config", "true", wait=False)
+    harness.wait_until(lambda: harness.health_status(node.admin_addr)
+                       == health_pb2.HealthCheckResponse.SERVING, 30, "sitsmesh serving")
+    with pytest.raises(grpc.RpcError) as err:
+        _ask(node, "files", _desc("user", "n"))
+    assert err.value.code() == grpc.StatusCode.UNKNOWN
+    assert err.value.details() == "no rate limit configuration loaded"
+    harness.wait_until(lambda: harness.health_status(node.data_addr)
+                       == health_pb2.HealthCheckResponse.NOT_SERVING, 5, "health waits")
+    assert "unknown key 'unlimied'" in node.output()
+    config.write_text(FILE_CONFIG)
+    harness.wait_until(lambda: harness.health_status(node.data_addr)
+                       == health_pb2.HealthCheckResponse.SERVING, 10, "config health")
+    assert _ask(node, "files", _desc("user", "n")).statuses[0].limit_remaining == 1
+    # No files at all is a load with no domains: every domain is unknown (OK), and
+    # health asked for at least one domain.
+    config.unlink()
+    harness.wait_until(lambda: harness.health_status(node.data_addr)
+                       == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "no domains")
+    assert _ask(node, "files", _desc("user", "n")).overall_code == OK
+
+
+def test_bad_file_at_start_exits_2_when_a_config_is_required(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("domain: d\ndescriptors: [{key: k, rate_limit: {unlimied: true}}]\n")
+    bad.write_text(BAD_FILE)
     result = harness.run_cli("serve", "--state-dir", str(tmp_path / "s"),
                              "--data-addr", f"127.0.0.1:{harness.free_port()}",
                              "--admin-addr", f"127.0.0.1:{harness.free_port()}",
                              "--metrics-addr", f"127.0.0.1:{harness.free_port()}",
-                             "--ratelimit-config", str(bad))
+                             "--ratelimit-config", str(bad), "--ratelimit-require-config", "true")
     assert result.returncode == 2
     assert result.stderr.strip() == (f"sitsmesh: error: {bad}: config error, unknown key "
                                      "'unlimied' (at descriptors[0].rate_limit)")

@@ -324,3 +324,48 @@ async def test_hung_redis_times_out_and_connection_stays_in_sync(
         assert health == [False, True]
     finally:
         await resilient.close()
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+async def test_not_counting_rejected_hits_matches_memory_store(
+        redis_server: redisproc.RedisServer, seed: int) -> None:
+    rng = random.Random(seed)
+    strict = RedisStore.from_url(redis_server.url, prefix="strict:", timeout_s=2.0,
+                                 count_rejected=False)
+    memory = MemoryStore(count_rejected=False)
+    now = T0 + 0.1
+    try:
+        for step in range(200):
+            now += rng.choice([0.0, 0.0, 0.5, 7.0])
+            hits = [Hit(f"k{rng.randint(0, 3)}", FIXED, 4, 30, rng.choice([0, 1, 2, 5]))]
+            assert_same(await strict.hit(hits, now), await memory.hit(hits, now), (step, hits))
+    finally:
+        await strict.close()
+    # Over the limit and not counted: the counter never passes it.
+    assert await strict_max(redis_server) <= 4
+
+
+async def strict_max(redis_server: redisproc.RedisServer) -> int:
+    client = Redis(host="127.0.0.1", port=redis_server.port, decode_responses=True)
+    try:
+        values = [int(await client.get(key) or 0) async for key in client.scan_iter("strict:*")]
+    finally:
+        await client.aclose()
+    assert values, "the sequence counted something"
+    return max(values)
+
+
+async def test_expiry_jitter_lengthens_ttls_within_its_bound(
+        redis_server: redisproc.RedisServer, admin: Redis) -> None:
+    jittered = RedisStore.from_url(redis_server.url, prefix="j:", timeout_s=2.0, jitter_s=30)
+    try:
+        # Now + a little: the caller's clock and the server's need not agree.
+        now = time.time()
+        await jittered.hit([Hit(f"k{i}", FIXED, 5, 10, 1) for i in range(40)], now)
+    finally:
+        await jittered.close()
+    window_left = 10 - now % 10
+    ttls = [await admin.pttl(key) async for key in admin.scan_iter("j:*")]
+    assert len(ttls) == 40
+    assert all(ttl <= (window_left + 30) * 1000 for ttl in ttls)
+    assert max(ttls) > window_left * 1000 + 5000, "some key got jitter"

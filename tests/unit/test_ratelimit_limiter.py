@@ -17,7 +17,7 @@ from sitsmesh.ratelimit.limiter import (
 )
 from sitsmesh.ratelimit.memory import MemoryStore
 from sitsmesh.ratelimit.metrics import RuleMetrics
-from sitsmesh.ratelimit.store import Hit
+from sitsmesh.ratelimit.store import Hit, fixed_window
 
 CONFIG = """
 domain: edge
@@ -122,7 +122,8 @@ async def test_window_resets_and_duration_until_reset() -> None:
     for _ in range(3):
         await limiter.check("edge", [d("remote_address", "a")])
     over = await limiter.check("edge", [d("remote_address", "a")])
-    assert over.over and over.statuses[0].reset_s == pytest.approx(0.75)
+    # Whole seconds, as the reference's clock ticks: 1 s window - (now mod 1) = 1, not 0.75.
+    assert over.over and over.statuses[0].reset_s == 1.0
     clock.now += 1
     assert not (await limiter.check("edge", [d("remote_address", "a")])).over
 
@@ -415,3 +416,17 @@ async def test_shadow_decisions_are_logged_at_flush() -> None:
                                   {"key": "edge.soft", "outcome": "shadow_mode"})
     assert {"event": "shadow mode let over-limit hits through", "key": "edge.soft", "hits": 2,
             "log_level": "info", "component": "sitsmesh.ratelimit"} in logs
+
+
+@pytest.mark.parametrize(("now", "reset"), [(6000.0, 60.0), (6000.9, 60.0), (6059.5, 1.0),
+                                            (6030.2, 30.0)])
+def test_fixed_window_reset_is_whole_seconds_never_zero(now: float, reset: float) -> None:
+    hit = Hit("k", Algorithm.FIXED_WINDOW, 10, 60, 1)
+    assert fixed_window(0, hit, now)[1].reset_s == reset
+
+
+def test_a_rejected_fixed_window_hit_is_counted_unless_told_not_to() -> None:
+    hit = Hit("k", Algorithm.FIXED_WINDOW, 10, 60, 4)
+    assert fixed_window(8, hit, 6000.0)[0] == 12  # the reference counts it
+    assert fixed_window(8, hit, 6000.0, count_rejected=False)[0] == 8
+    assert fixed_window(6, hit, 6000.0, count_rejected=False)[0] == 10  # fits: counted
