@@ -1,4 +1,5 @@
-"""Settings: defaults < YAML file < SITSMESH_* environment < flags, into one frozen snapshot.
+"""Settings: defaults < YAML file < envoyproxy/ratelimit's variable names < SITSMESH_*
+environment < flags, into one frozen snapshot.
 
 Every value passes through the same parser whatever its source, so an error
 names where the bad value came from (file and key, variable, or flag).
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from sitsmesh import netsettings
+from sitsmesh import netsettings, ratelimitenv
 from sitsmesh import settingvalues as values
 from sitsmesh.authz.extract import open_path
 from sitsmesh.errors import ConfigError
@@ -306,6 +307,8 @@ def load_settings(
     if unknown:
         raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
 
+    # envoyproxy/ratelimit's variable names, below SITSMESH_* (see ratelimitenv).
+    reference = ratelimitenv.read(env)
     config_raw = flags.get("config") or env.get(env_name("config"))
     config_file = Path(config_raw).expanduser() if config_raw else None
     file_values = _read_file(config_file) if config_file else {}
@@ -316,6 +319,8 @@ def load_settings(
             raw, source = flags[key], flag_name(key)
         elif env_name(key) in env:
             raw, source = env[env_name(key)], f"environment {env_name(key)}"
+        elif key in reference:
+            raw, source = reference[key]
         elif key in file_values:
             raw, source = file_values[key], f"{config_file}: key '{key}'"
         else:

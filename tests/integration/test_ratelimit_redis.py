@@ -13,6 +13,7 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2
+from redis.asyncio import Redis
 
 from sitsmesh.app.components import STORE_HEALTH
 from sitsmesh.dev import harness
@@ -140,3 +141,38 @@ def test_redis_down_at_start_shows_in_health_before_any_traffic(
     assert harness.metric_value(text, "sitsmesh_ratelimit_store_up") == 0
     assert harness.metric_value(text, "sitsmesh_ratelimit_store_errors_total") >= 1
     assert dead not in node.output(), "the Redis URL may carry a password: never logged"
+
+
+async def test_the_reference_deployments_environment_is_enough(
+    start_sitsmesh: Start, tmp_path: Path, redis: RedisServer
+) -> None:
+    """envoyproxy/ratelimit's variables alone: its runtime directory layout, its
+    host:port REDIS_URL, and its response-header switch and names."""
+    config_dir = tmp_path / "runtime" / "ratelimit" / "config"
+    config_dir.mkdir(parents=True)
+    (config_dir / "shared.yaml").write_text(CONFIG)
+    node = start_sitsmesh(env={
+        "RUNTIME_ROOT": str(tmp_path / "runtime"), "RUNTIME_SUBDIRECTORY": "ratelimit",
+        "REDIS_URL": f"127.0.0.1:{redis.port}", "REDIS_TIMEOUT": "2s",
+        "LIMIT_RESPONSE_HEADERS_ENABLED": "true", "LIMIT_REMAINING_HEADER": "X-Left"})
+    async with aio.insecure_channel(node.data_addr) as channel:
+        reply = await rls_pb2_grpc.RateLimitServiceStub(channel).ShouldRateLimit(
+            _request("env"), timeout=5)
+    assert reply.overall_code == OK and reply.statuses[0].limit_remaining == LIMIT - 1
+    assert {h.key: h.value for h in reply.response_headers_to_add}.get("x-left") == str(
+        LIMIT - 1)
+    # Counted in the shared Redis, not in the process.
+    client = Redis(host="127.0.0.1", port=redis.port, decode_responses=True)
+    try:
+        assert [int(await client.get(k) or 0)
+                async for k in client.scan_iter("sitsmesh:rl:*")] == [1]
+    finally:
+        await client.aclose()
+
+
+def test_a_reference_setting_sitsmesh_cannot_honour_stops_the_start(tmp_path: Path) -> None:
+    result = harness.run_cli("serve", "--state-dir", str(tmp_path / "s"),
+                             env={"CONFIG_TYPE": "GRPC_XDS_SOTW"})
+    assert result.returncode == 2
+    assert "CONFIG_TYPE='GRPC_XDS_SOTW' (envoyproxy/ratelimit's setting) is not supported" \
+        in result.stderr
