@@ -202,7 +202,8 @@ def _counter_store(settings: Settings, registry: CollectorRegistry | None,
                                 jitter_s=settings.ratelimit_expiration_jitter_seconds)
     store = ResilientStore(redis,
                            StoreErrorPolicy(settings.on_store_error), timeout_s=None,
-                           replicas=settings.store_replicas, on_health=on_health)
+                           replicas=settings.store_replicas, on_health=on_health,
+                           count_rejected=settings.ratelimit_count_rejected_hits)
     if registry is not None:  # live counters; worker processes report store_up only
         registry.register(StoreCounters(store))
     return store

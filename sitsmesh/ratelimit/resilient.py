@@ -49,7 +49,8 @@ class ResilientStore:
     def __init__(self, primary: CounterStore, policy: StoreErrorPolicy, *,
                  timeout_s: float | None = 0.05, replicas: int = 1, backoff_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic,
-                 on_health: Callable[[bool], None] | None = None) -> None:
+                 on_health: Callable[[bool], None] | None = None,
+                 count_rejected: bool = True) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {replicas}")
         self.name = primary.name
@@ -60,7 +61,9 @@ class ResilientStore:
         self._backoff_s = backoff_s
         self._clock = clock
         self._on_health = on_health
-        self._local = MemoryStore() if policy is StoreErrorPolicy.LOCAL else None
+        # The fallback counts as the primary does (ratelimit_count_rejected_hits).
+        self._local = (MemoryStore(count_rejected=count_rejected)
+                       if policy is StoreErrorPolicy.LOCAL else None)
         self._healthy = True
         # While unhealthy: the clock time at which the next call may probe the primary.
         self._retry_at = 0.0
