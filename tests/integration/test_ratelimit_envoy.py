@@ -55,3 +55,31 @@ def test_request_over_the_limit_gets_429_with_headers_and_envoy_fails_open(
     finally:
         envoy.kill()
         node.kill()
+
+
+def test_no_config_yet_fails_open_through_envoy_then_limits_once_it_loads(
+    tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh], upstream: int
+) -> None:
+    """As envoyproxy/ratelimit: sitsmesh serves without a loadable config and answers
+    each call with an error, which the fragment's filter turns into a pass (fail open)."""
+    config = tmp_path / "rl"
+    config.mkdir()
+    (config / "broken.yaml").write_text("domain: sitsmesh\ndescriptors: [{key: user, "
+                                        "rate_limit: {unit: hour}}]\n")
+    node = start_sitsmesh("--ratelimit-config", str(config), "--reload-interval-seconds", "0.2")
+    envoy = harness.start_envoy(tmp_path, node.data_addr, upstream, fragments=["ratelimit"])
+    try:
+        assert [_get(envoy, "carol")[0] for _ in range(7)] == [200] * 7
+        assert "ratelimit.error: 7" in envoy.admin_get("/stats?filter=ratelimit.error")
+        (config / "broken.yaml").unlink()
+        for source in CONFIG.glob("*.yaml"):
+            (config / source.name).write_text(source.read_text())
+        harness.wait_until(lambda: _get(envoy, "dave")[1].get("x-ratelimit-limit"), 10,
+                           "the config loads")
+        if time.time() % 60 > 55:  # six requests in one minute window
+            time.sleep(61 - time.time() % 60)
+        codes = [_get(envoy, "erin")[0] for _ in range(6)]
+        assert codes.count(429) >= 1 and codes[0] == 200, codes
+    finally:
+        envoy.kill()
+        node.kill()
