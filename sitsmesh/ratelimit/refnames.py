@@ -23,10 +23,13 @@ RATE_LIMIT_PREFIX = "ratelimit_service_rate_limit_"
 CONFIG_LOAD_SUCCESS = "ratelimit_service_config_load_success"
 CONFIG_LOAD_ERROR = "ratelimit_service_config_load_error"
 SHOULD_RATE_LIMIT_ERROR = "ratelimit_service_should_rate_limit_error"
+# No mapping names it: statsd_exporter exports it unmapped, its dots made underscores.
+GLOBAL_SHADOW_MODE = "ratelimit_service_global_shadow_mode"
 # sitsmesh's families that have a reference name; with `envoyproxy` only the latter shows.
 REPLACED = frozenset({"sitsmesh_ratelimit_hits", "sitsmesh_ratelimit_config_loads",
                       "sitsmesh_ratelimit_config_load_errors",
-                      "sitsmesh_ratelimit_store_errors"})
+                      "sitsmesh_ratelimit_store_errors",
+                      "sitsmesh_ratelimit_global_shadow_mode"})
 RLS_SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 # Answers that mean the request or the service was at fault, as the reference's
 # serviceError (no config, empty domain, no descriptors). Refusals of the caller
@@ -79,6 +82,8 @@ class _Source(Protocol):
 _HELP = {
     CONFIG_LOAD_SUCCESS: "Rate-limit config snapshots made live (envoyproxy/ratelimit name).",
     CONFIG_LOAD_ERROR: "Rate-limit configs refused (envoyproxy/ratelimit name).",
+    GLOBAL_SHADOW_MODE: "Requests over limit let through by global shadow mode "
+                        "(envoyproxy/ratelimit name).",
     SHOULD_RATE_LIMIT_ERROR: "ShouldRateLimit calls that failed, by err_type: redis_error "
                              "(failed store calls), service_error (error answers) "
                              "(envoyproxy/ratelimit name).",
@@ -127,6 +132,8 @@ class ReferenceNames(Collector):
             return CONFIG_LOAD_SUCCESS, ()
         if name == "sitsmesh_ratelimit_config_load_errors_total":
             return CONFIG_LOAD_ERROR, ()
+        if name == "sitsmesh_ratelimit_global_shadow_mode_total":
+            return GLOBAL_SHADOW_MODE, ()
         if name == "sitsmesh_ratelimit_store_errors_total":
             return SHOULD_RATE_LIMIT_ERROR, (("err_type", "redis_error"),)
         if (name == "sitsmesh_grpc_server_handled_total"

@@ -70,6 +70,7 @@ def _source() -> CollectorRegistry:
     # two keys the mapper folds into one series: their counts add up
     metrics.record(_rule("d.a.b.x", 100), "", 1, Count(False, 99, 1.0, 1))
     metrics.record(_rule("d.a.b.y", 100), "", 2, Count(False, 97, 1.0, 2))
+    metrics.global_shadow()
     metrics.flush()
     Counter("sitsmesh_ratelimit_config_loads_total", "loads", registry=registry).inc(2)
     Counter("sitsmesh_ratelimit_config_load_errors_total", "errors", registry=registry)
@@ -104,6 +105,7 @@ def test_both_keeps_sitsmesh_names_and_adds_the_reference_ones() -> None:
     assert _get(values, rl + "total_hits", domain="d", key1="a", key2="b") == 3
     assert _get(values, "ratelimit_service_config_load_success") == 2
     assert _get(values, "ratelimit_service_config_load_error") is None
+    assert _get(values, "ratelimit_service_global_shadow_mode") == 1
     assert _get(values, "ratelimit_service_should_rate_limit_error",
                 err_type="service_error") == 2
 
@@ -111,7 +113,8 @@ def test_both_keeps_sitsmesh_names_and_adds_the_reference_ones() -> None:
 def test_envoyproxy_replaces_the_families_it_renames() -> None:
     values = _values(refnames.exposed(_source(), "envoyproxy"))
     names = {name for name, _ in values}
-    assert not names & {"sitsmesh_ratelimit_hits_total", "sitsmesh_ratelimit_config_loads_total"}
+    assert not names & {"sitsmesh_ratelimit_hits_total", "sitsmesh_ratelimit_config_loads_total",
+                        "sitsmesh_ratelimit_global_shadow_mode_total"}
     assert "sitsmesh_grpc_server_handled_total" in names  # not a rate-limit family
     assert _get(values, "ratelimit_service_rate_limit_total_hits", domain="d", key1="k") == 12
 
