@@ -23,6 +23,7 @@ RATE_LIMIT_PREFIX = "ratelimit_service_rate_limit_"
 CONFIG_LOAD_SUCCESS = "ratelimit_service_config_load_success"
 CONFIG_LOAD_ERROR = "ratelimit_service_config_load_error"
 SHOULD_RATE_LIMIT_ERROR = "ratelimit_service_should_rate_limit_error"
+TOTAL_REQUESTS = "ratelimit_service_total_requests"
 # No mapping names it: statsd_exporter exports it unmapped, its dots made underscores.
 GLOBAL_SHADOW_MODE = "ratelimit_service_global_shadow_mode"
 # sitsmesh's families that have a reference name; with `envoyproxy` only the latter shows.
@@ -75,6 +76,18 @@ def reference_series(stats_key: str, outcome: str) -> tuple[str, Labels] | None:
     return None
 
 
+_REQUESTS = (TOTAL_REQUESTS, (("grpc_method", "ShouldRateLimit"),))
+_SERVICE_ERROR = (SHOULD_RATE_LIMIT_ERROR, (("err_type", "service_error"),))
+# sitsmesh sample name -> the reference series it is, one for one.
+_RENAMED: dict[str, tuple[tuple[str, Labels], ...]] = {
+    "sitsmesh_ratelimit_config_loads_total": ((CONFIG_LOAD_SUCCESS, ()),),
+    "sitsmesh_ratelimit_config_load_errors_total": ((CONFIG_LOAD_ERROR, ()),),
+    "sitsmesh_ratelimit_global_shadow_mode_total": ((GLOBAL_SHADOW_MODE, ()),),
+    "sitsmesh_ratelimit_store_errors_total": ((SHOULD_RATE_LIMIT_ERROR,
+                                               (("err_type", "redis_error"),)),),
+}
+
+
 class _Source(Protocol):
     def collect(self) -> Iterable[Metric]: ...
 
@@ -82,6 +95,7 @@ class _Source(Protocol):
 _HELP = {
     CONFIG_LOAD_SUCCESS: "Rate-limit config snapshots made live (envoyproxy/ratelimit name).",
     CONFIG_LOAD_ERROR: "Rate-limit configs refused (envoyproxy/ratelimit name).",
+    TOTAL_REQUESTS: "ShouldRateLimit calls, by grpc_method (envoyproxy/ratelimit name).",
     GLOBAL_SHADOW_MODE: "Requests over limit let through by global shadow mode "
                         "(envoyproxy/ratelimit name).",
     SHOULD_RATE_LIMIT_ERROR: "ShouldRateLimit calls that failed, by err_type: redis_error "
@@ -105,10 +119,9 @@ class ReferenceNames(Collector):
             if self._keep_own or family.name not in REPLACED:
                 yield family
             for sample in family.samples:
-                found = self._route(sample)
-                if found is not None:
-                    by_labels = sums.setdefault(found[0], {})
-                    by_labels[found[1]] = by_labels.get(found[1], 0.0) + sample.value
+                for name, labels in self._route(sample):
+                    by_labels = sums.setdefault(name, {})
+                    by_labels[labels] = by_labels.get(labels, 0.0) + sample.value
         for name, by_labels in sums.items():
             # Untyped, not counter: prometheus-client would name a counter's sample
             # `<name>_total` and OpenMetrics requires that suffix, while the reference's
@@ -124,24 +137,21 @@ class ReferenceNames(Collector):
             if family.samples:
                 yield family
 
-    def _route(self, sample: Sample) -> tuple[str, Labels] | None:
+    def _route(self, sample: Sample) -> tuple[tuple[str, Labels], ...]:
+        """The reference series a sample adds to (none, one, or two)."""
         name, labels = sample.name, sample.labels
         if name == "sitsmesh_ratelimit_hits_total":
-            return self._hits(labels.get("key", ""), labels.get("outcome", ""))
-        if name == "sitsmesh_ratelimit_config_loads_total":
-            return CONFIG_LOAD_SUCCESS, ()
-        if name == "sitsmesh_ratelimit_config_load_errors_total":
-            return CONFIG_LOAD_ERROR, ()
-        if name == "sitsmesh_ratelimit_global_shadow_mode_total":
-            return GLOBAL_SHADOW_MODE, ()
-        if name == "sitsmesh_ratelimit_store_errors_total":
-            return SHOULD_RATE_LIMIT_ERROR, (("err_type", "redis_error"),)
+            found = self._hits(labels.get("key", ""), labels.get("outcome", ""))
+            return (found,) if found is not None else ()
         if (name == "sitsmesh_grpc_server_handled_total"
                 and labels.get("grpc_service") == RLS_SERVICE
-                and labels.get("grpc_method") == "ShouldRateLimit"
-                and labels.get("grpc_code") in SERVICE_ERROR_CODES):
-            return SHOULD_RATE_LIMIT_ERROR, (("err_type", "service_error"),)
-        return None
+                and labels.get("grpc_method") == "ShouldRateLimit"):
+            # ShouldRateLimit only: the data server's other methods (ext_authz's Check,
+            # health) are not the reference's.
+            if labels.get("grpc_code") in SERVICE_ERROR_CODES:
+                return _REQUESTS, _SERVICE_ERROR
+            return (_REQUESTS,)
+        return _RENAMED.get(name, ())
 
     def _hits(self, key: str, outcome: str) -> tuple[str, Labels] | None:
         cache_key = (key, outcome)

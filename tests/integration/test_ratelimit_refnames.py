@@ -52,6 +52,7 @@ EXPECTED: list[tuple[str, dict[str, str], float]] = [
     (RL + "near_limit", NESTED, 1), (RL + "over_limit", NESTED, 1),
     (RL + "shadow_mode", NESTED, 1),
     ("ratelimit_service_should_rate_limit_error", {"err_type": "service_error"}, 1),
+    ("ratelimit_service_total_requests", {"grpc_method": "ShouldRateLimit"}, 8),
 ]
 
 

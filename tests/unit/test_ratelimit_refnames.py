@@ -79,6 +79,7 @@ def _source() -> CollectorRegistry:
     handled.labels("data", SERVICE_NAME, "ShouldRateLimit", "OK").inc(5)
     handled.labels("data", SERVICE_NAME, "ShouldRateLimit", "INVALID_ARGUMENT").inc(2)
     handled.labels("data", SERVICE_NAME, "ShouldRateLimit", "PERMISSION_DENIED").inc(7)
+    handled.labels("data", "envoy.service.auth.v3.Authorization", "Check", "OK").inc(3)
     return registry
 
 
@@ -108,6 +109,8 @@ def test_both_keeps_sitsmesh_names_and_adds_the_reference_ones() -> None:
     assert _get(values, "ratelimit_service_global_shadow_mode") == 1
     assert _get(values, "ratelimit_service_should_rate_limit_error",
                 err_type="service_error") == 2
+    # every ShouldRateLimit answered, whatever its code
+    assert _get(values, "ratelimit_service_total_requests", grpc_method="ShouldRateLimit") == 14
 
 
 def test_envoyproxy_replaces_the_families_it_renames() -> None:
