@@ -78,11 +78,9 @@ class RuleMetrics:
         return children
 
     def _near_for(self, limit: int) -> int:
-        near = self._near.get(limit)
-        if near is None:
-            if len(self._near) >= MAX_NEAR_THRESHOLDS:
-                self._near.clear()
-            near = self._near[limit] = near_threshold(limit, self._near_ratio)
+        if len(self._near) >= MAX_NEAR_THRESHOLDS:
+            self._near.clear()
+        near = self._near[limit] = near_threshold(limit, self._near_ratio)
         return near
 
     def record(self, rule: Rule, value: str, addend: int, count: Count, *,
@@ -111,6 +109,9 @@ class RuleMetrics:
         limit = rule.requests_per_unit
         after = count.used
         before = after - addend
+        near = self._near.get(limit)
+        if near is None:
+            near = self._near_for(limit)
         if count.over:
             if before >= limit or after <= limit:
                 # after <= limit: the store did not count the rejected hit (sliding window,
@@ -118,13 +119,12 @@ class RuleMetrics:
                 over = addend
             else:
                 over = after - limit
-                acc[2] += limit - max(self._near_for(limit), before)
+                acc[2] += limit - max(near, before)
             acc[1] += over
             if rule.shadow_mode:
                 acc[4] += over
         else:
             acc[3] += addend
-            near = self._near_for(limit)
             if after > near:
                 acc[2] += addend if before >= near else after - near
 
