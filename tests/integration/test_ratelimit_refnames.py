@@ -156,3 +156,27 @@ def test_reference_names_with_worker_processes(start_sitsmesh: Start, tmp_path: 
     _assert_reference(series)
     assert not [name for name, _ in series if name.startswith("sitsmesh_ratelimit_hits")]
     assert node.stop() == 0
+
+
+def test_no_config_loaded_is_a_service_error(start_sitsmesh: Start, tmp_path: Path) -> None:
+    # As the reference: a config that does not load counts config_load_error, and until
+    # one loads every call fails ("no rate limit configuration loaded") as service_error.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("domain: rl\ndescriptors:\n  - key: user\n    rate_limit: {unit: fortnight}\n")
+    node = start_sitsmesh("--ratelimit-config", str(bad), "--ratelimit-metric-names",
+                          "envoyproxy")
+    with grpc.insecure_channel(node.data_addr) as channel:
+        stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+        for _ in range(2):
+            with pytest.raises(grpc.RpcError) as failed:
+                stub.ShouldRateLimit(rls_pb2.RateLimitRequest(
+                    domain="rl", descriptors=[_desc("user", "u")]), timeout=5)
+            assert failed.value.code() == grpc.StatusCode.UNKNOWN
+    error = ("ratelimit_service_should_rate_limit_error", {"err_type": "service_error"})
+    harness.wait_until(lambda: _get(_series(node), *error) == 2, 10, "service_error 2")
+    series = _series(node)
+    assert _get(series, "ratelimit_service_total_requests",
+                {"grpc_method": "ShouldRateLimit"}) == 2
+    assert _get(series, "ratelimit_service_config_load_error", {}) == 1
+    assert _get(series, "ratelimit_service_config_load_success", {}) is None
+    assert node.stop() == 0
