@@ -113,7 +113,7 @@ class RateLimitComponent:
         self._background = Background()
         if serve:
             self.store = _counter_store(settings, registry, board)
-            self._metrics = RuleMetrics(registry)
+            self._metrics = RuleMetrics(registry, settings.ratelimit_near_limit_ratio)
             self.limiter = RateLimiter(
                 self.config.holder, self.store, self._metrics,
                 global_shadow=settings.ratelimit_shadow_mode,

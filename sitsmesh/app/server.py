@@ -28,6 +28,7 @@ from sitsmesh.app.metrics import MULTIPROC_ENV, RpcMetrics, admin_auth_failures,
 from sitsmesh.app.workers import WorkerPool
 from sitsmesh.config import Address, Settings, describe
 from sitsmesh.errors import StartupError
+from sitsmesh.ratelimit import refnames
 from sitsmesh.state import SqliteStore
 from sitsmesh.status import ServiceState, Serving, StatusBoard
 from sitsmesh.transport.accesslog import SERVICE_NAME as ACCESSLOG_SERVICE
@@ -226,7 +227,7 @@ async def run_worker(settings: Settings, index: int,
 def _start_metrics(settings: Settings, registry: CollectorRegistry) -> tuple[Any, str]:
     try:
         httpd, _ = start_http_server(settings.metrics_addr.port, settings.metrics_addr.host,
-                                     registry)
+                                     refnames.exposed(registry, settings.ratelimit_metric_names))
     except OSError as exc:
         raise StartupError(f"metrics_addr {settings.metrics_addr}: cannot bind: "
                            f"{exc.strerror or exc}") from None

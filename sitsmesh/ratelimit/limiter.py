@@ -28,7 +28,6 @@ from sitsmesh.ratelimit.store import Count, CounterStore, Hit
 
 DEFAULT_MAX_HITS_ADDEND = 1_000_000
 UNLIMITED_REMAINING = 2**32 - 1
-NEAR_LIMIT_RATIO = 0.8
 
 
 class RequestError(SitsmeshError):
@@ -373,10 +372,9 @@ class RateLimiter:
         quota: set[int] = set()
         for (i, rule, addend, stats), count in zip(counted, counts, strict=True):
             over = count.over
-            near = not over and count.used > NEAR_LIMIT_RATIO * rule.requests_per_unit
             entries = descriptors[i].entries
             self._metrics.record(rule, entries[-1][1] if entries else "", addend, count,
-                                 near=near, stats_key=stats)
+                                 stats_key=stats)
             if over and rule.shadow_mode:
                 over = False
             if rule.quota_mode or self._global_quota:

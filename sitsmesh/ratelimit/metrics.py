@@ -13,6 +13,8 @@ MAX_KEYS or MAX_KEY_BYTES is counted under the one key `overflow`.
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -30,10 +32,27 @@ MAX_KEY_BYTES = 1 << 20
 OVERFLOW_KEY = "overflow"
 _log = logs.get("sitsmesh.ratelimit")
 OUTCOMES = ("total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode")
+DEFAULT_NEAR_LIMIT_RATIO = 0.8
+# Limits seen with their near thresholds; per-route overrides bring caller-chosen limits.
+MAX_NEAR_THRESHOLDS = 4096
+_FLOAT32 = struct.Struct("f")
+
+
+def _float32(x: float) -> float:
+    return float(_FLOAT32.unpack(_FLOAT32.pack(x))[0])
+
+
+def near_threshold(limit: int, ratio: float) -> int:
+    """envoyproxy/ratelimit's `floor(float32(limit) * ratio)`: the product is taken in
+    float32 there, so large limits and ratios like 0.7 land where the reference puts them."""
+    return math.floor(_float32(_float32(float(limit)) * _float32(ratio)))
 
 
 class RuleMetrics:
-    def __init__(self, registry: CollectorRegistry | None) -> None:
+    def __init__(self, registry: CollectorRegistry | None,
+                 near_ratio: float = DEFAULT_NEAR_LIMIT_RATIO) -> None:
+        self._near_ratio = near_ratio
+        self._near: dict[int, int] = {}
         self._hits = Counter(
             "sitsmesh_ratelimit_hits_total",
             "Hits per rate-limit rule (stats key) and outcome, counted as the reference does.",
@@ -58,8 +77,16 @@ class RuleMetrics:
             self._children[key] = children
         return children
 
-    def record(self, rule: Rule, value: str, addend: int, count: Count, *, near: bool,
+    def _near_for(self, limit: int) -> int:
+        if len(self._near) >= MAX_NEAR_THRESHOLDS:
+            self._near.clear()
+        near = self._near[limit] = near_threshold(limit, self._near_ratio)
+        return near
+
+    def record(self, rule: Rule, value: str, addend: int, count: Count, *,
                stats_key: str = "") -> None:
+        """One rule's hit, in the reference's amounts (its base_limiter): a hit that
+        crosses the near threshold or the limit is split between the outcomes."""
         key = stats_key or rule.stats_key
         if rule.detailed_metric:
             detailed = f"{key}_{value}"
@@ -79,14 +106,27 @@ class RuleMetrics:
             if acc is None:
                 acc = self._pending[key] = [0, 0, 0, 0, 0]
         acc[0] += addend
+        limit = rule.requests_per_unit
+        after = count.used
+        before = after - addend
+        near = self._near.get(limit)
+        if near is None:
+            near = self._near_for(limit)
         if count.over:
-            acc[1] += addend
+            if before >= limit or after <= limit:
+                # after <= limit: the store did not count the rejected hit (sliding window,
+                # gcra) or an adaptive limit was below the configured one; all of it was over.
+                over = addend
+            else:
+                over = after - limit
+                acc[2] += limit - max(near, before)
+            acc[1] += over
             if rule.shadow_mode:
-                acc[4] += addend
+                acc[4] += over
         else:
             acc[3] += addend
-            if near:
-                acc[2] += addend
+            if after > near:
+                acc[2] += addend if before >= near else after - near
 
     def unknown_domain(self) -> None:
         self._unknown_pending += 1
