@@ -18,11 +18,11 @@ from sitsmesh.ratelimit.config import (
     NOT_LOADED,
     UNIT_SECONDS,
     Algorithm,
-    Node,
     RateLimitConfig,
     Rule,
     Unit,
 )
+from sitsmesh.ratelimit.match import detailed_key, match
 from sitsmesh.ratelimit.metrics import RuleMetrics
 from sitsmesh.ratelimit.store import Count, CounterStore, Hit
 
@@ -86,50 +86,6 @@ class ConfigHolder:
 
     def __init__(self, config: RateLimitConfig) -> None:
         self.current = config
-
-
-def _match(root: Node, entries: Sequence[tuple[str, str]]
-           ) -> tuple[Node | None, str, list[str] | None]:
-    """The node whose rules apply, the counter key suffix, and, where a node on the path
-    has `value_to_metric`, the stats key's parts; reference matching order."""
-    level = root
-    parts: list[str] = []
-    path: list[tuple[Node, str, str, str]] = []  # (node, how it matched, key, value)
-    found: Node | None = None
-    last = len(entries) - 1
-    for i, (key, value) in enumerate(entries):
-        exact = f"{key}_{value}"
-        node = level.children.get(exact)
-        how = "exact"
-        if node is None:
-            how = "wildcard"
-            for pattern, candidate in level.wildcards:
-                if pattern.matches(exact):
-                    node = candidate
-                    break
-        if node is None:
-            node, how = level.children.get(key), "key"
-        if node is None:
-            return None, "", None
-        parts.append(node.pattern if node.share_threshold else exact)
-        path.append((node, how, key, value))
-        if i == last:
-            found = node
-        elif not node.children:
-            return None, "", None  # the request is deeper than the config
-        level = node
-    named = ([_stats_part(*step) for step in path]
-             if any(step[0].value_to_metric for step in path) else None)
-    return found, "_".join(parts), named
-
-
-def _stats_part(node: Node, how: str, key: str, value: str) -> str:
-    """One level of a value_to_metric stats key, as envoyproxy/ratelimit names it."""
-    if how == "exact" or (how == "wildcard" and node.share_threshold):
-        return node.pattern
-    if node.value_to_metric:
-        return f"{key}_{value}" if value else key
-    return node.pattern
 
 
 # A matched descriptor: the rules that apply with their counter keys and stats keys ("": the
@@ -201,13 +157,14 @@ class RateLimiter:
         root = config.domains.get(domain)
         if root is None:
             return _NO_MATCH
-        node, suffix, named = _match(root, entries)
+        node, parts, named = match(root, entries)
         if node is None:
             return _NO_MATCH
-        base = f"{domain}_{suffix}"
+        base = f"{domain}_{'_'.join(parts)}"
         stats = f"{domain}." + ".".join(named) if named is not None else ""
         found = (tuple((rule, f"{base}#{rule.index}" if rule.index else base,
-                        stats if stats != rule.stats_key and not rule.detailed_metric else "")
+                        detailed_key(domain, entries, parts) if rule.detailed_metric
+                        else stats if stats != rule.stats_key else "")
                        for rule in node.rules),
                  dict(node.metadata) if node.metadata else None)
         cost = _cache_cost(domain, entries, found)
@@ -372,9 +329,7 @@ class RateLimiter:
         quota: set[int] = set()
         for (i, rule, addend, stats), count in zip(counted, counts, strict=True):
             over = count.over
-            entries = descriptors[i].entries
-            self._metrics.record(rule, entries[-1][1] if entries else "", addend, count,
-                                 stats_key=stats)
+            self._metrics.record(rule, addend, count, stats_key=stats)
             if over and rule.shadow_mode:
                 over = False
             if rule.quota_mode or self._global_quota:

@@ -83,16 +83,16 @@ class RuleMetrics:
         near = self._near[limit] = near_threshold(limit, self._near_ratio)
         return near
 
-    def record(self, rule: Rule, value: str, addend: int, count: Count, *,
-               stats_key: str = "") -> None:
+    def record(self, rule: Rule, addend: int, count: Count, *, stats_key: str = "") -> None:
         """One rule's hit, in the reference's amounts (its base_limiter): a hit that
         crosses the near threshold or the limit is split between the outcomes."""
         key = stats_key or rule.stats_key
-        if rule.detailed_metric:
-            detailed = f"{key}_{value}"
-            if detailed in self._detailed or len(self._detailed) < MAX_DETAILED_KEYS:
-                self._detailed.add(detailed)
-                key = detailed
+        if rule.detailed_metric and stats_key:
+            # The request's values name the key: at most MAX_DETAILED_KEYS of them.
+            if stats_key in self._detailed or len(self._detailed) < MAX_DETAILED_KEYS:
+                self._detailed.add(stats_key)
+            else:
+                key = rule.stats_key
         acc = self._pending.get(key)
         if acc is None:
             # Once per key and flush: a key's first sight decides whether it gets a label.

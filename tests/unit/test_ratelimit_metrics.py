@@ -28,7 +28,7 @@ def _one(limit: int, before: int, addend: int, *, shadow: bool = False,
     metrics = RuleMetrics(registry, ratio)
     after = before + addend
     over = after > limit
-    metrics.record(_rule(limit, shadow=shadow), "", addend,
+    metrics.record(_rule(limit, shadow=shadow), addend,
                    Count(over, 0 if over else limit - after, 1.0, after))
     metrics.flush()
     return _amounts(registry)
@@ -80,7 +80,7 @@ def test_a_rejected_hit_the_store_did_not_count_is_all_over() -> None:
     # sliding_window and gcra do not count a rejected hit: `used` is the count before it.
     registry = CollectorRegistry()
     metrics = RuleMetrics(registry)
-    metrics.record(_rule(10), "", 3, Count(True, 0, 1.0, 9))
+    metrics.record(_rule(10), 3, Count(True, 0, 1.0, 9))
     metrics.flush()
     assert _amounts(registry) == {"total_hits": 3, "over_limit": 3, "near_limit": 0,
                                   "within_limit": 0, "shadow_mode": 0}
@@ -112,7 +112,7 @@ def test_amounts_add_up_over_a_window() -> None:
     rule, used = _rule(10), 0
     for addend in (3, 3, 3, 3):  # 3, 6, 9, 12
         used += addend
-        metrics.record(rule, "", addend, Count(used > 10, max(10 - used, 0), 1.0, used))
+        metrics.record(rule, addend, Count(used > 10, max(10 - used, 0), 1.0, used))
     metrics.flush()
     # near: 9 - 8 = 1 on the third, 10 - 9 = 1 on the fourth; over: 12 - 10.
     assert _amounts(registry) == {"total_hits": 12, "over_limit": 2, "near_limit": 2,

@@ -108,3 +108,41 @@ async def test_no_config_loaded_yet_fails_every_call_with_the_reference_message(
     loaded = RateLimiter(ConfigHolder(rlconfig.EMPTY), MemoryStore(),
                          RuleMetrics(CollectorRegistry()))
     assert not (await loaded.check("d", [one("a", "x")])).over
+
+
+DETAILED = """
+domain: d
+descriptors:
+  - key: k1
+    descriptors:
+      - key: k2
+        detailed_metric: true
+        rate_limit: {unit: hour, requests_per_unit: 5}
+  - key: files
+    value: up/*
+    share_threshold: true
+    descriptors:
+      - key: who
+        detailed_metric: true
+        rate_limit: {unit: hour, requests_per_unit: 5}
+"""
+
+
+@pytest.mark.parametrize(("entries", "key"), [
+    # Every entry's key_value, whichever node matched (k1 matched by its key alone).
+    ((("k1", "a"), ("k2", "b")), "d.k1_a.k2_b"),
+    ((("k1", "a"), ("k2", "")), "d.k1_a.k2_"),
+    # A share_threshold pattern keeps its pattern; then an empty value writes the key.
+    ((("files", "up/x"), ("who", "me")), "d.files_up/*.who_me"),
+    ((("files", "up/x"), ("who", "")), "d.files_up/*.who"),
+])
+async def test_detailed_metric_keys_like_the_reference(entries: tuple[tuple[str, str], ...],
+                                                       key: str) -> None:
+    registry = CollectorRegistry()
+    metrics = RuleMetrics(registry)
+    limiter = RateLimiter(ConfigHolder(rlconfig.build([("c.yaml", DETAILED)])), MemoryStore(),
+                          metrics, clock=lambda: NOW)
+    await limiter.check("d", [Descriptor(entries)])
+    metrics.flush()
+    assert registry.get_sample_value("sitsmesh_ratelimit_hits_total",
+                                     {"key": key, "outcome": "total_hits"}) == 1

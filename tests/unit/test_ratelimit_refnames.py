@@ -65,11 +65,11 @@ def _source() -> CollectorRegistry:
     """sitsmesh's families after a known sequence: limit 10 on d.k, hits of 9 then 3."""
     registry = CollectorRegistry()
     metrics = RuleMetrics(registry)
-    metrics.record(_rule("d.k", 10), "", 9, Count(False, 1, 1.0, 9))
-    metrics.record(_rule("d.k", 10), "", 3, Count(True, 0, 1.0, 12))
+    metrics.record(_rule("d.k", 10), 9, Count(False, 1, 1.0, 9))
+    metrics.record(_rule("d.k", 10), 3, Count(True, 0, 1.0, 12))
     # two keys the mapper folds into one series: their counts add up
-    metrics.record(_rule("d.a.b.x", 100), "", 1, Count(False, 99, 1.0, 1))
-    metrics.record(_rule("d.a.b.y", 100), "", 2, Count(False, 97, 1.0, 2))
+    metrics.record(_rule("d.a.b.x", 100), 1, Count(False, 99, 1.0, 1))
+    metrics.record(_rule("d.a.b.y", 100), 2, Count(False, 97, 1.0, 2))
     metrics.global_shadow()
     metrics.flush()
     Counter("sitsmesh_ratelimit_config_loads_total", "loads", registry=registry).inc(2)
