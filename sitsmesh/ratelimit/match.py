@@ -9,7 +9,7 @@ from sitsmesh.ratelimit.config import Node
 
 
 def match(root: Node, entries: Sequence[tuple[str, str]]
-           ) -> tuple[Node | None, list[str], list[str] | None]:
+          ) -> tuple[Node | None, list[str], list[str] | None]:
     """The node whose rules apply, the counter key's parts (share_threshold patterns in
     place of values), and, where a node on the path has `value_to_metric`, the stats
     key's parts; reference matching order."""
