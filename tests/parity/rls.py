@@ -101,7 +101,7 @@ def wait_for_keys(node: harness.Sitsmesh, keys: Iterable[str], total: dict[str, 
                   timeout: float = 4) -> str:
     """Metrics are flushed once a second: wait until every key shows its expected
     total_hits (or the timeout), and return that scrape."""
-    wanted = dict.fromkeys(keys, 0.0) | total
+    wanted = dict.fromkeys(keys, 1.0) | total
     text = ""
 
     def done() -> bool:
