@@ -4,6 +4,7 @@ a real redis-server), ShouldRateLimit calls, and the per-rule hit counters."""
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -151,3 +152,12 @@ class Fleet:
             node.kill()
         if self._redis is not None and self._redis.running:
             self._redis.stop()
+
+
+FLUSH_S = 1.2  # sitsmesh moves request-path counts into its metrics once a second
+
+
+def settled(node: harness.Sitsmesh, metric: str) -> float:
+    """A counter's value once everything sent before this call has been flushed."""
+    time.sleep(FLUSH_S)
+    return harness.metric_value(node.metrics(), metric)
