@@ -5,7 +5,6 @@ when asked; every good fixture loads."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass

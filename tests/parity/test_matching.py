@@ -200,4 +200,5 @@ def stats_text(node: harness.Sitsmesh) -> str:
 def test_the_stats_key_of_a_match(node: harness.Sitsmesh, stats_text: str, domain: str,
                                   entries: list[tuple[str, str]], key: str) -> None:
     counted = hits(node, key, stats_text)["total_hits"]
-    assert counted >= 1, f"no hits under {key!r}; keys seen: {sorted(stats_keys(stats_text, domain + '.'))}"
+    seen = sorted(stats_keys(stats_text, domain + "."))
+    assert counted >= 1, f"no hits under {key!r}; keys seen: {seen}"

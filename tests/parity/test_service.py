@@ -8,6 +8,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2
 
 from sitsmesh.dev import harness
 from tests.parity.rls import (
@@ -42,8 +43,8 @@ def global_shadow(fleet: Fleet, store: str) -> harness.Sitsmesh:
     return fleet.get(store, "--ratelimit-shadow-mode", "true")
 
 
-def _codes(reply: object) -> tuple[int, list[int]]:
-    return reply.overall_code, [s.code for s in reply.statuses]  # type: ignore[attr-defined]
+def _codes(reply: rls_pb2.RateLimitResponse) -> tuple[int, list[int]]:
+    return reply.overall_code, [s.code for s in reply.statuses]
 
 
 def _used_up(node: harness.Sitsmesh, domain: str, key: str) -> str:
