@@ -189,3 +189,10 @@ def test_metadata_comes_only_from_limits_that_count(extras: harness.Sitsmesh,
 def test_metadata_comes_from_the_matched_node_only(extras: harness.Sitsmesh) -> None:
     found = _metadata(ask(extras, "tagged", desc(("org", "main"), ("user", fresh()))))
     assert found["metadata"] == {"level": "user"}
+
+
+def test_metadata_keeps_a_date_like_value_as_text(extras: harness.Sitsmesh) -> None:
+    # The reference reads config YAML with Go's yaml.v2, which keeps an unquoted
+    # timestamp as its text when decoding into metadata's free-form map.
+    found = _metadata(ask(extras, "tagged", desc(("build", f"nightly-{fresh()}"))))
+    assert found["metadata"] == {"since": "2024-01-01", "owner": "ci"}
