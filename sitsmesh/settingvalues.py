@@ -101,6 +101,16 @@ def header_name(raw: Any) -> str:
     return raw.strip().lower()
 
 
+def header_name_as_given(raw: Any) -> str:
+    """A header name to send, in the caller's case (as envoyproxy/ratelimit sends it)."""
+    if not isinstance(raw, str) or not raw.strip():
+        raise ValueError(f"expected a header name, got {raw!r}")
+    name = raw.strip()
+    if not all(c.isascii() and (c.isalnum() or c in "!#$%&'*+-.^_`|~") for c in name):
+        raise ValueError(f"not a valid header name: {raw!r}")
+    return name
+
+
 def string(raw: Any) -> str:
     if not isinstance(raw, str) or not raw:
         raise ValueError(f"expected a non-empty string, got {raw!r}")

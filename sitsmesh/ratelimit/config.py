@@ -131,6 +131,16 @@ def _walk_rules(node: Node) -> Iterable[Rule]:
         yield from _walk_rules(child)
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """YAML as the reference's Go decoder reads it: a date-like scalar stays text (PyYAML
+    would make it a date, which neither a descriptor nor dynamic metadata can hold)."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
 class _Loader:
     def __init__(self, source: str) -> None:
         self.source = source
@@ -151,6 +161,21 @@ class _Loader:
             raise self.fail(f"'{key}' must be true or false, got {value!r} (at {where})")
         return value
 
+    def requests_per_unit(self, data: Mapping[str, Any], unlimited: bool, where: str
+                          ) -> int | None:
+        rpu = data.get("requests_per_unit")
+        if rpu is None and not unlimited:
+            raise self.fail(f"rate limit has no requests_per_unit (at {where})")
+        if rpu is not None and (isinstance(rpu, bool) or not isinstance(rpu, int)
+                                or not 0 <= rpu <= MAX_REQUESTS_PER_UNIT):
+            # The reference's words first: a float fails its leaf check, anything else
+            # its decoding into a uint32.
+            stage = ("error checking config" if isinstance(rpu, float)
+                     else "error loading config file")
+            raise self.fail(f"{stage}: requests_per_unit must be an integer from 0 to "
+                            f"{MAX_REQUESTS_PER_UNIT}, got {rpu!r} (at {where})")
+        return rpu
+
     def rule(self, data: Any, where: str, stats_key: str, flags: dict[str, bool],
              index: int) -> Rule:
         if not isinstance(data, dict):
@@ -166,13 +191,7 @@ class _Loader:
                 raise self.fail(f"should not specify rate limit unit when unlimited (at {where})")
         elif unit is None:
             raise self.fail(f"invalid rate limit unit '{unit_text or ''}' (at {where})")
-        rpu = data.get("requests_per_unit")
-        if rpu is None and not unlimited:
-            raise self.fail(f"rate limit has no requests_per_unit (at {where})")
-        if rpu is not None and (isinstance(rpu, bool) or not isinstance(rpu, int)
-                                or not 0 <= rpu <= MAX_REQUESTS_PER_UNIT):
-            raise self.fail(f"requests_per_unit must be an integer from 0 to "
-                            f"{MAX_REQUESTS_PER_UNIT}, got {rpu!r} (at {where})")
+        rpu = self.requests_per_unit(data, unlimited, where)
         multiplier = data.get("unit_multiplier", 1)
         if isinstance(multiplier, bool) or not isinstance(multiplier, int) or multiplier < 1:
             raise self.fail(f"unit_multiplier must be a positive integer, got {multiplier!r} "
@@ -192,7 +211,7 @@ class _Loader:
         for entry in replaces_raw:
             if not isinstance(entry, dict):
                 raise self.fail(f"config error, yaml file contains list of type other than "
-                                f"map: {entry!r} (at {where}.replaces)")
+                                f"map: {entry} (at {where}.replaces)")
             self.check_keys(entry, frozenset({"name"}), f"{where}.replaces")
             target = entry.get("name") or ""
             if not target:
@@ -216,6 +235,21 @@ class _Loader:
                     replaces=tuple(replaces), index=index,
                     adaptive_pipeline=pipeline if adaptive else "", **flags)
 
+    def metadata(self, value: Any, where: str) -> None:
+        """Only what a protobuf Struct holds: Envoy gets it as dynamic metadata."""
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise self.fail(f"error parsing metadata: key {key!r} is not a string "
+                                    f"(at {where})")
+                self.metadata(item, f"{where}.{key}")
+        elif isinstance(value, list):
+            for n, item in enumerate(value):
+                self.metadata(item, f"{where}[{n}]")
+        elif value is not None and not isinstance(value, str | int | float | bool):
+            raise self.fail(f"error parsing metadata: a {type(value).__name__} value cannot be "
+                            f"dynamic metadata (at {where})")
+
     def descriptors(self, parent: Node, items: Any, parent_key: str, where: str) -> None:
         if items is None:
             return
@@ -225,7 +259,7 @@ class _Loader:
             here = f"{where}[{i}]"
             if not isinstance(item, dict):
                 raise self.fail(f"config error, yaml file contains list of type other than "
-                                f"map: {item!r} (at {here})")
+                                f"map: {item} (at {here})")
             self.check_keys(item, DESCRIPTOR_KEYS, here)
             key, value = item.get("key"), item.get("value")
             if not key:
@@ -258,6 +292,8 @@ class _Loader:
             metadata = item.get("metadata")
             if metadata is not None and not isinstance(metadata, dict):
                 raise self.fail(f"metadata must be a mapping (at {here})")
+            if metadata is not None:
+                self.metadata(metadata, f"{here}.metadata")
             node = Node(rules=rules, share_threshold=share, pattern=final, metadata=metadata,
                         value_to_metric=self.flag(item, "value_to_metric", here))
             self.descriptors(node, item.get("descriptors"), composite + ".",
@@ -271,7 +307,7 @@ def parse_domain(source: str, text: str) -> tuple[str, Node]:
     """Parse one file's text. Raises ConfigError starting with `source`."""
     loader = _Loader(source)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         detail = str(exc).replace("\n", " ")
         raise loader.fail(f"error loading config file: {detail}") from None

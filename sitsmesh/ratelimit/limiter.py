@@ -289,12 +289,17 @@ class RateLimiter:
                 metadata[i] = node_metadata
             for rule, key, stats in rules:
                 matched.append((i, rule, key, addend, stats))
-        if domain not in config.domains and not matched:
-            self._metrics.unknown_domain()
+        if domain not in config.domains:
+            self._metrics.unknown_domain(len(descriptors))  # once per descriptor, as there
         if len(matched) > 1:
             replaced = {name for _, rule, _, _, _ in matched for name in rule.replaces}
             if replaced:
                 matched = [m for m in matched if m[1].name not in replaced]
+        if metadata:
+            # As the reference: only a limit that counts (not unlimited, not replaced)
+            # brings its node's metadata.
+            counting = {m[0] for m in matched if not m[1].unlimited}
+            metadata = {i: m for i, m in metadata.items() if i in counting} or None
         return matched, metadata
 
     def _validate(self, descriptors: Sequence[Descriptor]) -> None:

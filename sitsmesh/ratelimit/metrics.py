@@ -128,8 +128,8 @@ class RuleMetrics:
             if after > near:
                 acc[2] += addend if before >= near else after - near
 
-    def unknown_domain(self) -> None:
-        self._unknown_pending += 1
+    def unknown_domain(self, descriptors: int = 1) -> None:
+        self._unknown_pending += descriptors
 
     def global_shadow(self) -> None:
         self._global_shadow_pending += 1

@@ -159,7 +159,7 @@ async def test_the_reference_deployments_environment_is_enough(
         reply = await rls_pb2_grpc.RateLimitServiceStub(channel).ShouldRateLimit(
             _request("env"), timeout=5)
     assert reply.overall_code == OK and reply.statuses[0].limit_remaining == LIMIT - 1
-    assert {h.key: h.value for h in reply.response_headers_to_add}.get("x-left") == str(
+    assert {h.key: h.value for h in reply.response_headers_to_add}.get("X-Left") == str(
         LIMIT - 1)
     # Counted in the shared Redis, not in the process.
     client = Redis(host="127.0.0.1", port=redis.port, decode_responses=True)

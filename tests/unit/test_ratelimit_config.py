@@ -89,8 +89,8 @@ domain: d
 descriptors:
   - key: k
     rate_limit: {unit: second, requests_per_unit: -1}
-""", "f.yaml: requests_per_unit must be an integer from 0 to 4294967295, got -1 "
-     "(at descriptors[0].rate_limit)"),
+""", "f.yaml: error loading config file: requests_per_unit must be an integer from 0 to "
+     "4294967295, got -1 (at descriptors[0].rate_limit)"),
     ("bad algorithm", """
 domain: d
 descriptors:

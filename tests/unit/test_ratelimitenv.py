@@ -25,7 +25,7 @@ def test_every_answer_changing_switch_maps_to_its_setting() -> None:
     assert s.ratelimit_near_limit_ratio == 0.5
     assert s.ratelimit_expiration_jitter_seconds == 300
     assert (s.ratelimit_limit_header, s.ratelimit_remaining_header,
-            s.ratelimit_reset_header) == ("x-limit", "x-left", "x-reset")
+            s.ratelimit_reset_header) == ("X-Limit", "X-Left", "X-Reset")
 
 
 def test_sitsmesh_names_and_flags_win_over_the_reference_names() -> None:
