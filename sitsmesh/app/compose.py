@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from sitsmesh import workerguard
 from sitsmesh.app.components import (
     AuthzComponent,
     ChainsComponent,
@@ -89,6 +90,13 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     return Graph(ratelimit, authz, chains, pressure, swaps)
 
 
+async def check_workers(graph: Graph, settings: Settings) -> None:
+    """Refuse to start workers over state that needs one process (see workerguard)."""
+    tenants = await graph.authz.directory.list_tenants()
+    workerguard.check_state(settings.workers, graph.chains.pipelines.pipelines,
+                            [(t.name, t.max_concurrency) for t in tenants])
+
+
 def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: StateStore,
                    bound: Mapping[str, str]) -> AdminServicer:
     """The Admin API over this process's graph (a supervisor's or a single process's)."""
@@ -97,8 +105,8 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
     return AdminServicer(
         StatusAdmin(board, store, config_version=settings.config_version, bound=bound),
         RateLimitAdmin(graph.ratelimit.config),
-        TenantAdmin(graph.authz.directory),
-        ChainAdmin(graph.chains.pipelines, graph.chains.assembler),
+        TenantAdmin(graph.authz.directory, workers=settings.workers),
+        ChainAdmin(graph.chains.pipelines, graph.chains.assembler, workers=settings.workers),
         SwapAdmin(graph.swaps.manager),
         PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime),
     )

@@ -235,6 +235,10 @@ def _start_metrics(settings: Settings, registry: CollectorRegistry) -> tuple[Any
 
 
 def _start_pool(settings: Settings, board: StatusBoard) -> WorkerPool:
+    if settings.ratelimit_store == "memory":
+        _log.warning("memory counter store counts in each worker: every limit applies "
+                     "per worker; use --ratelimit-store redis to share counts",
+                     workers=settings.workers)
     def on_workers(all_alive: bool) -> None:
         board.set_all(Serving.SERVING if all_alive else Serving.NOT_SERVING, "data")
 
@@ -292,6 +296,7 @@ async def run(settings: Settings) -> int:
     httpd = None
     try:
         await graph.start()
+        await compose.check_workers(graph, settings)
         if role is compose.Role.SINGLE:
             data_server, bound["data"] = await _start_data(
                 settings, board, rpc_metrics, reuseport=False,
@@ -307,10 +312,6 @@ async def run(settings: Settings) -> int:
         servers.append(admin_server)
         httpd, bound["metrics"] = _start_metrics(settings, registry)
         if role is compose.Role.SUPERVISOR:
-            if settings.ratelimit_store == "memory":
-                _log.warning("memory counter store counts in each worker: every limit applies "
-                             "per worker; use --ratelimit-store redis to share counts",
-                             workers=settings.workers)
             pool = _start_pool(settings, board)
             pools.append(pool)
         board.set_all(Serving.SERVING)

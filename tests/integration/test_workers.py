@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
+import pytest
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
@@ -53,3 +55,48 @@ def test_two_workers_share_the_port_and_a_killed_one_is_replaced(start_sitsmesh:
                                      grpc_method="Check", server="data") >= 20,
         5, "worker metrics aggregated")
     assert node.stop() == 0
+
+
+PIPELINE = "name: twostage\nstages:\n  - {name: pre, match: {upstream_cluster: pre}}\n"
+
+
+def test_workers_refuse_what_needs_one_process_instead_of_answering_wrong(
+        start_sitsmesh: Start, tmp_path: Path) -> None:
+    """Pipelines and tenant concurrency caps count a request from its Check to its
+    access-log entry, which can reach different workers: refused by name."""
+    node = start_sitsmesh("--workers", "2")
+    with grpc.insecure_channel(node.admin_addr) as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        meta = node.admin_metadata()
+        with pytest.raises(grpc.RpcError) as err:
+            admin.ApplyPipeline(admin_pb2.ApplyPipelineRequest(yaml=PIPELINE), metadata=meta,
+                                timeout=5)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "pipeline twostage: backpressure and latency chains needs --workers 1" in (
+            err.value.details() or "")
+        with pytest.raises(grpc.RpcError) as err:
+            admin.CreateTenant(admin_pb2.Tenant(name="capped", max_concurrency=5),
+                               metadata=meta, timeout=5)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "tenant capped: max_concurrency needs --workers 1" in (err.value.details() or "")
+        # Nothing was written; a tenant without a cap is fine.
+        assert not admin.ListPipelines(admin_pb2.ListPipelinesRequest(), metadata=meta,
+                                       timeout=5).pipelines
+        admin.CreateTenant(admin_pb2.Tenant(name="plain", models=["*"]), metadata=meta,
+                           timeout=5)
+    node.stop()
+
+    # State written by one process is refused at the start of several.
+    single = start_sitsmesh(name="single")
+    with grpc.insecure_channel(single.admin_addr) as channel:
+        admin_pb2_grpc.AdminStub(channel).ApplyPipeline(
+            admin_pb2.ApplyPipelineRequest(yaml=PIPELINE), metadata=single.admin_metadata(),
+            timeout=5)
+    single.stop()
+    result = harness.run_cli("serve", "--workers", "2", "--state-dir", str(single.state_dir),
+                             "--data-addr", f"127.0.0.1:{harness.free_port()}",
+                             "--admin-addr", f"127.0.0.1:{harness.free_port()}",
+                             "--metrics-addr", f"127.0.0.1:{harness.free_port()}")
+    assert result.returncode == 2
+    assert "--workers 2: the state holds pipelines twostage, which needs --workers 1" in (
+        result.stderr)

@@ -7,7 +7,7 @@ from typing import Any
 
 from grpc import aio
 
-from sitsmesh import logs
+from sitsmesh import logs, workerguard
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.chains.assembler import Assembler, Hop
 from sitsmesh.chains.catalog import PipelineCatalog
@@ -23,10 +23,12 @@ class ChainAdmin:
     RPCS = ("ApplyPipeline", "GetPipeline", "ListPipelines", "DeletePipeline",
             "GetLatencyChain", "ReportStageLatency")
 
-    def __init__(self, catalog: PipelineCatalog, assembler: Assembler | None) -> None:
+    def __init__(self, catalog: PipelineCatalog, assembler: Assembler | None, *,
+                 workers: int = 1) -> None:
         """`assembler` is None where this process does not serve the data plane."""
         self._catalog = catalog
         self._assembler = assembler
+        self._workers = workers
 
     async def ApplyPipeline(self, request: admin_pb2.ApplyPipelineRequest,
                             context: aio.ServicerContext[Any, Any]) -> admin_pb2.Pipeline:
@@ -34,6 +36,8 @@ class ChainAdmin:
         doc = read_yaml(request.yaml, source)
         if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
             raise InvalidArgumentError(f"{source}: a pipeline needs a name and stages")
+        if self._workers > 1:
+            raise workerguard.refuse_pipeline(doc["name"])
         pipeline = await self._catalog.apply(doc["name"], doc, source)
         _log.info("pipeline applied", pipeline=pipeline.name)
         return _pipeline_pb(pipeline)

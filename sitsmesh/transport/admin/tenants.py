@@ -6,7 +6,7 @@ from typing import Any
 
 from grpc import aio
 
-from sitsmesh import logs
+from sitsmesh import logs, workerguard
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.authz.directory import TenantDirectory
 from sitsmesh.authz.model import ApiKey, Tenant
@@ -19,17 +19,24 @@ class TenantAdmin:
     RPCS = ("CreateTenant", "UpdateTenant", "GetTenant", "ListTenants", "DeleteTenant",
             "CreateApiKey", "ListApiKeys", "RevokeApiKey")
 
-    def __init__(self, directory: TenantDirectory) -> None:
+    def __init__(self, directory: TenantDirectory, *, workers: int = 1) -> None:
         self._directory = directory
+        self._workers = workers
+
+    def _guard(self, request: admin_pb2.Tenant) -> None:
+        if self._workers > 1 and request.max_concurrency > 0:
+            raise workerguard.refuse_cap(request.name)
 
     async def CreateTenant(self, request: admin_pb2.Tenant,
                            context: aio.ServicerContext[Any, Any]) -> admin_pb2.Tenant:
+        self._guard(request)
         tenant = await self._directory.create_tenant(request.name, _tenant_body(request))
         _log.info("tenant created", tenant=tenant.name)
         return _tenant_pb(tenant)
 
     async def UpdateTenant(self, request: admin_pb2.Tenant,
                            context: aio.ServicerContext[Any, Any]) -> admin_pb2.Tenant:
+        self._guard(request)
         tenant = await self._directory.update_tenant(request.name, _tenant_body(request))
         _log.info("tenant updated", tenant=tenant.name)
         return _tenant_pb(tenant)
