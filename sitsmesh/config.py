@@ -83,6 +83,8 @@ class Settings:
     ratelimit_reset_header: str = "RateLimit-Reset"
     ratelimit_metric_names: str = "sitsmesh"
     ratelimit_expiration_jitter_seconds: int = 0
+    # --- shared runtime state: README "Replicas" ---
+    shared_runtime: str = "off"
     reload_interval_seconds: float = 1.0
     authz_api_key_headers: tuple[str, ...] = ("x-api-key", "authorization")
     authz_peer_tenants: Mapping[str, str] = field(default_factory=dict)
@@ -229,6 +231,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "ratelimit_reset_header": values.header_name_as_given,
     "ratelimit_metric_names": values.choice(("sitsmesh", "envoyproxy", "both")),
     "ratelimit_expiration_jitter_seconds": values.int_range(0, 86_400),
+    "shared_runtime": values.choice(("off", "redis")),
     "reload_interval_seconds": values.seconds,
     "authz_api_key_headers": values.header_names,
     "authz_peer_tenants": values.mapping,

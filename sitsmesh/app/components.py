@@ -22,7 +22,7 @@ from sitsmesh.app.tls import redis_url
 from sitsmesh.authz.admission import Admission, AdmissionPolicy
 from sitsmesh.authz.check import Authorizer, AuthzSettings, AuthzSnapshot
 from sitsmesh.authz.directory import TenantDirectory
-from sitsmesh.chains.assembler import Assembler
+from sitsmesh.chains.assembler import Assembler, Hop
 from sitsmesh.chains.catalog import PipelineCatalog
 from sitsmesh.chains.metrics import ChainMetrics
 from sitsmesh.config import Settings, TritonEndpoint
@@ -35,13 +35,14 @@ from sitsmesh.ratelimit.memory import MemoryStore
 from sitsmesh.ratelimit.metrics import RuleMetrics, StoreCounters, store_up_gauge
 from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.ratelimit.store import CounterStore, Hit
+from sitsmesh.shared.hopbus import HopBus
 from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
 from sitsmesh.swap.contract import ServerError
 from sitsmesh.swap.manager import SwapManager
 from sitsmesh.swap.record import SwapHistory
 from sitsmesh.transport.accesslog import SERVICE_NAME as ACCESSLOG_SERVICE
-from sitsmesh.transport.accesslog import AccessLogServicer
+from sitsmesh.transport.accesslog import AccessLogServicer, HopSink
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
 from sitsmesh.transport.authz import AuthorizationServicer
 from sitsmesh.transport.authz import add_to_server as add_authz
@@ -355,6 +356,7 @@ class ChainsComponent:
         self._release = release
         self._background = Background()
         self._metrics: ChainMetrics | None = None
+        self.bus: HopBus | None = None
         if serve:
             metrics = self._metrics = ChainMetrics(registry)
             assembler = Assembler({}, on_chain=metrics.observe, on_evict=metrics.evicted,
@@ -362,12 +364,23 @@ class ChainsComponent:
                                   max_bytes=settings.chain_max_bytes)
             self.pipelines.on_change(assembler.set_pipelines)
             self.assembler = assembler
+            if settings.shared_runtime == "redis":
+                self.bus = HopBus.from_url(redis_url(settings), deliver=assembler.add,
+                                           release=release)
+
+    @property
+    def report(self) -> Callable[[Hop], None] | None:
+        """Where stage reports go: the shared bus, or this process's assembler."""
+        sink = self.bus or self.assembler
+        return sink.add if sink is not None else None
 
     def services(self) -> list[DataService]:
         if self.assembler is None:
             return []
+        sink: HopSink = self.bus if self.bus is not None else self.assembler
+        release = self.bus.release if self.bus is not None else self._release
         servicer = AccessLogServicer(
-            self.assembler, self._release, max_request_id=self._settings.request_id_max_length,
+            sink, release, max_request_id=self._settings.request_id_max_length,
             on_drop=self._metrics.dropped if self._metrics is not None else None)
         return [DataService(ACCESSLOG_SERVICE, lambda server: (
             als_pb2_grpc.add_AccessLogServiceServicer_to_server(servicer, server)))]
@@ -377,6 +390,8 @@ class ChainsComponent:
         self._background.spawn(self.pipelines.watch(self._settings.reload_interval_seconds))
         if self.assembler is not None:
             self._background.every(HOUSEKEEPING_S, self.assembler.expire)
+        if self.bus is not None:
+            self._background.spawn(self.bus.run())
 
     async def stop(self) -> None:
         await self._background.stop()

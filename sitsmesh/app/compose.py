@@ -106,7 +106,8 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
         StatusAdmin(board, store, config_version=settings.config_version, bound=bound),
         RateLimitAdmin(graph.ratelimit.config),
         TenantAdmin(graph.authz.directory, workers=settings.workers),
-        ChainAdmin(graph.chains.pipelines, graph.chains.assembler, workers=settings.workers),
+        ChainAdmin(graph.chains.pipelines, graph.chains.assembler, workers=settings.workers,
+                   report=graph.chains.report),
         SwapAdmin(graph.swaps.manager),
         PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime),
     )

@@ -62,6 +62,8 @@ _FLAG_HELP = {
     "ratelimit_reset_header": "name of the reset header (LIMIT_RESET_HEADER)",
     "ratelimit_metric_names": "rate-limit metric names: sitsmesh, envoyproxy "
                               "(ratelimit_service_rate_limit_*) or both",
+    "shared_runtime": "redis: replicas and workers share latency-chain hops and admission-hold "
+                      "releases through redis_url (off: each process keeps its own)",
     "ratelimit_expiration_jitter_seconds": "random extra seconds [0, N) on Redis counter "
                                            "expiry (EXPIRATION_JITTER_MAX_SECONDS)",
     "reload_interval_seconds": "how often config files and applied configs are checked",

@@ -6,13 +6,13 @@ Each entry also ends its request's admission hold (matched by request id).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from sitsmesh.chains.assembler import Assembler, Hop
+from sitsmesh.chains.assembler import Hop
 from sitsmesh.errors import InvalidArgumentError
 from sitsmesh.transport.errors import abort
 
@@ -53,8 +53,14 @@ def hop_from_entry(entry: Any) -> Hop | None:
                failed=code >= 500 or common.response_flags.ByteSize() > 0)
 
 
+class HopSink(Protocol):
+    """Where hops go: the assembler, or the bus that shares them with other replicas."""
+
+    def add(self, hop: Hop) -> None: ...
+
+
 class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
-    def __init__(self, assembler: Assembler,
+    def __init__(self, assembler: HopSink,
                  release: Callable[[str, float | None], bool], *,
                  max_request_id: int = DEFAULT_MAX_REQUEST_ID,
                  on_drop: Callable[[str], None] | None = None) -> None:

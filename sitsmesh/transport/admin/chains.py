@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from grpc import aio
@@ -24,11 +24,13 @@ class ChainAdmin:
             "GetLatencyChain", "ReportStageLatency")
 
     def __init__(self, catalog: PipelineCatalog, assembler: Assembler | None, *,
-                 workers: int = 1) -> None:
-        """`assembler` is None where this process does not serve the data plane."""
+                 workers: int = 1, report: Callable[[Hop], None] | None = None) -> None:
+        """`assembler` is None where this process does not serve the data plane; stage
+        reports go to `report` (the shared hop bus) when given, else to it."""
         self._catalog = catalog
         self._assembler = assembler
         self._workers = workers
+        self._report = report or (assembler.add if assembler is not None else None)
 
     async def ApplyPipeline(self, request: admin_pb2.ApplyPipelineRequest,
                             context: aio.ServicerContext[Any, Any]) -> admin_pb2.Pipeline:
@@ -96,14 +98,14 @@ class ChainAdmin:
         async for report in request_iterator:
             start = report.start.ToNanoseconds() / 1e9
             end = report.end.ToNanoseconds() / 1e9
-            if (self._assembler is None or not report.request_id or not report.stage
+            if (self._report is None or not report.request_id or not report.stage
                     or not report.HasField("start") or end < start):
                 rejected += 1
                 continue
             ttfb = (report.first_byte.ToNanoseconds() / 1e9 - start
                     if report.HasField("first_byte") else None)
-            self._assembler.add(Hop(report.request_id, start, end - start, ttfb=ttfb,
-                                    pipeline=report.pipeline, stage=report.stage))
+            self._report(Hop(report.request_id, start, end - start, ttfb=ttfb,
+                             pipeline=report.pipeline, stage=report.stage))
             accepted += 1
         return admin_pb2.ReportStageLatencyResponse(accepted=accepted, rejected=rejected)
 

@@ -1,0 +1,1 @@
+"""State shared by every replica and worker process through Redis."""

@@ -1,0 +1,193 @@
+"""Hops and hold releases shared by every replica and worker through one Redis stream.
+
+Envoy sends a request's Check to one sitsmesh process and the access-log entries
+of its hops (over one long-lived stream per Envoy) to whichever process that
+stream reached, and stage reports come through any replica's admin API. So every
+process publishes what it receives, and every process reads the whole stream
+back and applies it, its own entries included: each one assembles every chain
+(GetLatencyChain answers the same on any replica) and frees the admission holds
+it owns, whichever process the access-log entry reached.
+
+Publishing only appends to a list; a background task sends the batch with one
+XADD per event-loop turn, and a reader task applies entries in stream order.
+When Redis fails, a batch is applied here instead (this process's own chains
+and holds stay right) and counted; nothing blocks the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+from redis.asyncio import Redis
+
+from sitsmesh import logs
+from sitsmesh.chains.assembler import Hop
+
+DEFAULT_KEY = "sitsmesh:bus:hops"
+# Entries the stream keeps (approximately): minutes of hops at thousands a second, so a
+# reader that lost its connection for a moment resumes where it was.
+STREAM_LENGTH = 200_000
+MAX_PENDING = 50_000      # events buffered while Redis is slow; the oldest go first
+MAX_BATCH = 1_000         # events in one stream entry
+READ_COUNT = 200
+READ_BLOCK_MS = 500
+RETRY_S = 0.2
+_log = logs.get("sitsmesh.shared.hopbus")
+
+_Event = list[Any]
+
+
+def encode_hop(hop: Hop) -> _Event:
+    return ["h", hop.request_id, hop.start, hop.duration, hop.ttfb, hop.queue,
+            hop.upstream_cluster, hop.route_name, hop.stage_header, hop.pipeline, hop.stage,
+            hop.failed]
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"not a number: {value!r}")
+    return float(value)
+
+
+def _optional(value: Any) -> float | None:
+    return None if value is None else _number(value)
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"not a string: {value!r}")
+    return value
+
+
+def decode(event: Any) -> Hop | tuple[str, float | None]:
+    """A hop, or a release (request id, wall-clock end); ValueError when malformed. The
+    stream is as trusted as Redis, but a bad entry must cost one entry, not the reader."""
+    if not isinstance(event, list) or not event:
+        raise ValueError("an event is a non-empty list")
+    if event[0] == "r" and len(event) == 3:
+        return _text(event[1]), _optional(event[2])
+    if event[0] == "h" and len(event) == 12:
+        if not isinstance(event[11], bool):
+            raise ValueError("failed must be a boolean")
+        return Hop(_text(event[1]), _number(event[2]), _number(event[3]),
+                   ttfb=_optional(event[4]), queue=_optional(event[5]),
+                   upstream_cluster=_text(event[6]), route_name=_text(event[7]),
+                   stage_header=_text(event[8]), pipeline=_text(event[9]),
+                   stage=_text(event[10]), failed=event[11])
+    raise ValueError(f"unknown event {str(event[0])[:20]!r}")
+
+
+class HopBus:
+    """Stands where the assembler and the hold release stood: `add` and `release`."""
+
+    @classmethod
+    def from_url(cls, url: str, *, deliver: Callable[[Hop], None],
+                 release: Callable[[str, float | None], bool]) -> HopBus:
+        return cls(Redis.from_url(url, protocol=2), deliver=deliver, release=release)
+
+    def __init__(self, client: Redis, *, deliver: Callable[[Hop], None],
+                 release: Callable[[str, float | None], bool], key: str = DEFAULT_KEY) -> None:
+        self._client = client
+        self._deliver = deliver
+        self._release = release
+        self._key = key
+        self._pending: list[_Event] = []
+        self._wake = asyncio.Event()
+        self.published = 0
+        self.applied = 0
+        self.fallbacks = 0     # events applied here because Redis did not take them
+        self.dropped = 0       # events lost: the buffer was full while Redis was down
+        self.malformed = 0
+
+    # --- the ingestion path: no I/O -----------------------------------------
+
+    def add(self, hop: Hop) -> None:
+        self._push(encode_hop(hop))
+
+    def release(self, request_id: str, ended_wall: float | None) -> bool:
+        self._push(["r", request_id, ended_wall])
+        return True
+
+    def _push(self, event: _Event) -> None:
+        pending = self._pending
+        if len(pending) >= MAX_PENDING:
+            del pending[: MAX_PENDING // 10]
+            self.dropped += MAX_PENDING // 10
+        pending.append(event)
+        self._wake.set()
+
+    # --- background ------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Publish and read until cancelled."""
+        await asyncio.gather(self._publish_forever(), self._read_forever())
+
+    async def _publish_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                batch = self._pending[:MAX_BATCH]
+                del self._pending[:MAX_BATCH]
+                try:
+                    await self._client.xadd(self._key, {"b": json.dumps(batch)},
+                                            maxlen=STREAM_LENGTH, approximate=True)
+                    self.published += len(batch)
+                except Exception as exc:  # Redis down or slow: keep this process right
+                    self.fallbacks += len(batch)
+                    _log.warning("hop bus publish failed; applying here only",
+                                 events=len(batch), error=str(exc))
+                    self._apply(batch)
+
+    async def _read_forever(self) -> None:
+        last = "$"
+        while True:
+            try:
+                if last == "$":
+                    # Start after what the stream holds now, and remember where, so a
+                    # reconnect resumes there rather than at the new end.
+                    newest = await self._client.xrevrange(self._key, count=1)
+                    last = _id(newest[0][0]) if newest else "0-0"
+                replies: Any = await self._client.xread({self._key: last}, count=READ_COUNT,
+                                                        block=READ_BLOCK_MS)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                _log.warning("hop bus read failed; retrying", error=str(exc))
+                await asyncio.sleep(RETRY_S)
+                continue
+            for _, entries in replies or ():
+                for entry_id, fields in entries:
+                    last = _id(entry_id)
+                    self._apply_raw(fields)
+
+    def _apply_raw(self, fields: Any) -> None:
+        try:
+            batch = json.loads(fields.get(b"b", fields.get("b")))
+            if not isinstance(batch, list):
+                raise ValueError("a batch is a list")
+        except (AttributeError, TypeError, ValueError):
+            self.malformed += 1
+            return
+        self._apply(batch)
+
+    def _apply(self, batch: list[Any]) -> None:
+        for event in batch:
+            try:
+                found = decode(event)
+            except ValueError:
+                self.malformed += 1
+                continue
+            if isinstance(found, Hop):
+                self._deliver(found)
+            else:
+                self._release(*found)
+            self.applied += 1
+
+
+def _id(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,163 @@
+"""Two `sitsmesh serve` replicas with shared_runtime=redis on a real redis-server: a
+request's hops and its end reach whichever replica, and both see the same chains and
+free the hold wherever the Check was."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from google.rpc import code_pb2
+
+from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+from sitsmesh.dev import harness
+from sitsmesh.dev.redis import RedisServer, redis_server
+
+Start = Callable[..., harness.Sitsmesh]
+PIPELINE = """\
+name: trio
+stages:
+  - {name: pre, match: {upstream_cluster: pre}}
+  - {name: feat, match: {upstream_cluster: feat}}
+  - {name: model, match: {upstream_cluster: model}}
+"""
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisServer]:
+    with redis_server(tmp_path / "redis") as server:
+        yield server
+
+
+def _pair(start: Start, tmp_path: Path, redis: RedisServer, shared: str
+          ) -> tuple[harness.Sitsmesh, harness.Sitsmesh]:
+    state = tmp_path / f"state-{shared}"
+    args = ("--state-dir", str(state), "--redis-url", redis.url, "--shared-runtime", shared,
+            "--reload-interval-seconds", "0.2", "--admission-hold-seconds", "30")
+    nodes = []
+    for name in ("a", "b"):  # one after the other: a creates the shared admin token
+        node = start(*args, name=f"{name}-{shared}")
+        node.state_dir = state  # the harness names its own; the last --state-dir wins
+        nodes.append(node)
+    return nodes[0], nodes[1]
+
+
+def _admin(node: harness.Sitsmesh) -> admin_pb2_grpc.AdminStub:
+    return admin_pb2_grpc.AdminStub(grpc.insecure_channel(node.admin_addr))
+
+
+def _report(node: harness.Sitsmesh, request_id: str, *stages: str) -> None:
+    t0 = time.time()
+    reports = []
+    for n, stage in enumerate(stages):
+        start, end = Timestamp(), Timestamp()
+        start.FromNanoseconds(int((t0 + n * 0.01) * 1e9))
+        end.FromNanoseconds(int((t0 + n * 0.01 + 0.005) * 1e9))
+        reports.append(admin_pb2.StageLatency(request_id=request_id, pipeline="trio",
+                                              stage=stage, start=start, end=end))
+    reply = _admin(node).ReportStageLatency(iter(reports), metadata=node.admin_metadata(),
+                                            timeout=5)
+    assert reply.accepted == len(stages)
+
+
+def _chains(node: harness.Sitsmesh) -> tuple[int, int]:
+    reply = _admin(node).GetLatencyChain(admin_pb2.GetLatencyChainRequest(pipeline="trio"),
+                                         metadata=node.admin_metadata(), timeout=5)
+    return reply.chains, reply.incomplete
+
+
+def _apply_pipeline(a: harness.Sitsmesh, b: harness.Sitsmesh) -> None:
+    _admin(a).ApplyPipeline(admin_pb2.ApplyPipelineRequest(yaml=PIPELINE),
+                            metadata=a.admin_metadata(), timeout=5)
+    harness.wait_until(lambda: len(_admin(b).ListPipelines(
+        admin_pb2.ListPipelinesRequest(), metadata=b.admin_metadata(), timeout=5).pipelines)
+        == 1, 5, "the pipeline on b")
+
+
+def test_a_chain_reported_through_two_replicas_is_whole_on_both(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    a, b = _pair(start_sitsmesh, tmp_path, redis, "redis")
+    _apply_pipeline(a, b)
+    for n in range(5):
+        _report(a, f"req-{n}", "pre")
+        _report(b, f"req-{n}", "feat", "model")
+    harness.wait_until(lambda: _chains(a)[0] == 5 and _chains(b)[0] == 5, 5,
+                       "five whole chains on both replicas")
+    assert _chains(a) == _chains(b) == (5, 0)
+
+
+def test_without_shared_runtime_each_replica_sees_only_its_part(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    """The control: the same reports, each replica on its own, assemble nothing."""
+    a, b = _pair(start_sitsmesh, tmp_path, redis, "off")
+    _apply_pipeline(a, b)
+    for n in range(5):
+        _report(a, f"req-{n}", "pre")
+        _report(b, f"req-{n}", "feat", "model")
+    time.sleep(0.5)
+    assert _chains(a)[0] == _chains(b)[0] == 0
+
+
+def _check(node: harness.Sitsmesh, key: str, request_id: str) -> int:
+    http = attribute_context_pb2.AttributeContext.HttpRequest(
+        method="POST", path="/v2/models/bert/infer", id=request_id,
+        headers={"x-api-key": key, "x-request-id": request_id})
+    request = external_auth_pb2.CheckRequest(attributes=attribute_context_pb2.AttributeContext(
+        request=attribute_context_pb2.AttributeContext.Request(http=http)))
+    with grpc.insecure_channel(node.data_addr) as channel:
+        reply = external_auth_pb2_grpc.AuthorizationStub(channel).Check(request, timeout=5)
+    code: int = reply.status.code
+    return code
+
+
+def _access_log(node: harness.Sitsmesh, request_id: str) -> None:
+    entry = accesslog_pb2.HTTPAccessLogEntry(
+        request=accesslog_pb2.HTTPRequestProperties(request_id=request_id))
+    entry.common_properties.start_time.GetCurrentTime()
+    entry.common_properties.duration.FromMilliseconds(5)
+    message = als_pb2.StreamAccessLogsMessage(
+        http_logs=als_pb2.StreamAccessLogsMessage.HTTPAccessLogEntries(log_entry=[entry]))
+    with grpc.insecure_channel(node.data_addr) as channel:
+        als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs(iter([message]), timeout=5)
+
+
+def test_the_hold_of_a_check_ends_whichever_replica_gets_its_access_log(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    a, b = _pair(start_sitsmesh, tmp_path, redis, "redis")
+    assert a.cli("tenants", "create", "acme", "--models", "bert", "--max-concurrency",
+                 "1").returncode == 0
+    made = a.cli("apikeys", "create", "--tenant", "acme", "--output", "json")
+    key = json.loads(made.stdout)["key"]
+    harness.wait_until(lambda: _check(a, key, "probe-a") == code_pb2.OK, 5, "key on a")
+    _access_log(a, "probe-a")
+    harness.wait_until(lambda: _check(a, key, "first") == code_pb2.OK, 5, "a slot on a")
+    assert _check(a, key, "second") == code_pb2.RESOURCE_EXHAUSTED
+    _access_log(b, "first")  # the request ended; its entry reached the other replica
+    harness.wait_until(lambda: _check(a, key, "third") == code_pb2.OK, 2,
+                       "the slot freed through b")
+
+
+def test_redis_down_keeps_each_replica_right_on_its_own_and_sharing_resumes(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    a, b = _pair(start_sitsmesh, tmp_path, redis, "redis")
+    _apply_pipeline(a, b)
+    redis.kill()
+    # What reaches a replica while the bus is down is applied there: a whole chain
+    # reported through one replica is still assembled by it.
+    _report(a, "alone", "pre", "feat", "model")
+    harness.wait_until(lambda: _chains(a)[0] == 1, 5, "a assembles its own chain")
+    assert '"hop bus publish failed; applying here only"' in a.output()
+    redis.start()
+    for n in range(3):
+        _report(a, f"back-{n}", "pre")
+        _report(b, f"back-{n}", "feat", "model")
+    harness.wait_until(lambda: _chains(a)[0] == 4 and _chains(b)[0] == 3, 10,
+                       "sharing resumes once Redis is back")
