@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +25,9 @@ from sitsmesh.authz.directory import TenantDirectory
 from sitsmesh.chains.assembler import Assembler, Hop
 from sitsmesh.chains.catalog import PipelineCatalog
 from sitsmesh.chains.metrics import ChainMetrics
-from sitsmesh.config import Settings, TritonEndpoint
+from sitsmesh.config import Settings
 from sitsmesh.pressure.gate import PressureGate
+from sitsmesh.pressure.instances import learn_instances
 from sitsmesh.pressure.ledger import ThresholdLedger
 from sitsmesh.pressure.runtime import PressureRuntime
 from sitsmesh.ratelimit.config import Algorithm
@@ -38,7 +39,6 @@ from sitsmesh.ratelimit.store import CounterStore, Hit
 from sitsmesh.shared.hopbus import HopBus
 from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
-from sitsmesh.swap.contract import ServerError
 from sitsmesh.swap.manager import SwapManager
 from sitsmesh.swap.record import SwapHistory
 from sitsmesh.transport.accesslog import SERVICE_NAME as ACCESSLOG_SERVICE
@@ -58,7 +58,6 @@ STORE_HEALTH = "sitsmesh.ratelimit.store"
 # Rule counters and expiry sweeps: once a second keeps scrapes and holds fresh enough
 # without a timer on the request path.
 HOUSEKEEPING_S = 1.0
-INSTANCES_EVERY_S = 30.0  # how often Triton's model configs are re-read for instance counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,37 +255,11 @@ class PressureComponent:
             if urls:
                 self._background.spawn(self.runtime.scrape(urls))
             if self._settings.triton_endpoints:
-                self._background.spawn(_learn_instances(self.runtime,
-                                                        self._settings.triton_endpoints))
+                self._background.spawn(learn_instances(self.runtime,
+                                                       self._settings.triton_endpoints))
 
     async def stop(self) -> None:
         await self._background.stop()
-
-
-async def _learn_instances(runtime: PressureRuntime,
-                            endpoints: Sequence[TritonEndpoint]) -> None:
-    """Each staged Triton model's instance count, summed over the endpoints serving it,
-    becomes its stage's parallelism (unless the thresholds set one); re-read now and
-    then, since a swap or an operator may change it."""
-    # Imported here: tritonclient loads only where Triton is configured.
-    from sitsmesh.triton.client import TritonServer, instance_count
-
-    servers = [TritonServer(e.name, e.url) for e in endpoints]
-    try:
-        while True:
-            for model in runtime.triton_models():
-                total = 0
-                for server in servers:
-                    try:
-                        total += instance_count(await server.model_config(model))
-                    except ServerError:
-                        continue  # not served there, or down: the scrape says so
-                if total:
-                    runtime.set_instances(model, total)
-            await asyncio.sleep(INSTANCES_EVERY_S)
-    finally:
-        for server in servers:
-            await server.close()
 
 
 class AuthzComponent:
