@@ -37,6 +37,8 @@ from sitsmesh.ratelimit.metrics import RuleMetrics, StoreCounters, store_up_gaug
 from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.ratelimit.store import CounterStore, Hit
 from sitsmesh.shared.hopbus import HopBus
+from sitsmesh.shared.lease import Lease
+from sitsmesh.shared.pressure import SharedPressure
 from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
 from sitsmesh.swap.manager import SwapManager
@@ -218,11 +220,13 @@ class PressureComponent:
         self._settings = settings
         self.thresholds = ThresholdLedger(state)
         self.runtime: PressureRuntime | None = None
+        self.shared: SharedPressure | None = None
         self._background = Background()
         if serve:
             self.runtime = PressureRuntime(
                 registry, scrape_interval_s=settings.pressure_scrape_seconds,
-                stale_after_s=settings.pressure_stale_seconds)
+                stale_after_s=settings.pressure_stale_seconds,
+                shared=settings.shared_runtime == "redis")
             self.thresholds.on_change(self.runtime.set_thresholds)
             self.runtime.scraping = any(e.metrics_url for e in settings.triton_endpoints)
 
@@ -245,12 +249,20 @@ class PressureComponent:
         chains.pipelines.on_change(self.runtime.set_pipelines)
         if chains.assembler is not None:
             chains.assembler.on_hop = self.runtime.on_hop
+        if chains.bus is not None:  # every replica's reports; one leader decides
+            client = chains.bus.client
+            self.shared = SharedPressure(self.runtime, chains.bus, client,
+                                         Lease(client, "pressure"))
 
     async def start(self) -> None:
         await self.thresholds.refresh()
         self._background.spawn(self.thresholds.watch(self._settings.reload_interval_seconds))
-        if self.runtime is not None:
+        if self.shared is not None:
+            self._background.spawn(self.shared.run())
+            self._background.spawn(self.shared.lease.run())
+        elif self.runtime is not None:
             self._background.spawn(self.runtime.run())
+        if self.runtime is not None:
             urls = [e.metrics_url for e in self._settings.triton_endpoints if e.metrics_url]
             if urls:
                 self._background.spawn(self.runtime.scrape(urls))

@@ -32,9 +32,13 @@ class PressureRuntime:
     def __init__(self, registry: CollectorRegistry | None, *, scrape_interval_s: float = 0.25,
                  stale_after_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, shared: bool = False) -> None:
+        # What the controller reads. With shared runtime state it is every replica's
+        # (sitsmesh.shared.pressure feeds it), and the gate counts this replica's own
+        # traffic apart, in `local`, for the next report to the others.
         self.signals = Signals()
-        self.gate = PressureGate(self.signals, clock)
+        self.local = Signals() if shared else self.signals
+        self.gate = PressureGate(self.local, clock)
         self.controller = Controller(self.signals, clock, stale_after_s=stale_after_s)
         self._clock = clock
         self._wall = wall
@@ -74,6 +78,10 @@ class PressureRuntime:
     def set_pipelines(self, pipelines: Mapping[str, Pipeline]) -> None:
         self._pipelines = dict(pipelines)
         self.gate.set_pipelines(pipelines)
+        if self.local is not self.signals:  # shared: keep this replica's holds for its report
+            for name in pipelines:
+                local = self.local.pipeline(name)
+                local.journal = [] if local.journal is None else local.journal
         self._models = {}
         self._clusters = {}
         for pipeline in pipelines.values():
@@ -173,14 +181,23 @@ class PressureRuntime:
         self._offset_known = True
 
     def tick(self) -> Snapshot:
+        snapshot = self.decide()
+        self.apply(snapshot)
+        return snapshot
+
+    def decide(self) -> Snapshot:
+        """The controller's decision on the signals as they are now."""
         self._refresh_offset()
-        snapshot = self.controller.tick()
-        self.gate.snapshot = snapshot
+        return self.controller.tick()
+
+    def apply(self, snapshot: Snapshot, gate: Snapshot | None = None) -> None:
+        """Make a decision live: the gate applies `gate` (this replica's share of it,
+        when several share the traffic), reports and watchers see `snapshot`."""
+        self.gate.snapshot = gate or snapshot
         self._flush(snapshot)
         for queue in list(self._watchers):
             if queue.qsize() < 100:  # a slow watcher loses ticks, never blocks the loop
                 queue.put_nowait(snapshot)
-        return snapshot
 
     async def run(self) -> None:
         while True:

@@ -23,7 +23,7 @@ class PipelineSignals:
     """Arrivals at a pipeline's entry, by priority, and what is in flight inside it."""
 
     __slots__ = ("admit_bins", "admitted", "arrivals", "by_priority", "ended", "in_flight",
-                 "lags", "open_bins", "rl_arrivals", "shed")
+                 "journal", "lags", "open_bins", "rl_arrivals", "shed")
 
     def __init__(self) -> None:
         self.arrivals = 0
@@ -40,12 +40,17 @@ class PipelineSignals:
         self.admit_bins: dict[int, int] = {}   # every hold, by admission bin (pruned)
         self.ended: deque[tuple[float, float]] = deque(maxlen=HOPS)  # (admitted, ended)
         self.lags: deque[float] = deque(maxlen=SAMPLES)       # ended -> its log arrived
+        # With shared runtime state: every hold and its end, in order, for the replica's
+        # next report to the others (None: not shared, nothing kept).
+        self.journal: list[tuple[float, float | None, float | None]] | None = None
 
     def arrive(self, priority: int) -> None:
         self.arrivals += 1
         self.by_priority[priority if 0 <= priority < PRIORITIES else 0] += 1
 
     def hold(self, admitted: float) -> None:
+        if self.journal is not None:
+            self.journal.append((admitted, None, None))
         self.in_flight += 1
         index = int(admitted // BIN_S)
         self.open_bins[index] = self.open_bins.get(index, 0) + 1
@@ -53,6 +58,8 @@ class PipelineSignals:
 
     def unhold(self, admitted: float, ended: float | None, arrived: float) -> None:
         """A held request ended at `ended` (None: its hold timed out), learned at `arrived`."""
+        if self.journal is not None:
+            self.journal.append((admitted, ended, arrived))
         if self.in_flight > 0:
             self.in_flight -= 1
         index = int(admitted // BIN_S)

@@ -96,6 +96,8 @@ class HopBus:
         self._release = release
         self._key = key
         self._pending: list[_Event] = []
+        # Other kinds of event the bus carries (a replica's pressure report), by kind.
+        self._handlers: dict[str, Callable[[list[Any]], None]] = {}
         self._wake = asyncio.Event()
         self.published = 0
         self.applied = 0
@@ -111,6 +113,17 @@ class HopBus:
     def release(self, request_id: str, ended_wall: float | None) -> bool:
         self._push(["r", request_id, ended_wall])
         return True
+
+    @property
+    def client(self) -> Redis:
+        return self._client
+
+    def on(self, kind: str, handler: Callable[[list[Any]], None]) -> None:
+        """Events `[kind, ...]` go to `handler` (ValueError: malformed, skipped)."""
+        self._handlers[kind] = handler
+
+    def publish(self, event: _Event) -> None:
+        self._push(event)
 
     def _push(self, event: _Event) -> None:
         pending = self._pending
@@ -177,9 +190,15 @@ class HopBus:
 
     def _apply(self, batch: list[Any]) -> None:
         for event in batch:
+            handler = (self._handlers.get(event[0])
+                       if isinstance(event, list) and event and isinstance(event[0], str)
+                       else None)
             try:
+                if handler is not None:
+                    handler(event)
+                    continue
                 found = decode(event)
-            except ValueError:
+            except (ValueError, TypeError, KeyError, IndexError):
                 self.malformed += 1
                 continue
             if isinstance(found, Hop):

@@ -1,0 +1,206 @@
+"""One backpressure controller for every replica, fed by all of them.
+
+Each replica's gate counts the traffic it sees (arrivals by priority, admissions,
+sheds, and every admission hold with its end) in its own signals. Every tick it
+reports what changed on the hop bus; every replica applies every report to the
+signals its controller reads, so all controllers see the whole fleet. The one
+holding the lease publishes its decision (fenced by its token); the others run
+theirs as a hot standby, unpublished, and apply the published one. A gate takes
+its replica's share of what a decision counts in requests (the in-flight cap, the
+admission budget, the in-flight offset), in proportion to the arrivals it saw.
+Times cross replicas as wall-clock seconds, each replica converting with its own
+monotonic offset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from redis.asyncio import Redis
+
+from sitsmesh import logs
+from sitsmesh.pressure.controller import Decision, Snapshot
+from sitsmesh.pressure.estimate import BIN_S
+from sitsmesh.pressure.runtime import PressureRuntime
+from sitsmesh.pressure.signals import PipelineSignals
+from sitsmesh.pressure.stages import SignalAge, StagePressure
+from sitsmesh.pressure.thresholds import PRIORITIES
+from sitsmesh.shared.hopbus import HopBus
+from sitsmesh.shared.lease import Lease
+
+DECISION_KEY = "sitsmesh:pressure:decision"
+DECISION_TTL_MS = 2_000   # a decision nobody renews stops applying within two seconds
+SHARE_ALPHA = 0.2          # smoothing of this replica's share of the arrivals
+_log = logs.get("sitsmesh.shared.pressure")
+
+_Counts = tuple[int, int, int, int, tuple[int, ...]]
+
+
+def _counts(signals: PipelineSignals) -> _Counts:
+    return (signals.arrivals, signals.rl_arrivals, signals.admitted, signals.shed,
+            tuple(signals.by_priority))
+
+
+# --- the decision on the wire ------------------------------------------------------
+
+
+def encode_snapshot(snapshot: Snapshot, wall_offset: float) -> str:
+    """JSON, times in wall-clock seconds."""
+    decisions = {}
+    for name, decision in snapshot.decisions.items():
+        body = dataclasses.asdict(decision)
+        body["at"] = decision.at + wall_offset
+        decisions[name] = body
+    return json.dumps({"at": snapshot.at + wall_offset, "decisions": decisions})
+
+
+def decode_snapshot(raw: str | bytes, wall_offset: float) -> Snapshot:
+    """The published decision in this process's monotonic time; ValueError if malformed."""
+    try:
+        data = json.loads(raw)
+        decisions = {}
+        for name, body in data["decisions"].items():
+            stages = tuple(StagePressure(**{**stage, "signals": tuple(
+                SignalAge(**age) for age in stage["signals"])}) for stage in body["stages"])
+            decisions[name] = Decision(**{**body, "stages": stages,
+                                          "at": float(body["at"]) - wall_offset})
+        return Snapshot(decisions, float(data["at"]) - wall_offset)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed decision: {exc}") from None
+
+
+def share_of(snapshot: Snapshot, share: Mapping[str, float]) -> Snapshot:
+    """What this replica's gate applies: the counts of each decision cut to its share."""
+    decisions = {}
+    for name, d in snapshot.decisions.items():
+        part = share.get(name, 1.0)
+        decisions[name] = dataclasses.replace(
+            d, concurrency=max(1, math.ceil(d.concurrency * part)) if d.concurrency else 0,
+            admit_rate=d.admit_rate * part, in_flight_offset=round(d.in_flight_offset * part))
+    return Snapshot(decisions, snapshot.at)
+
+
+# --- the replicas' reports ----------------------------------------------------------
+
+
+class SharedPressure:
+    def __init__(self, runtime: PressureRuntime, bus: HopBus, client: Redis,
+                 lease: Lease) -> None:
+        self._runtime = runtime
+        self._bus = bus
+        self._client = client
+        self.lease = lease
+        self._sent: dict[str, _Counts] = {}
+        self._local_arrivals: dict[str, float] = {}   # since the last share update
+        self._all_arrivals: dict[str, float] = {}
+        self.share: dict[str, float] = {}
+        self.published = 0
+        self.applied = 0
+        bus.on("p", self.apply_report)
+
+    def report(self) -> None:
+        """This replica's changes since its last report, onto the bus (no I/O here)."""
+        offset = self._runtime.gate.wall_offset
+        pipelines: dict[str, Any] = {}
+        for name, signals in self._runtime.local.pipelines.items():
+            now = _counts(signals)
+            before = self._sent.get(name, (0, 0, 0, 0, (0,) * PRIORITIES))
+            journal, signals.journal = signals.journal or [], []
+            # The gate never reads these bins; only the report needed them.
+            signals.admit_bins.clear()
+            if now == before and not journal:
+                continue
+            self._sent[name] = now
+            holds: dict[int, int] = {}
+            ends = []
+            for admitted, ended, arrived in journal:
+                if arrived is None:
+                    index = int((admitted + offset) // BIN_S)
+                    holds[index] = holds.get(index, 0) + 1
+                else:
+                    ends.append([admitted + offset,
+                                 None if ended is None else ended + offset, arrived + offset])
+            pipelines[name] = [now[0] - before[0], now[1] - before[1], now[2] - before[2],
+                               now[3] - before[3],
+                               [a - b for a, b in zip(now[4], before[4], strict=True)],
+                               [[i, n] for i, n in holds.items()], ends]
+            self._local_arrivals[name] = self._local_arrivals.get(name, 0.0) + (
+                now[0] - before[0])
+        if pipelines:
+            self._bus.publish(["p", pipelines])
+
+    def apply_report(self, event: list[Any]) -> None:
+        """A replica's report (this one's too) into the signals the controller reads."""
+        if len(event) != 2 or not isinstance(event[1], dict):
+            raise ValueError("a report is ['p', {pipeline: changes}]")
+        offset = self._runtime.gate.wall_offset
+        signals = self._runtime.signals
+        for name, changes in event[1].items():
+            if name not in self._runtime.local.pipelines:
+                continue  # a pipeline this replica does not know (yet)
+            arrivals, rl, admitted, shed, priorities, holds, ends = changes
+            target = signals.pipeline(name)
+            target.arrivals += int(arrivals)
+            target.rl_arrivals += int(rl)
+            target.admitted += int(admitted)
+            target.shed += int(shed)
+            for p, count in enumerate(priorities[:PRIORITIES]):
+                target.by_priority[p] += int(count)
+            for index, count in holds:
+                at = (int(index) + 0.5) * BIN_S - offset
+                for _ in range(int(count)):
+                    target.hold(at)
+            for adm, ended, arrived in ends:
+                target.unhold(float(adm) - offset,
+                              None if ended is None else float(ended) - offset,
+                              float(arrived) - offset)
+            self._all_arrivals[name] = self._all_arrivals.get(name, 0.0) + int(arrivals)
+        self.applied += 1
+
+    def _update_share(self) -> None:
+        for name, total in self._all_arrivals.items():
+            if total <= 0:
+                continue
+            part = min(1.0, self._local_arrivals.get(name, 0.0) / total)
+            before = self.share.get(name, part)
+            self.share[name] = before + SHARE_ALPHA * (part - before)
+        self._local_arrivals.clear()
+        self._all_arrivals.clear()
+
+    async def tick(self) -> Snapshot | None:
+        """Report, decide (every replica: a hot standby), and publish or follow."""
+        runtime = self._runtime
+        self.report()
+        self._update_share()
+        mine = runtime.decide()
+        offset = runtime.gate.wall_offset
+        live: Snapshot | None = None
+        try:
+            if self.lease.leading and await self.lease.publish(
+                    DECISION_KEY, encode_snapshot(mine, offset), DECISION_TTL_MS):
+                live = mine
+                self.published += 1
+            else:
+                raw = await self._client.get(DECISION_KEY)
+                live = decode_snapshot(raw, offset) if raw is not None else None
+        except ValueError as exc:
+            _log.warning("published decision unreadable; deciding alone", error=str(exc))
+        except Exception as exc:  # Redis down: keep going on this replica's own decision
+            _log.warning("shared decision unavailable; deciding alone", error=str(exc))
+            live = mine
+        if live is None:
+            # No leader for a moment (a failover, or its decision lapsed): the standby's
+            # own decision, on the same signals, keeps shedding going meanwhile.
+            live = mine
+        runtime.apply(live, share_of(live, self.share))
+        return live
+
+    async def run(self) -> None:
+        while True:
+            await self.tick()
+            await asyncio.sleep(self._runtime.tick_seconds())

@@ -1,0 +1,127 @@
+"""Two `sitsmesh serve` replicas with shared_runtime=redis on a real redis-server: one
+controller decides on both replicas' traffic, WatchPressure answers alike on either,
+and when the leader dies the other takes over within a second."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
+from google.rpc import code_pb2
+
+from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+from sitsmesh.dev import harness
+from sitsmesh.dev.redis import RedisServer, redis_server
+
+Start = Callable[..., harness.Sitsmesh]
+PIPELINE = """\
+name: infer
+models: [bert]
+stages:
+  - {name: model, match: {upstream_cluster: model}}
+"""
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisServer]:
+    with redis_server(tmp_path / "redis") as server:
+        yield server
+
+
+def _replicas(start: Start, tmp_path: Path, redis: RedisServer) -> list[harness.Sitsmesh]:
+    state = tmp_path / "state"
+    nodes = []
+    for name in ("a", "b"):  # one after the other: a creates the shared admin token
+        node = start("--state-dir", str(state), "--redis-url", redis.url,
+                     "--shared-runtime", "redis", "--reload-interval-seconds", "0.2",
+                     "--admission-hold-seconds", "60", name=name)
+        node.state_dir = state
+        nodes.append(node)
+    return nodes
+
+
+def _watch(node: harness.Sitsmesh) -> admin_pb2.PipelinePressure:
+    with grpc.insecure_channel(node.admin_addr) as channel:
+        stream = admin_pb2_grpc.AdminStub(channel).WatchPressure(
+            admin_pb2.WatchPressureRequest(pipeline="infer", count=1),
+            metadata=node.admin_metadata(), timeout=5)
+        (snapshot,) = list(stream)
+    (pipeline,) = snapshot.pipelines
+    return pipeline
+
+
+def _in_flight(node: harness.Sitsmesh) -> int:
+    """-1 while the replica does not know the pipeline yet."""
+    try:
+        return _watch(node).in_flight
+    except grpc.RpcError:
+        return -1
+
+
+def _check(node: harness.Sitsmesh, key: str, request_id: str) -> int:
+    http = attribute_context_pb2.AttributeContext.HttpRequest(
+        method="POST", path="/v2/models/bert/infer", id=request_id,
+        headers={"x-api-key": key, "x-request-id": request_id})
+    request = external_auth_pb2.CheckRequest(attributes=attribute_context_pb2.AttributeContext(
+        request=attribute_context_pb2.AttributeContext.Request(http=http)))
+    with grpc.insecure_channel(node.data_addr) as channel:
+        reply = external_auth_pb2_grpc.AuthorizationStub(channel).Check(request, timeout=5)
+    code: int = reply.status.code
+    return code
+
+
+def _leader(nodes: list[harness.Sitsmesh]) -> harness.Sitsmesh:
+    leading = [n for n in nodes if '"leading"' in n.output()]
+    assert len(leading) == 1, [n.output()[-2000:] for n in nodes]
+    return leading[0]
+
+
+def test_one_controller_sees_both_replicas_and_either_reports_it(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    a, b = _replicas(start_sitsmesh, tmp_path, redis)
+    assert a.cli("tenants", "create", "acme", "--models", "bert").returncode == 0
+    key = json.loads(a.cli("apikeys", "create", "--tenant", "acme", "--output",
+                           "json").stdout)["key"]
+    (tmp_path / "p.yaml").write_text(PIPELINE)
+    assert a.cli("pipelines", "apply", str(tmp_path / "p.yaml")).returncode == 0
+    harness.wait_until(lambda: _in_flight(a) == 0 and _in_flight(b) == 0, 5,
+                       "the pipeline on both")
+    harness.wait_until(lambda: _check(b, key, "warm") == code_pb2.OK, 5, "the key on b")
+    harness.wait_until(lambda: _in_flight(a) == 1 == _in_flight(b), 5, "b's hold on both")
+    base = 1
+    # Traffic through a only, held in flight (no access logs): both replicas' controller
+    # input counts it, and whichever replica is asked reports the same.
+    for n in range(60):
+        assert _check(a, key, f"r{n}") == code_pb2.OK
+    harness.wait_until(lambda: _in_flight(a) == base + 60 and _in_flight(b) == base + 60, 5,
+                       "the 60 held requests seen by both replicas")
+    seen_a, seen_b = _watch(a), _watch(b)
+    assert seen_a.arrival_rate > 0 and seen_b.arrival_rate > 0
+    assert seen_a.fraction == seen_b.fraction
+    assert _leader([a, b]) in (a, b)  # exactly one of them leads
+
+
+def test_the_other_replica_takes_over_within_a_second_when_the_leader_dies(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    nodes = _replicas(start_sitsmesh, tmp_path, redis)
+    (tmp_path / "p.yaml").write_text(PIPELINE)
+    assert nodes[0].cli("pipelines", "apply", str(tmp_path / "p.yaml")).returncode == 0
+    harness.wait_until(lambda: all(_in_flight(n) == 0 for n in nodes), 5, "the pipeline")
+    harness.wait_until(lambda: sum('"leading"' in n.output() for n in nodes) == 1, 5,
+                       "one leader")
+    leader = _leader(nodes)
+    survivor = next(n for n in nodes if n is not leader)
+    assert leader.stop(signal.SIGKILL) != 0
+    died = time.monotonic()
+    harness.wait_until(lambda: '"leading"' in survivor.output(), 3, "the survivor leads")
+    took = time.monotonic() - died
+    # The lease lapses 0.6 s after its last renewal; the survivor tries every 0.2 s (and
+    # the log line has to reach the file): within a second.
+    assert took < 1.0, took
+    assert _watch(survivor).pipeline == "infer"  # and answers WatchPressure as the leader
