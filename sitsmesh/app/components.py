@@ -239,7 +239,8 @@ class PressureComponent:
         sees it."""
         if self.runtime is None:
             return []
-        servicer = MetricsServicer(self.runtime.on_envoy)
+        servicer = MetricsServicer(self.shared.envoy if self.shared is not None
+                                   else self.runtime.on_envoy)
         return [DataService(METRICS_SERVICE, lambda server: add_metrics(servicer, server))]
 
     def attach(self, chains: ChainsComponent) -> None:

@@ -27,7 +27,7 @@ from sitsmesh import logs
 from sitsmesh.pressure.controller import Decision, Snapshot
 from sitsmesh.pressure.estimate import BIN_S
 from sitsmesh.pressure.runtime import PressureRuntime
-from sitsmesh.pressure.signals import PipelineSignals
+from sitsmesh.pressure.signals import EnvoySample, PipelineSignals
 from sitsmesh.pressure.stages import SignalAge, StagePressure
 from sitsmesh.pressure.thresholds import PRIORITIES
 from sitsmesh.shared.hopbus import HopBus
@@ -102,6 +102,21 @@ class SharedPressure:
         self.published = 0
         self.applied = 0
         bus.on("p", self.apply_report)
+        bus.on("e", self.apply_envoy)
+
+    def envoy(self, node: str, samples: Mapping[str, EnvoySample]) -> None:
+        """An Envoy's stats flush reached this replica: every replica's controller gets it
+        (its times are Envoy's own, wall clock, already)."""
+        self._bus.publish(["e", node, {cluster: [s.at, s.active, s.pending, s.completed,
+                                                 s.errors]
+                                       for cluster, s in samples.items()}])
+
+    def apply_envoy(self, event: list[Any]) -> None:
+        _, node, samples = event
+        if not isinstance(node, str) or not isinstance(samples, dict):
+            raise ValueError("an Envoy event is ['e', node, {cluster: sample}]")
+        self._runtime.on_envoy(node, {str(cluster): EnvoySample(*(float(v) for v in values))
+                                      for cluster, values in samples.items()})
 
     def report(self) -> None:
         """This replica's changes since its last report, onto the bus (no I/O here)."""

@@ -125,3 +125,31 @@ def test_the_other_replica_takes_over_within_a_second_when_the_leader_dies(
     # the log line has to reach the file): within a second.
     assert took < 1.0, took
     assert _watch(survivor).pipeline == "infer"  # and answers WatchPressure as the leader
+
+
+def test_an_envoys_stats_flush_reaches_every_replicas_controller(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    from sitsmesh.transport.metrics import StreamMetricsMessage
+
+    a, b = _replicas(start_sitsmesh, tmp_path, redis)
+    (tmp_path / "p.yaml").write_text(PIPELINE)
+    assert a.cli("pipelines", "apply", str(tmp_path / "p.yaml")).returncode == 0
+    harness.wait_until(lambda: _in_flight(a) == 0 == _in_flight(b), 5, "the pipeline")
+
+    def envoy_age(node: harness.Sitsmesh) -> float:
+        """-1 while no Envoy stats reached this replica's controller."""
+        (stage,) = _watch(node).stages
+        return next((s.age_s for s in stage.signals if s.source == "envoy_stats"), -1.0)
+
+    assert envoy_age(b) == -1
+    message = StreamMetricsMessage()
+    message.identifier.node.id = "sidecar-1"
+    family = message.envoy_metrics.add(name="cluster.model.upstream_rq_active")
+    metric = family.metric.add(timestamp_ms=int(time.time() * 1000))
+    metric.gauge.value = 3.0
+    with grpc.insecure_channel(a.data_addr) as channel:  # the flush reaches a only
+        stream = channel.stream_unary("/envoy.service.metrics.v3.MetricsService/StreamMetrics",
+                                      request_serializer=lambda m: m.SerializeToString(),
+                                      response_deserializer=lambda raw: raw)
+        stream(iter([message]), timeout=5)
+    harness.wait_until(lambda: envoy_age(b) >= 0, 5, "b's controller has the sample")
