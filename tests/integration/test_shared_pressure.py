@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -148,8 +149,9 @@ def test_an_envoys_stats_flush_reaches_every_replicas_controller(
     metric = family.metric.add(timestamp_ms=int(time.time() * 1000))
     metric.gauge.value = 3.0
     with grpc.insecure_channel(a.data_addr) as channel:  # the flush reaches a only
-        stream = channel.stream_unary("/envoy.service.metrics.v3.MetricsService/StreamMetrics",
-                                      request_serializer=lambda m: m.SerializeToString(),
-                                      response_deserializer=lambda raw: raw)
+        stream: Any = channel.stream_unary(
+            "/envoy.service.metrics.v3.MetricsService/StreamMetrics",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=lambda raw: raw)
         stream(iter([message]), timeout=5)
     harness.wait_until(lambda: envoy_age(b) >= 0, 5, "b's controller has the sample")
