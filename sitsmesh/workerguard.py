@@ -5,7 +5,8 @@ kernel hands each Envoy connection to. Pipelines (backpressure, latency chains)
 and per-tenant concurrency caps both count a request from its Check to its
 access-log entry, and their counts live in one process, so with several
 workers they would shed too little, never see a chain whole, and hold slots
-until the hold timeout. Until that state is shared, they need --workers 1.
+until the hold timeout. Without shared runtime state (shared_runtime=redis,
+which lifts these refusals) they need --workers 1.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from sitsmesh.ratelimit.memory import MemoryStore
 from sitsmesh.ratelimit.metrics import RuleMetrics, StoreCounters, store_up_gauge
 from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.ratelimit.store import CounterStore, Hit
+from sitsmesh.shared.admission import SharedAdmission
 from sitsmesh.shared.hopbus import HopBus
 from sitsmesh.shared.lease import Lease
 from sitsmesh.shared.pressure import SharedPressure
@@ -283,6 +284,7 @@ class AuthzComponent:
         self._settings = settings
         self.directory = TenantDirectory(state)
         self.authorizer: Authorizer | None = None
+        self.shared: SharedAdmission | None = None
         self._background = Background()
         if serve:
             admission = Admission(AdmissionPolicy(), hold_s=settings.admission_hold_seconds,
@@ -325,6 +327,13 @@ class AuthzComponent:
         self._background.spawn(self.directory.watch(self._settings.reload_interval_seconds))
         if self.authorizer is not None:
             self._background.every(HOUSEKEEPING_S, self.authorizer.admission.expire)
+        if self.shared is not None:
+            self._background.spawn(self.shared.run())
+
+    def share(self, bus: HopBus) -> None:
+        """Count tenant caps over every process that reports on `bus`."""
+        if self.authorizer is not None:
+            self.shared = SharedAdmission(self.authorizer.admission, bus)
 
     async def stop(self) -> None:
         await self._background.stop()

@@ -76,16 +76,23 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
           board: StatusBoard, role: Role) -> Graph:
     """`registry` None: metric values go only to the multiprocess files (workers)."""
     serve = role is not Role.SUPERVISOR
-    pressure = (PressureComponent(settings, store, registry, serve=serve)
-                if role is not Role.WORKER else None)
-    gate = pressure.gate if pressure is not None else None
+    # With shared runtime state every process sees every request's signals, so workers
+    # run a gate and the supervisor follows the controller and chains for the admin API.
+    shared = settings.shared_runtime == "redis"
+    pressure = (PressureComponent(settings, store, registry, serve=serve or shared)
+                if role is not Role.WORKER or shared else None)
+    gate = pressure.gate if pressure is not None and serve else None
     ratelimit = RateLimitComponent(settings, store, registry, board, serve=serve, gate=gate)
     authz = AuthzComponent(settings, store, serve=serve, gate=gate)
     # An access-log entry marks the end of its request: it frees the admission hold.
-    chains = ChainsComponent(settings, store, registry, serve=serve, release=authz.release)
+    chains = ChainsComponent(settings, store, registry, serve=serve or shared,
+                             release=authz.release)
+    if chains.bus is not None:
+        authz.share(chains.bus)
     swaps = None
     if pressure is not None:
         pressure.attach(chains)
+    if pressure is not None and role is not Role.WORKER:
         swaps = SwapsComponent(settings, store, registry, pressure.runtime)
     return Graph(ratelimit, authz, chains, pressure, swaps)
 
@@ -93,6 +100,8 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
 async def check_workers(graph: Graph, settings: Settings) -> None:
     """Refuse to start workers over state that needs one process (see workerguard)."""
     tenants = await graph.authz.directory.list_tenants()
+    if settings.shared_runtime == "redis":
+        return  # every worker sees every request's Check and end through the hop bus
     workerguard.check_state(settings.workers, graph.chains.pipelines.pipelines,
                             [(t.name, t.max_concurrency) for t in tenants])
 
@@ -102,11 +111,13 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
     """The Admin API over this process's graph (a supervisor's or a single process's)."""
     if graph.pressure is None or graph.swaps is None:
         raise ValueError("the admin API is served where pressure and swaps are composed")
+    # Shared runtime state lifts what --workers N otherwise refuses (see workerguard).
+    workers = 1 if settings.shared_runtime == "redis" else settings.workers
     return AdminServicer(
         StatusAdmin(board, store, config_version=settings.config_version, bound=bound),
         RateLimitAdmin(graph.ratelimit.config),
-        TenantAdmin(graph.authz.directory, workers=settings.workers),
-        ChainAdmin(graph.chains.pipelines, graph.chains.assembler, workers=settings.workers,
+        TenantAdmin(graph.authz.directory, workers=workers),
+        ChainAdmin(graph.chains.pipelines, graph.chains.assembler, workers=workers,
                    report=graph.chains.report),
         SwapAdmin(graph.swaps.manager),
         PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime),

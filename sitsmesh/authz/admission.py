@@ -43,7 +43,8 @@ ADMIT = Verdict(True)
 
 
 class Admission:
-    __slots__ = ("_clock", "_held", "_hold_s", "_ids", "_in_flight", "gate", "policy")
+    __slots__ = ("_clock", "_held", "_hold_s", "_ids", "_in_flight", "gate", "others",
+                 "policy")
 
     def __init__(self, policy: AdmissionPolicy, *, hold_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic,
@@ -53,6 +54,9 @@ class Admission:
         self._hold_s = hold_s
         self._clock = clock
         self._in_flight: dict[str, int] = {}
+        # In flight at the other replicas and workers, per tenant (sitsmesh.shared.admission
+        # swaps it in; empty when this process counts alone).
+        self.others: dict[str, int] = {}
         # (request id, n) -> (tenant counted or "", pipeline counted or "", release
         # deadline); dict order is arrival order, and so deadline order.
         self._held: dict[tuple[str, int], tuple[str, str, float]] = {}
@@ -64,7 +68,7 @@ class Admission:
     def admit(self, tenant: str, model: str, priority: int, pipeline: str,
               request_id: str) -> Verdict:
         cap = self.policy.caps.get(tenant, 0)
-        if cap > 0 and self._in_flight.get(tenant, 0) >= cap:
+        if cap > 0 and self._in_flight.get(tenant, 0) + self.others.get(tenant, 0) >= cap:
             return Verdict(False, f"tenant {tenant} is at its concurrency cap of {cap}", 1.0)
         gate = self.gate
         entered = gate.pipeline_for(pipeline, model) if gate is not None else ""

@@ -155,3 +155,32 @@ def test_an_envoys_stats_flush_reaches_every_replicas_controller(
             response_deserializer=lambda raw: raw)
         stream(iter([message]), timeout=5)
     harness.wait_until(lambda: envoy_age(b) >= 0, 5, "b's controller has the sample")
+
+
+def test_workers_share_the_controller_chains_and_caps_through_redis(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    """--workers 2 with shared runtime state: what one process could not do alone (a
+    pipeline, a tenant cap) is accepted, and the supervisor's admin API sees every
+    worker's traffic."""
+    node = start_sitsmesh("--workers", "2", "--redis-url", redis.url, "--shared-runtime",
+                          "redis", "--reload-interval-seconds", "0.2",
+                          "--admission-hold-seconds", "60")
+    assert node.cli("tenants", "create", "acme", "--models", "bert", "--max-concurrency",
+                    "30").returncode == 0
+    key = json.loads(node.cli("apikeys", "create", "--tenant", "acme", "--output",
+                              "json").stdout)["key"]
+    (tmp_path / "p.yaml").write_text(PIPELINE)
+    applied = node.cli("pipelines", "apply", str(tmp_path / "p.yaml"))
+    assert applied.returncode == 0, applied.stderr
+    harness.wait_until(lambda: _in_flight(node) == 0, 5, "the pipeline on the supervisor")
+    time.sleep(0.5)  # the workers' catalogs follow the state store
+    # Fresh connections: the kernel spreads them over both workers.
+    codes = []
+    for n in range(40):  # over several report ticks (0.1 s): overshoot stays a tick's worth
+        codes.append(_check(node, key, f"w{n}"))
+        time.sleep(0.01)
+    admitted = codes.count(code_pb2.OK)
+    # The cap of 30 holds over both workers (a tick's overshoot at most).
+    assert 30 <= admitted < 40, codes
+    harness.wait_until(lambda: _in_flight(node) == admitted, 5,
+                       "the supervisor sees every worker's holds")

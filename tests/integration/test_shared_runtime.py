@@ -161,3 +161,23 @@ def test_redis_down_keeps_each_replica_right_on_its_own_and_sharing_resumes(
         _report(b, f"back-{n}", "feat", "model")
     harness.wait_until(lambda: _chains(a)[0] == 4 and _chains(b)[0] == 3, 10,
                        "sharing resumes once Redis is back")
+
+
+def test_a_tenant_cap_counts_the_requests_held_on_every_replica(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    a, b = _pair(start_sitsmesh, tmp_path, redis, "redis")
+    assert a.cli("tenants", "create", "acme", "--models", "bert", "--max-concurrency",
+                 "2").returncode == 0
+    key = json.loads(a.cli("apikeys", "create", "--tenant", "acme", "--output",
+                           "json").stdout)["key"]
+    harness.wait_until(lambda: _check(b, key, "b-1") == code_pb2.OK, 5, "key and cap on b")
+    assert _check(a, key, "a-1") == code_pb2.OK
+    # Two held, one on each replica: once each has the other's count (a report every
+    # 0.1 s), the cap of 2 is reached on both.
+    time.sleep(0.5)
+    assert _check(a, key, "a-probe") == code_pb2.RESOURCE_EXHAUSTED
+    assert _check(b, key, "b-probe") == code_pb2.RESOURCE_EXHAUSTED
+    _access_log(b, "a-1")  # a's request ended; its entry reached b
+    harness.wait_until(lambda: _check(b, key, "b-2") == code_pb2.OK, 2, "a slot for b")
+    time.sleep(0.5)
+    assert _check(a, key, "a-2") == code_pb2.RESOURCE_EXHAUSTED  # b's two count on a
