@@ -73,9 +73,13 @@ def test_every_envoy_config_validates_with_the_real_binary(
 ) -> None:
     fragments = sorted(p.stem for p in (FILTERS / "fragments").glob("*.yaml"))
     values = harness.envoy_values("127.0.0.1:50051", 18080, 10000, 9901)
-    for variant, names in (("template", None), ("all-fragments", fragments)):
-        out = envoyconf.write(envoyconf.render(bootstrap, values, names),
-                              tmp_path / f"{variant}.yaml")
+    for variant, names in (("template", None), ("all-fragments", fragments),
+                           ("three-replicas", fragments)):
+        config = envoyconf.render(bootstrap, values, names)
+        if variant == "three-replicas":
+            envoyconf.set_endpoints(config, "sitsmesh_data",
+                                    ["127.0.0.1:50051", "127.0.0.1:50061", "127.0.0.1:50071"])
+        out = envoyconf.write(config, tmp_path / f"{variant}.yaml")
         result = subprocess.run(
             [harness.ENVOY, "--mode", "validate", "-c", str(out), "--disable-hot-restart"],
             capture_output=True, text=True, timeout=60, check=False)
