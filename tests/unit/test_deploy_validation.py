@@ -404,7 +404,10 @@ SCHEMA_BREAKS = [
     ("Service", "spec.portz", []),
     ("Namespace", "metadata.label", {}),
     ("ServiceAccount", "automountToken", False),
-    ("PersistentVolumeClaim", "spec.accessModes", "ReadWriteOnce"),
+    ("PodDisruptionBudget", "spec.maxUnavailabel", 1),
+    ("PodDisruptionBudget", "spec.selector.matchLabel", {}),
+    ("Deployment", f"{_CONTAINER}.lifecycle.preStop.sleep.seconds", "5"),
+    ("Deployment", "spec.strategy.rollingUpdate.maxUnavailble", 0),
     ("Deployment", "apiVersion", "apps/v1beta9"),  # no schema at all
     ("IstioOperator", "apiVersion", "install.istio.io/v1"),
     ("IstioOperator", "spec.meshconfig", {}),
