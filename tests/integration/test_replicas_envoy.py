@@ -118,6 +118,15 @@ def _host_flags(envoy: harness.Envoy) -> dict[str, str]:
     return flags
 
 
+def _upstream_errors(envoy: harness.Envoy) -> dict[str, int]:
+    """sitsmesh_data's non-zero error counters: what went wrong when something did."""
+    names = ("upstream_rq_per_try_timeout", "upstream_rq_timeout", "upstream_cx_connect_fail",
+             "upstream_rq_retry_limit_exceeded", "upstream_rq_rx_reset",
+             "upstream_rq_pending_failure_eject", "upstream_cx_destroy_remote_with_active_rq")
+    counts = {n: _stat(envoy, f"cluster.{CLUSTER}.{n}") for n in names}
+    return {n: c for n, c in counts.items() if c}
+
+
 def _stat(envoy: harness.Envoy, name: str) -> int:
     for line in envoy.admin_get(f"/stats?filter=^{name}$").splitlines():
         key, _, value = line.partition(": ")
@@ -200,7 +209,7 @@ def test_replica_killed_under_load_fails_only_requests_in_flight_on_it(
     print(f"\nkill -9: {len(load.outcomes)} requests, {len(failures)} failed, "
           f"replica out after {ejected_after * 1000:.0f} ms ({flags}), "
           f"retries {_stat(replicas.envoy, f'cluster.{CLUSTER}.upstream_rq_retry')}, "
-          f"outlier ejections {ejections}")
+          f"outlier ejections {ejections}, errors {_upstream_errors(replicas.envoy)}")
     # Only requests already in flight at the kill may fail, and there are at most
     # CONCURRENCY of those.
     assert all(f.started <= killed_at for f in failures), failures
@@ -230,7 +239,8 @@ def test_rolling_restart_of_every_replica_fails_no_request(replicas: Replicas) -
     print(f"\nrolling restart: {len(load.outcomes)} requests, {len(failures)} failed, "
           f"ratelimit errors {errors}, per replica "
           f"{', '.join(f'{t:.1f}s' for t in timings)}, "
-          f"retries {_stat(replicas.envoy, f'cluster.{CLUSTER}.upstream_rq_retry')}")
+          f"retries {_stat(replicas.envoy, f'cluster.{CLUSTER}.upstream_rq_retry')}, "
+          f"errors {_upstream_errors(replicas.envoy)}")
     assert failures == []
     assert errors == 0, "a ShouldRateLimit failed (the filter fails open, so look here)"
     assert len(load.outcomes) >= 250

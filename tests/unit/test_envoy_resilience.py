@@ -39,6 +39,8 @@ def check_cluster(bootstrap: Doc) -> None:
     assert "grpc_health_check" in check
     assert _seconds(check["interval"]) <= 5, "a drained replica must leave within seconds"
     assert check["unhealthy_threshold"] >= 1 and check["healthy_threshold"] >= 1
+    assert cluster.get("common_lb_config", {}).get("update_merge_window") == "0s", \
+        "else workers keep choosing a draining replica for up to 1 s"
     outlier = cluster["outlier_detection"]
     assert outlier.get("consecutive_gateway_failure", 0) >= 1
     assert outlier.get("consecutive_5xx", 0) >= 1
@@ -89,6 +91,7 @@ BREAKS: list[tuple[str, Any]] = [
     ("cluster", lambda c: c["outlier_detection"].update(max_ejection_percent=100)),
     ("cluster", lambda c: c["health_checks"][0].pop("grpc_health_check")),
     ("cluster", lambda c: c["health_checks"][0].update(interval="30s")),
+    ("cluster", lambda c: c.pop("common_lb_config")),
     (_AUTHZ, lambda f: f["grpc_service"].pop("retry_policy")),
     (_AUTHZ, lambda f: f["grpc_service"]["retry_policy"].update(retry_on="5xx")),
     (_AUTHZ, lambda f: f["grpc_service"]["retry_policy"].update(num_retries=0)),
