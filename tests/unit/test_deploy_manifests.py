@@ -224,6 +224,7 @@ def check_shared_state(docs: list[Doc]) -> None:
         ref = env[name]["valueFrom"]["secretKeyRef"]
         assert ref["name"] and ref["key"]
     assert env["SITSMESH_RATELIMIT_STORE"]["value"] == "redis"
+    assert env["SITSMESH_SHARED_RUNTIME"]["value"] == "redis", "chains, holds, controller"
     replicas = _of(docs, "Deployment")["spec"]["replicas"]
     assert int(env["SITSMESH_STORE_REPLICAS"]["value"]) == replicas
     assert not [v for v in _pod(docs)["volumes"] if "persistentVolumeClaim" in v]
