@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -122,6 +122,20 @@ def _merge_bootstrap(bootstrap: dict[str, Any], extra: Any, source: Path) -> Non
             raise ConfigError(f"{source}: bootstrap field {key!r} is already set")
         else:
             bootstrap[key] = value
+
+
+def set_endpoints(bootstrap: dict[str, Any], cluster: str, addrs: Sequence[str]) -> None:
+    """Make host:port addresses the endpoints of static cluster `cluster`, in order."""
+    if not addrs:
+        raise ConfigError(f"cluster {cluster!r}: at least one endpoint is needed")
+    for entry in bootstrap.get("static_resources", {}).get("clusters", []):
+        if entry.get("name") == cluster:
+            entry["load_assignment"] = {"cluster_name": cluster, "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {
+                    "address": host, "port_value": int(port)}}}}
+                for host, _, port in (addr.rpartition(":") for addr in addrs)]}]}
+            return
+    raise ConfigError(f"no static cluster named {cluster!r}")
 
 
 def add_route(bootstrap: dict[str, Any], *, name: str, prefix: str, host: str,

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -163,9 +163,13 @@ def run_cli(*args: str, env: dict[str, str] | None = None,
 
 
 def start_sitsmesh(tmp: Path, *extra: str, env: dict[str, str] | None = None,
-                   drain: float = 0.5, wait: bool = True, name: str = "sitsmesh") -> Sitsmesh:
-    data, admin, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
-    state = tmp / f"{name}-state"
+                   drain: float = 0.5, wait: bool = True, name: str = "sitsmesh",
+                   state_dir: Path | None = None,
+                   addrs: tuple[str, str, str] | None = None) -> Sitsmesh:
+    """`state_dir` shared by several replicas gives them one admin state; `addrs` (data,
+    admin, metrics) restarts a replica where the Envoy in front of it expects it."""
+    data, admin, metrics = addrs or tuple(f"127.0.0.1:{free_port()}" for _ in range(3))
+    state = state_dir or tmp / f"{name}-state"
     argv = [SITSMESH, "serve", "--data-addr", data, "--admin-addr", admin,
             "--metrics-addr", metrics, "--state-dir", str(state),
             "--drain-seconds", str(drain), "--grace-seconds", "5", "--log-format", "json",
@@ -224,11 +228,15 @@ def envoy_values(sitsmesh_addr: str, upstream_port: int, listen_port: int,
 def start_envoy(tmp: Path, sitsmesh_addr: str, upstream_port: int,
                 bootstrap: Path = REPO / "filters" / "local" / "bootstrap.yaml",
                 fragments: list[str] | None = None, *,
-                access_log_flush: str = "0.02s") -> Envoy:
+                access_log_flush: str = "0.02s", replicas: Sequence[str] = ()) -> Envoy:
+    """`replicas`: the data addresses of every sitsmesh replica, all endpoints of the
+    sitsmesh_data cluster (default: sitsmesh_addr alone)."""
     listen, admin = free_port(), free_port()
     values = envoy_values(sitsmesh_addr, upstream_port, listen, admin, access_log_flush)
-    config = envoyconf.write(envoyconf.render(bootstrap, values, fragments),
-                             tmp / "envoy.yaml")
+    rendered = envoyconf.render(bootstrap, values, fragments)
+    if replicas:
+        envoyconf.set_endpoints(rendered, "sitsmesh_data", replicas)
+    config = envoyconf.write(rendered, tmp / "envoy.yaml")
     return launch_envoy(config, listen, admin, tmp / "envoy.log")
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2
 
 from sitsmesh.dev import envoyconf, harness
@@ -73,14 +74,41 @@ def test_every_envoy_config_validates_with_the_real_binary(
 ) -> None:
     fragments = sorted(p.stem for p in (FILTERS / "fragments").glob("*.yaml"))
     values = harness.envoy_values("127.0.0.1:50051", 18080, 10000, 9901)
-    for variant, names in (("template", None), ("all-fragments", fragments)):
-        out = envoyconf.write(envoyconf.render(bootstrap, values, names),
-                              tmp_path / f"{variant}.yaml")
+    for variant, names in (("template", None), ("all-fragments", fragments),
+                           ("three-replicas", fragments)):
+        config = envoyconf.render(bootstrap, values, names)
+        if variant == "three-replicas":
+            envoyconf.set_endpoints(config, "sitsmesh_data",
+                                    ["127.0.0.1:50051", "127.0.0.1:50061", "127.0.0.1:50071"])
+        out = envoyconf.write(config, tmp_path / f"{variant}.yaml")
         result = subprocess.run(
             [harness.ENVOY, "--mode", "validate", "-c", str(out), "--disable-hot-restart"],
             capture_output=True, text=True, timeout=60, check=False)
         assert result.returncode == 0, f"{bootstrap} ({variant}):\n{result.stderr[-3000:]}"
         assert "OK" in result.stdout + result.stderr
+
+
+def test_istio_resilience_patches_are_valid_envoy_config(tmp_path: Path) -> None:
+    """deploy/istio/sitsmesh-resilience.yaml's Envoy fields, applied the way Istio's MERGE
+    would to our own sitsmesh cluster and ext_authz filter, pass the real binary."""
+    [_, envoy_filter] = yaml.safe_load_all(
+        (harness.REPO / "deploy" / "istio" / "sitsmesh-resilience.yaml").read_text())
+    cluster_patch, filter_patch = (p["patch"]["value"]
+                                   for p in envoy_filter["spec"]["configPatches"])
+    values = harness.envoy_values("127.0.0.1:50051", 18080, 10000, 9901)
+    config = envoyconf.render(FILTERS / "local" / "bootstrap.yaml", values, ["ext_authz"])
+    [cluster] = [c for c in config["static_resources"]["clusters"]
+                 if c["name"] == "sitsmesh_data"]
+    cluster.update(cluster_patch)
+    authz = envoyconf.http_connection_manager(config)["http_filters"][0]
+    assert authz["name"] == filter_patch["name"]
+    authz["typed_config"]["grpc_service"]["retry_policy"] = (
+        filter_patch["typed_config"]["grpc_service"]["retry_policy"])
+    out = envoyconf.write(config, tmp_path / "istio-patched.yaml")
+    result = subprocess.run(
+        [harness.ENVOY, "--mode", "validate", "-c", str(out), "--disable-hot-restart"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_validate_rejects_a_broken_config(tmp_path: Path) -> None:

@@ -121,6 +121,27 @@ ENVOY_FILTER = _top("networking.istio.io/v1alpha3", "EnvoyFilter", _obj({
     }, ["applyTo", "patch"]), min_items=1),
 }, ["configPatches"]))
 
+# networking.istio.io/v1 DestinationRule, outlier detection and the fields beside it.
+DESTINATION_RULE = _top("networking.istio.io/v1", "DestinationRule", _obj({
+    "host": STR,
+    "exportTo": STRS,
+    "trafficPolicy": _obj({
+        "outlierDetection": _obj({
+            "consecutiveGatewayErrors": {"type": "integer", "minimum": 0},
+            "consecutive5xxErrors": {"type": "integer", "minimum": 0},
+            "consecutiveLocalOriginFailures": {"type": "integer", "minimum": 0},
+            "splitExternalLocalOriginErrors": BOOL,
+            "interval": DURATION,
+            "baseEjectionTime": DURATION,
+            "maxEjectionPercent": {"type": "integer", "minimum": 0, "maximum": 100},
+            "minHealthPercent": {"type": "integer", "minimum": 0, "maximum": 100},
+        }),
+        "connectionPool": {"type": "object"},
+        "loadBalancer": {"type": "object"},
+        "tls": {"type": "object"},
+    }),
+}, ["host"]))
+
 _TARGET_REF = _obj({"group": {"type": "string"}, "kind": STR, "name": STR, "namespace": STR},
                    ["kind", "name"])
 
@@ -172,6 +193,7 @@ SCHEMAS: dict[tuple[str, str], Schema] = {
     ("security.istio.io/v1", "PeerAuthentication"): PEER_AUTHENTICATION,
     ("telemetry.istio.io/v1", "Telemetry"): TELEMETRY,
     ("networking.istio.io/v1alpha3", "EnvoyFilter"): ENVOY_FILTER,
+    ("networking.istio.io/v1", "DestinationRule"): DESTINATION_RULE,
     ("kustomize.config.k8s.io/v1beta1", "Kustomization"): KUSTOMIZATION,
 }
 
@@ -363,8 +385,9 @@ def test_access_logs_and_stats_reach_the_data_port() -> None:
 
 @pytest.mark.parametrize(("kind", "path", "value"), [
     ("Telemetry", "spec.accessLogging.0.providers.0.name", "elsewhere"),
-    ("EnvoyFilter", "spec.configPatches.0.patch.value.stats_sinks.0.typed_config.grpc_service."
-                    "google_grpc.target_uri", "sitsmesh.other.svc.cluster.local:50051"),
+    ("EnvoyFilter/sitsmesh-stats-sink",
+     "spec.configPatches.0.patch.value.stats_sinks.0.typed_config.grpc_service."
+     "google_grpc.target_uri", "sitsmesh.other.svc.cluster.local:50051"),
 ])
 def test_signal_wiring_check_rejects_a_broken_setup(kind: str, path: str,
                                                     value: object) -> None:
@@ -404,7 +427,10 @@ SCHEMA_BREAKS = [
     ("Service", "spec.portz", []),
     ("Namespace", "metadata.label", {}),
     ("ServiceAccount", "automountToken", False),
-    ("PersistentVolumeClaim", "spec.accessModes", "ReadWriteOnce"),
+    ("PodDisruptionBudget", "spec.maxUnavailabel", 1),
+    ("PodDisruptionBudget", "spec.selector.matchLabel", {}),
+    ("Deployment", f"{_CONTAINER}.lifecycle.preStop.sleep.seconds", "5"),
+    ("Deployment", "spec.strategy.rollingUpdate.maxUnavailble", 0),
     ("Deployment", "apiVersion", "apps/v1beta9"),  # no schema at all
     ("IstioOperator", "apiVersion", "install.istio.io/v1"),
     ("IstioOperator", "spec.meshconfig", {}),
@@ -421,8 +447,12 @@ SCHEMA_BREAKS = [
     ("AuthorizationPolicy/sitsmesh-ext-authz", "spec.rules.0.to", [{"operation": {"path": ["/"]}}]),
     ("AuthorizationPolicy/sitsmesh-ext-authz", "metadata.namespace", DELETE),
     ("Telemetry", "spec.accessLogging.0.provider", []),
-    ("EnvoyFilter", "spec.configPatches.0.applyTo", "bootstrap"),
-    ("EnvoyFilter", "spec.configPatches.0.patch.operation", "merge"),
+    ("EnvoyFilter/sitsmesh-stats-sink", "spec.configPatches.0.applyTo", "bootstrap"),
+    ("EnvoyFilter/sitsmesh-stats-sink", "spec.configPatches.0.patch.operation", "merge"),
+    ("EnvoyFilter/sitsmesh-resilience", "spec.configPatches.1.applyTo", "HTTPFILTER"),
+    ("DestinationRule", "spec.trafficPolicy.outlierDetection.interval", "1000ms"),
+    ("DestinationRule", "spec.trafficPolicy.outlierDetection.consecutiveGatewayError", 2),
+    ("DestinationRule", "spec.hosts", ["sitsmesh"]),
     ("Kustomization", "resource", []),
     ("Kustomization", "images.0.newtag", "1"),
 ]
@@ -504,3 +534,86 @@ def test_callers_check_rejects_an_open_setup(kind: str, path: str, value: object
     _break(_only(kube + istio, kind), path, value)
     with pytest.raises(AssertionError):
         check_callers_are_limited(kube, istio)
+
+
+# --- the mesh's proxies and several sitsmesh replicas (issue 15) ----------------------
+
+RETRY_ON = {"unavailable", "reset", "connect-failure"}
+
+
+def _patches(istio: Sequence[Doc], apply_to: str) -> list[Doc]:
+    return [patch for d in istio if d["kind"] == "EnvoyFilter"
+            for patch in d["spec"]["configPatches"] if patch["applyTo"] == apply_to]
+
+
+def check_resilience_wiring(kube: Sequence[Doc], istio: Sequence[Doc]) -> None:
+    """Under Istio, the proxies that call sitsmesh eject a dead replica (DestinationRule
+    outlier detection), health-check the replicas over gRPC with health changes applied
+    at once (an EnvoyFilter on the sitsmesh cluster), and retry ext_authz calls on
+    another replica within the provider's timeout."""
+    service = _only(kube, "Service")
+    namespace = _only(kube, "Kustomization").get("namespace") or "default"
+    host = f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
+    data_port = {p.get("name"): p["port"] for p in service["spec"]["ports"]}[DATA_PORT_NAME]
+
+    rules = [d for d in istio if d["kind"] == "DestinationRule" and d["spec"]["host"] == host]
+    assert len(rules) == 1, f"one DestinationRule for {host}"
+    outlier = rules[0]["spec"]["trafficPolicy"]["outlierDetection"]
+    assert outlier.get("consecutiveGatewayErrors", 0) >= 1
+    assert 0 < outlier.get("maxEjectionPercent", 10) <= 50, "never eject a majority"
+
+    clusters = [p for p in _patches(istio, "CLUSTER")
+                if p["match"]["cluster"].get("service") == host]
+    assert len(clusters) == 1, f"one CLUSTER patch for {host}"
+    assert clusters[0]["match"]["cluster"].get("portNumber") == data_port
+    value = clusters[0]["patch"]["value"]
+    [check] = value["health_checks"]
+    assert "grpc_health_check" in check
+    assert _seconds(check["interval"]) <= 5
+    assert value["common_lb_config"]["update_merge_window"] == "0s"
+
+    provider_timeout = min(_seconds(p["envoyExtAuthzGrpc"]["timeout"])
+                           for d in istio if d["kind"] == "IstioOperator"
+                           for p in d["spec"]["meshConfig"]["extensionProviders"]
+                           if "envoyExtAuthzGrpc" in p)
+    authz = [p for p in _patches(istio, "HTTP_FILTER")
+             if p["patch"]["value"].get("name") == "envoy.filters.http.ext_authz"]
+    assert len(authz) == 1, "one HTTP_FILTER patch for ext_authz"
+    policy = authz[0]["patch"]["value"]["typed_config"]["grpc_service"]["retry_policy"]
+    assert set(policy["retry_on"].split(",")) >= RETRY_ON
+    assert policy["num_retries"] >= 1
+    # Envoy's gRPC client takes the back-off's max_interval as the per-try timeout.
+    assert 0 < _seconds(policy["retry_back_off"]["max_interval"]) < provider_timeout
+    assert [p["name"] for p in policy["retry_host_predicate"]] == [
+        "envoy.retry_host_predicates.previous_hosts"]
+
+
+def test_proxies_eject_health_check_and_retry_sitsmesh_replicas() -> None:
+    check_resilience_wiring(_kube_docs(), _istio_docs())
+
+
+_RES = "EnvoyFilter/sitsmesh-resilience"
+_RETRY = "spec.configPatches.1.patch.value.typed_config.grpc_service.retry_policy"
+RESILIENCE_BREAKS = [
+    ("DestinationRule", "spec.host", "sitsmesh.default.svc.cluster.local"),
+    ("DestinationRule", "spec.trafficPolicy.outlierDetection.consecutiveGatewayErrors", 0),
+    ("DestinationRule", "spec.trafficPolicy.outlierDetection.maxEjectionPercent", 100),
+    (_RES, "spec.configPatches.0.match.cluster.portNumber", 50052),
+    (_RES, "spec.configPatches.0.patch.value.health_checks.0.grpc_health_check", DELETE),
+    (_RES, "spec.configPatches.0.patch.value.common_lb_config", DELETE),
+    (_RES, f"{_RETRY}.retry_on", "5xx"),
+    (_RES, f"{_RETRY}.retry_back_off.max_interval", "0.5s"),
+    (_RES, f"{_RETRY}.retry_host_predicate", []),
+    (_RES, "spec.configPatches.1.patch.value.name", "envoy.filters.http.rbac"),
+    ("IstioOperator", f"{_GRPC}.timeout", "0.1s"),
+]
+
+
+@pytest.mark.parametrize(("kind", "path", "value"), RESILIENCE_BREAKS,
+                         ids=[f"{k}:{p}" for k, p, _ in RESILIENCE_BREAKS])
+def test_resilience_check_rejects_a_weakened_setup(kind: str, path: str,
+                                                   value: object) -> None:
+    kube, istio = _kube_docs(), _istio_docs()
+    _break(_only(kube + istio, kind), path, value)
+    with pytest.raises((AssertionError, KeyError)):
+        check_resilience_wiring(kube, istio)

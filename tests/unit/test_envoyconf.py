@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -87,3 +88,25 @@ def test_bootstrap_fragments_extend_lists_and_refuse_to_override(tmp_path: Path)
                                           "is already set"):
         envoyconf.render(path, {"admin_port": 1, "zone": "z", "flush": "0.5s"},
                          ["sink", "again"])
+
+
+def test_set_endpoints_lists_every_replica_in_order(tmp_path: Path) -> None:
+    boot: dict[str, Any] = {
+        "static_resources": {"clusters": [{"name": "other"}, {"name": "sitsmesh_data"}]}}
+    envoyconf.set_endpoints(boot, "sitsmesh_data", ["127.0.0.1:5001", "10.0.0.2:5002"])
+    cluster = boot["static_resources"]["clusters"][1]
+    addrs = [e["endpoint"]["address"]["socket_address"]
+             for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert addrs == [{"address": "127.0.0.1", "port_value": 5001},
+                     {"address": "10.0.0.2", "port_value": 5002}]
+    assert cluster["load_assignment"]["cluster_name"] == "sitsmesh_data"
+    assert boot["static_resources"]["clusters"][0] == {"name": "other"}
+
+
+def test_set_endpoints_refuses_an_unknown_cluster_or_no_endpoint() -> None:
+    boot: dict[str, Any] = {"static_resources": {"clusters": [{"name": "a"}]}}
+    with pytest.raises(ConfigError, match="no static cluster named 'b'"):
+        envoyconf.set_endpoints(boot, "b", ["127.0.0.1:1"])
+    with pytest.raises(ConfigError, match="cluster 'a': at least one endpoint is needed"):
+        envoyconf.set_endpoints(boot, "a", [])
+    assert boot == {"static_resources": {"clusters": [{"name": "a"}]}}
