@@ -98,3 +98,44 @@ def test_postgres_down_keeps_checks_answering_and_fails_admin_writes_unavailable
         names = {t["name"] for t in json.loads(listed.stdout)["tenants"]}
         assert {"acme", "after"} <= names and "during" not in names
         assert check(node, doc["key"]) == code_pb2.OK
+
+
+RL_CONFIG = """
+domain: w
+descriptors:
+  - key: k
+    rate_limit: {{unit: hour, requests_per_unit: {limit}}}
+"""
+
+
+def limit_seen(addr: str) -> int:
+    from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+    from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+
+    # A fresh channel each time: SO_REUSEPORT spreads new connections over the workers.
+    with grpc.insecure_channel(addr) as channel:
+        reply = rls_pb2_grpc.RateLimitServiceStub(channel).ShouldRateLimit(
+            rls_pb2.RateLimitRequest(domain="w", descriptors=[ratelimit_pb2.RateLimitDescriptor(
+                entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key="k", value="v")])]),
+            timeout=5)
+    if not reply.statuses:
+        return 0
+    limit: int = reply.statuses[0].current_limit.requests_per_unit
+    return limit
+
+
+def test_a_rate_limit_config_applied_on_one_replica_reaches_every_worker_of_another(
+        start_sitsmesh: Start, pg_url: str) -> None:  # noqa: F811
+    from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+
+    a = start_sitsmesh("--state-url", pg_url, name="rl-a")
+    b = start_sitsmesh("--state-url", pg_url, "--workers", "2", name="rl-b")
+    for limit in (1000, 2000):
+        with grpc.insecure_channel(a.admin_addr) as channel:
+            admin_pb2_grpc.AdminStub(channel).ApplyRateLimitConfig(
+                admin_pb2.ApplyRateLimitConfigRequest(files=[admin_pb2.RateLimitConfigFile(
+                    name="w.yaml", yaml=RL_CONFIG.format(limit=limit))]),
+                metadata=a.admin_metadata(), timeout=5)
+        until(lambda: all(limit_seen(b.data_addr) == limit for _ in range(10)), 1.0,  # noqa: B023
+              f"every worker of B enforcing {limit}")
+    assert b.stop() == 0
