@@ -40,6 +40,17 @@ def bin_dir() -> Path:
     return Path(on_path).resolve().parent
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            # Field 4 is the parent pid; the command (field 2) may hold spaces, so split
+            # after its closing parenthesis.
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
 def _as_postgres(argv: list[str]) -> list[str]:
     return ["runuser", "-u", USER, "--", *argv] if os.geteuid() == 0 else argv
 
@@ -116,10 +127,28 @@ class PostgresServer:
         if self.proc is not None:
             self.proc.stop(signal.SIGINT, timeout)
 
+    def _signal_all(self, sig: int) -> None:
+        """`sig` to the postmaster and its children: backends call setsid(), so a signal
+        to the postmaster's process group reaches the postmaster only."""
+        if not self.running or self.proc is None:
+            return
+        pids = [self.proc.proc.pid, *_children(self.proc.proc.pid)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
     def kill(self) -> None:
         """Abrupt, like a crash: SIGKILL to the server and every backend."""
+        self._signal_all(signal.SIGKILL)
         if self.proc is not None:
             self.proc.kill()
+
+    def pause(self) -> None:
+        """Freeze the server and its backends (SIGSTOP): sockets stay open, nothing answers."""
+        self._signal_all(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_all(signal.SIGCONT)
 
     def restart(self, timeout: float = 30) -> None:
         self.stop(timeout)
