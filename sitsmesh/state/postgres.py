@@ -31,6 +31,8 @@ from sitsmesh.state.changes import ChangeSignal
 from sitsmesh.state.contract import Delete, Put, Record
 
 CONNECT_TIMEOUT_S = 3
+# Admin calls take milliseconds; this only bounds a server that stopped answering.
+OP_TIMEOUT_S = 5.0
 # Without the listener (it is reconnecting), changes are found by reading the revision.
 POLL_S = 0.2
 RECONNECT_MAX_S = 1.0
@@ -100,6 +102,7 @@ class PostgresStore:
         self._listening = False
         self._listener: asyncio.Task[None] | None = None
         self._closed = False
+        self.op_timeout_s = OP_TIMEOUT_S
 
     @classmethod
     async def open(cls, url: str) -> PostgresStore:
@@ -133,13 +136,20 @@ class PostgresStore:
     async def _run(self, op: Callable[[Conn], Awaitable[T]], *, write: bool) -> T:
         if self._closed:
             raise UnavailableError(f"{self.where}: the state store is closed")
+        what = "write not acknowledged" if write else "read failed"
         async with self._lock:
             try:
-                return await op(await self._connection())
+                # A frozen server keeps its sockets open and TCP never gives up on it.
+                # (On the timeout psycopg tries a server-side cancel for up to 10 s more,
+                # then drops the connection; the next call reconnects.)
+                async with asyncio.timeout(self.op_timeout_s):
+                    return await op(await self._connection())
+            except TimeoutError:
+                raise UnavailableError(f"state database unavailable ({what}): no answer "
+                                       f"within {self.op_timeout_s:g} s") from None
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 # Either way the call was not acknowledged; a commit whose reply was lost
                 # is applied or not as a whole, never half (the caller may re-read).
-                what = "write not acknowledged" if write else "read failed"
                 raise UnavailableError(f"state database unavailable ({what}): "
                                        f"{_reason(exc)}") from None
 

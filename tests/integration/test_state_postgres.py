@@ -148,3 +148,23 @@ async def test_a_restart_keeps_reads_fails_writes_cleanly_and_loses_nothing() ->
         assert [name for name in acked if name not in stored] == []
         await writer.close()
         await reader.close()
+
+
+async def test_a_frozen_server_fails_calls_after_the_timeout_then_recovers() -> None:
+    with postgres_server(fsync=False) as pg:
+        store = await PostgresStore.open(pg.create_database("frozen"))
+        await store.create("tenant", "before", {})
+        store.op_timeout_s = 0.3
+        pg.pause()  # sockets stay open; nothing answers, TCP never gives up
+        try:
+            start = time.monotonic()
+            with pytest.raises(UnavailableError, match=r"\(write not acknowledged\): no "
+                                                       r"answer within 0.3 s"):
+                await store.put("tenant", "frozen", {})
+            # psycopg's own cancel attempt adds at most 10 s; the call is bounded.
+            assert time.monotonic() - start < 12
+        finally:
+            pg.resume()
+        await store.create("tenant", "after", {})
+        assert [r.name for r in await store.list("tenant")] == ["after", "before"]
+        await store.close()
