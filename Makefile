@@ -23,6 +23,7 @@ run: $(STAMP)
 # System packages, as CHECK=PACKAGE pairs; installed when root, otherwise named.
 TEST_SYSDEPS  := "$(PYTHON) -c 'import ensurepip, venv'=python3-venv" \
                  "command -v redis-server=redis-server" \
+                 "ls /usr/lib/postgresql/*/bin/pg_ctl=postgresql" \
                  "command -v openssl=openssl"
 BENCH_SYSDEPS := "command -v h2load=nghttp2-client"
 

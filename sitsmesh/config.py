@@ -130,6 +130,9 @@ class Settings:
     admin_clients: tuple[str, ...] = ()
     admin_insecure: bool = False
     redis_password_file: Path | None = None
+    # --- state backend: README "State backends" ---
+    # sqlite:///ABS/PATH or postgresql://...; empty: SQLite at STATE_DIR/state.db.
+    state_url: str = ""
     config_file: Path | None = None
 
     @property
@@ -263,6 +266,8 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "authz_trust_pipeline_hint": values.boolean,
     "authz_open_paths": lambda raw: tuple(map(open_path, values.strings(raw))),
     "authz_jwt_metadata_key": values.string,
+    # state backend: README "State backends"
+    "state_url": values.state_url,
 }
 FILE_KEYS = tuple(PARSERS)
 
@@ -342,5 +347,7 @@ def load_settings(
 def describe(settings: Settings) -> dict[str, str]:
     """Settings as plain strings, for logs and status output (holds no secrets)."""
     hidden = {"redis_url"}  # may carry a password
-    return {f.name: str(getattr(settings, f.name)) for f in fields(settings)
-            if f.name not in hidden}
+    out = {f.name: str(getattr(settings, f.name)) for f in fields(settings)
+           if f.name not in hidden}
+    out["state_url"] = values.redact_url(settings.state_url)  # may carry a password
+    return out

@@ -65,3 +65,10 @@ class NotFoundError(SitsmeshError):
 
 class ConflictError(SitsmeshError):
     code = Code.ALREADY_EXISTS
+
+
+class UnavailableError(SitsmeshError):
+    """A backing service (the state database) cannot be reached; nothing was changed
+    unless the message says the outcome is unknown. Retry later."""
+
+    code = Code.UNAVAILABLE

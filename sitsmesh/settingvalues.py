@@ -5,6 +5,7 @@ sitsmesh.config and the modules that keep a group of settings apart from it."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,3 +159,34 @@ def http_url(raw: Any) -> str:
 def strings(raw: Any) -> tuple[str, ...]:
     items = raw if isinstance(raw, list) else str(raw).split(",")
     return tuple(str(i).strip() for i in items if str(i).strip())
+
+
+def state_url(raw: Any) -> str:
+    """sqlite:///ABSOLUTE/PATH or postgresql://... (empty: SQLite in state_dir)."""
+    if not isinstance(raw, str):
+        raise ValueError(f"expected a sqlite:/// or postgresql:// URL, got {raw!r}")
+    if raw == "":
+        return raw
+    if raw.startswith("sqlite://"):
+        path = raw.removeprefix("sqlite://")
+        if not path.startswith("/") or path == "/":
+            raise ValueError("expected sqlite:///ABSOLUTE/PATH (three slashes, then the "
+                             f"file), got {raw!r}")
+        return raw
+    if raw.startswith(("postgresql://", "postgres://")):
+        return raw
+    raise ValueError(f"expected a sqlite:/// or postgresql:// URL, got {redact_url(raw)!r}")
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ***, for logs and messages."""
+    url = re.sub(r"(?i)([?&]password=)[^&]*", r"\1***", url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, tail = rest.partition("/")
+    userinfo, at, host = authority.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}{slash}{tail}"

@@ -29,7 +29,7 @@ from sitsmesh.app.workers import WorkerPool
 from sitsmesh.config import Address, Settings, describe
 from sitsmesh.errors import StartupError
 from sitsmesh.ratelimit import refnames
-from sitsmesh.state import SqliteStore
+from sitsmesh.state.open import open_store
 from sitsmesh.status import ServiceState, Serving, StatusBoard
 from sitsmesh.transport.accesslog import SERVICE_NAME as ACCESSLOG_SERVICE
 from sitsmesh.transport.admin import AdminServicer
@@ -204,8 +204,8 @@ async def run_worker(settings: Settings, index: int,
     """A data-plane worker: the data server only, sharing the port with its siblings."""
     structlog_ctx = {"worker": index, "pid": os.getpid()}
     board = StatusBoard()
-    # Reads the configs the supervisor's admin API persists; WAL lets both open it.
-    state = SqliteStore(settings.state_dir / "state.db")
+    # Reads the configs the supervisor's admin API persists (SQLite: WAL lets both open it).
+    state = await open_store(settings.state_url, settings.state_dir)
     # Values go to the multiprocess files the supervisor's /metrics aggregates.
     graph = compose.build(settings, state, None, board, compose.Role.WORKER)
     stop = _stop_event(_reload_on_hup(graph.ratelimit))
@@ -283,7 +283,7 @@ async def run(settings: Settings) -> int:
     rpc_metrics = RpcMetrics(metric_registry)
     auth_failures = admin_auth_failures(metric_registry)
 
-    store = SqliteStore(settings.state_dir / "state.db")
+    store = await open_store(settings.state_url, settings.state_dir)
     role = compose.Role.SINGLE if settings.workers == 1 else compose.Role.SUPERVISOR
     graph = compose.build(settings, store, metric_registry, board, role)
     pools: list[WorkerPool] = []

@@ -19,6 +19,8 @@ _FLAG_HELP = {
     "admin_addr": "admin gRPC address",
     "metrics_addr": "Prometheus /metrics HTTP address",
     "state_dir": "directory for the state database and the admin token",
+    "state_url": "state store: sqlite:///ABS/PATH or postgresql://USER@HOST:PORT/DB "
+                 "(default: SQLite in --state-dir; password: PGPASSWORD or ~/.pgpass)",
     "log_level": "debug, info, warning or error",
     "log_format": "auto (JSON unless stderr is a terminal), json or console",
     "workers": "data-plane processes sharing data_addr through SO_REUSEPORT",

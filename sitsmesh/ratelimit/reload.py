@@ -48,6 +48,7 @@ class ConfigManager:
         self._loads = Counter("sitsmesh_ratelimit_config_loads_total",
                               "Rate-limit config snapshots made live.", registry=registry)
         self._signature: tuple[object, ...] = ()
+        self._revision = -1  # the state revision in _signature
         # Told after every snapshot that goes live (config health follows it).
         self.on_live: Callable[[], None] = lambda: None
         self._lock = asyncio.Lock()
@@ -82,12 +83,13 @@ class ConfigManager:
     async def reload(self, reason: str) -> bool:
         """Make a fresh snapshot live. False (old snapshot kept) when it is invalid."""
         async with self._lock:
-            signature = (self._file_signature(), await self._state.revision())
+            revision = await self._state.revision()
+            signature = (self._file_signature(), revision)
             try:
                 config = await self.build()
             except ConfigError as exc:
                 self._errors.inc()
-                self._signature = signature
+                self._signature, self._revision = signature, revision
                 if self.holder.current is rlconfig.NOT_LOADED:
                     _log.error("rate-limit config rejected; none is live, so every "
                                "ShouldRateLimit fails with 'no rate limit configuration "
@@ -97,7 +99,7 @@ class ConfigManager:
                     _log.error("rate-limit config rejected; keeping the previous one",
                                reason=reason, error=exc.message, version=self.version)
                 return False
-            self._signature = signature
+            self._signature, self._revision = signature, revision
             version = version_of(config)
             if version != self.version or reason == "startup":
                 self.holder.current = config
@@ -109,16 +111,17 @@ class ConfigManager:
             return True
 
     async def watch(self, interval_s: float) -> None:
-        """Poll files and the state store; reload when either changed."""
+        """Poll files every interval; reload when they or the state store changed (the
+        store's change wakes the wait at once where the backend can tell)."""
         while True:
-            await asyncio.sleep(interval_s)
             try:
-                signature = (self._file_signature(), await self._state.revision())
-            except Exception as exc:  # a transient state-store error must not end the watch
+                revision = await self._state.wait_for_change(self._revision, interval_s)
+                if (self._file_signature(), revision) != self._signature:
+                    await self.reload("changed")
+            except Exception as exc:  # a transient state-store error must not end the watch;
+                # the live snapshot stays until a reload succeeds
                 _log.warning("config watch failed", error=str(exc))
-                continue
-            if signature != self._signature:
-                await self.reload("changed")
+                await asyncio.sleep(interval_s)
 
     async def apply(self, files: Sequence[tuple[str, str]], *, dry_run: bool
                     ) -> tuple[RateLimitConfig, list[str]]:

@@ -57,4 +57,9 @@ class StateStore(Protocol):
 
     async def revision(self) -> int: ...
 
+    async def wait_for_change(self, after: int, within_s: float) -> int:
+        """The revision once it differs from `after`, or after `within_s` seconds (then it
+        may still equal `after`). Raises like `revision()` when the store is unreachable."""
+        ...
+
     async def close(self) -> None: ...

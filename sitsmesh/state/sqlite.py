@@ -16,10 +16,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sitsmesh.errors import ConflictError, NotFoundError, StartupError
+from sitsmesh.state.changes import ChangeSignal
 from sitsmesh.state.contract import Delete, Put, Record
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 10.0
+# Other processes' writes are only seen by reading the revision; 0.2 s keeps a change
+# made through another process within the 1 s every view promises, for one cheap query.
+POLL_S = 0.2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS objects (
     kind TEXT NOT NULL,
@@ -41,6 +45,9 @@ class SqliteStore:
         self.path = path
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-state")
         self._conn = self._executor.submit(self._open).result()
+        # Writes through this object wake its waiters at once; other processes are polled.
+        self._changes = ChangeSignal()
+        self._closed = False
 
     def _open(self) -> sqlite3.Connection:
         try:
@@ -183,26 +190,44 @@ class SqliteStore:
 
     async def create(self, kind: str, name: str, body: dict[str, Any]) -> Record:
         result: Record = await self._run(self._write, kind, name, body, "create", None)
+        self._changes.notify()
         return result
 
     async def put(
         self, kind: str, name: str, body: dict[str, Any], *, expect_revision: int | None = None
     ) -> Record:
         result: Record = await self._run(self._write, kind, name, body, "put", expect_revision)
+        self._changes.notify()
         return result
 
     async def delete(self, kind: str, name: str) -> bool:
         result: bool = await self._run(self._delete, kind, name)
+        self._changes.notify()
         return result
 
     async def apply(self, writes: Sequence[Put | Delete]) -> int:
         result: int = await self._run(self._apply, list(writes))
+        self._changes.notify()
         return result
 
     async def revision(self) -> int:
         result: int = await self._run(self._revision)
         return result
 
+    async def wait_for_change(self, after: int, within_s: float) -> int:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while True:
+            revision = await self.revision()
+            remaining = deadline - loop.time()
+            if revision != after or remaining <= 0:
+                return revision
+            await self._changes.wait(min(remaining, POLL_S))
+
     async def close(self) -> None:
+        """Idempotent: shutdown paths may reach it twice."""
+        if self._closed:
+            return
+        self._closed = True
         await self._run(self._conn.close)
         self._executor.shutdown(wait=True)

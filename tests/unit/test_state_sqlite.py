@@ -12,74 +12,33 @@ from pathlib import Path
 
 import pytest
 
-from sitsmesh.errors import ConflictError, NotFoundError, StartupError
-from sitsmesh.state import Delete, Put, SqliteStore
+from sitsmesh.errors import StartupError
+from sitsmesh.state import SqliteStore
+from sitsmesh.state.open import open_store
+from tests.state_contract import OpenStore, StateContract
 
 
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
-    s = SqliteStore(tmp_path / "state.db")
-    yield s
-    await s.close()
+class TestSqliteContract(StateContract):
+    @pytest.fixture
+    async def open_store(self, tmp_path: Path) -> AsyncIterator[OpenStore]:
+        opened: list[SqliteStore] = []
+
+        async def open_one() -> SqliteStore:
+            opened.append(SqliteStore(tmp_path / "state.db"))
+            return opened[-1]
+
+        yield open_one
+        for store in opened:
+            await store.close()
 
 
-async def test_create_get_list_put_delete_bump_the_revision(store: SqliteStore) -> None:
-    assert await store.revision() == 0
-    a = await store.create("tenant", "acme", {"priority": 1})
-    assert (a.revision, a.body) == (1, {"priority": 1})
-    await store.create("tenant", "beta", {})
-    await store.create("pipeline", "demo", {"stages": []})
-    assert [r.name for r in await store.list("tenant")] == ["acme", "beta"]
-    updated = await store.put("tenant", "acme", {"priority": 2})
-    assert updated.revision == 4
-    got = await store.get("tenant", "acme")
-    assert got is not None and got.body == {"priority": 2} and got.revision == 4
-    assert await store.delete("tenant", "acme") is True
-    assert await store.delete("tenant", "acme") is False
-    assert await store.get("tenant", "acme") is None
-    assert await store.revision() == 5
-
-
-async def test_create_refuses_an_existing_record_and_changes_nothing(store: SqliteStore) -> None:
-    await store.create("tenant", "acme", {"v": 1})
-    with pytest.raises(ConflictError, match="tenant 'acme' already exists"):
-        await store.create("tenant", "acme", {"v": 2})
-    got = await store.get("tenant", "acme")
-    assert got is not None and got.body == {"v": 1}
-    assert await store.revision() == 1
-
-
-async def test_put_with_expected_revision_is_compare_and_swap(store: SqliteStore) -> None:
-    first = await store.create("tenant", "acme", {"v": 1})
-    await store.put("tenant", "acme", {"v": 2}, expect_revision=first.revision)
-    with pytest.raises(ConflictError, match="is at revision 2, not at revision 1"):
-        await store.put("tenant", "acme", {"v": 3}, expect_revision=first.revision)
-    with pytest.raises(ConflictError, match="is absent"):
-        await store.put("tenant", "ghost", {}, expect_revision=1)
-    got = await store.get("tenant", "acme")
-    assert got is not None and got.body == {"v": 2}
-
-
-async def test_apply_writes_all_or_nothing(store: SqliteStore) -> None:
-    acme = await store.create("tenant", "acme", {"v": 1})
-    key = await store.create("apikey", "k1", {"tenant": "acme"})
-    revision = await store.apply([Delete("tenant", "acme"),
-                                  Put("apikey", "k1", {"tenant": "acme", "revoked": True},
-                                      expect_revision=key.revision)])
-    assert revision == await store.revision() == 3  # one transaction, one revision
-    assert await store.get("tenant", "acme") is None
-    got = await store.get("apikey", "k1")
-    assert got is not None and got.body["revoked"] and got.revision == 3
-    # A failed write undoes the ones before it in the same batch.
-    await store.create("tenant", "acme", {"v": 2})
-    with pytest.raises(ConflictError, match="not at revision 1"):
-        await store.apply([Delete("tenant", "acme"),
-                           Put("apikey", "k1", {}, expect_revision=acme.revision)])
-    with pytest.raises(NotFoundError, match="tenant 'ghost' does not exist"):
-        await store.apply([Put("apikey", "k2", {}), Delete("tenant", "ghost")])
-    assert await store.get("tenant", "acme") is not None
-    assert await store.get("apikey", "k2") is None
-    assert await store.revision() == 4
+async def test_state_url_picks_the_backend(tmp_path: Path) -> None:
+    default = await open_store("", tmp_path)
+    assert isinstance(default, SqliteStore) and default.path == tmp_path / "state.db"
+    await default.close()
+    there = await open_store(f"sqlite://{tmp_path}/elsewhere.db", tmp_path)
+    assert isinstance(there, SqliteStore) and there.path == tmp_path / "elsewhere.db"
+    await there.close()
 
 
 async def test_survives_reopen_in_wal_mode(tmp_path: Path) -> None:
