@@ -6,7 +6,9 @@ Every process is started (and stopped) by this script on free 127.0.0.1 ports:
   this script) that answers every Check with the same prebuilt OK
   CheckResponse: the Python ceiling;
 - `sitsmesh serve` (1 worker);
-- `sitsmesh serve --workers 2` (SO_REUSEPORT on one data port).
+- `sitsmesh serve --workers 2` (SO_REUSEPORT on one data port);
+- two `sitsmesh serve` replicas on one state store, each loaded by its own h2load
+  (half the requests and clients each, started together).
 
 Once a sitsmesh answers, the script creates tenant `bench` (models `*`, no
 concurrency cap) and one API key through the admin CLI (`sitsmesh tenants
@@ -75,6 +77,7 @@ DUMMY_KEY = "smk_000000000000_" + "x" * 43
 NOOP = "no-op grpc.aio Authorization"
 ONE = "sitsmesh serve (1 worker)"
 TWO = "sitsmesh serve --workers 2"
+REPLICAS = "2 x sitsmesh serve (replicas)"
 GOALS = {ONE: 0.85}
 # Checks of each kind per sitsmesh before load, each on a new TCP connection: with
 # 2 workers behind SO_REUSEPORT, all landing on one worker has odds of 2^-(n-1).
@@ -270,6 +273,48 @@ def sitsmesh_target(name: str, workdir: Path, args: argparse.Namespace,
     return target
 
 
+def replicas_target(workdir: Path, args: argparse.Namespace) -> bl.Target:
+    """Two `sitsmesh serve` processes on one state store (as replicas behind an Envoy
+    cluster), each loaded by its own h2load with half the requests and clients."""
+    first, data_a, metrics_a = bl.sitsmesh_proc("replica-a", workdir)
+    second, data_b, metrics_b = bl.sitsmesh_proc("replica-b", workdir, "--state-dir",
+                                                 argv_value(first, "--state-dir"))
+    for proc in (first, second):
+        proc.cpu_name = ht.by_kind
+    body = workdir / "check-replicas.grpc"
+
+    def setup() -> None:
+        key, size = prepare_sitsmesh(first, data_a, 1, args.ready_timeout)
+
+        def knows_key() -> bool:  # b follows the shared state store
+            second.check_alive()
+            try:
+                return check(data_b, check_request(key)).status.code == 0
+            except grpc.RpcError:
+                return False
+
+        bl.wait_until(knows_key, args.ready_timeout, f"replica b on {data_b} to know the key")
+        if verify_sitsmesh(data_b, key) != size:
+            raise bl.BenchError("the replicas' OK replies differ in size")
+        body.write_bytes(bl.grpc_frame(check_request(key)))
+        target.response_bytes = (size, size)
+
+    def counters() -> dict[str, float]:
+        summed: dict[str, float] = {}
+        try:
+            for metrics in (metrics_a, metrics_b):
+                for key, value in bl.metric_samples(metrics).items():
+                    summed[key] = summed.get(key, 0.0) + value
+        except OSError as exc:
+            raise bl.BenchError(f"cannot read counters: {exc}") from exc
+        return summed
+
+    target = bl.Target(REPLICAS, f"http://{data_a}{METHOD}", [first, second], setup,
+                       bl.grpc_args(body), counters=counters, expected=handled_ok,
+                       flush_wait_s=0.0, extra_urls=[f"http://{data_b}{METHOD}"])
+    return target
+
+
 async def serve_noop(addr: str) -> None:
     """The ceiling: the same prebuilt OK CheckResponse for every Check, no interceptors."""
     from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
@@ -297,6 +342,9 @@ def scaling(targets: Sequence[bl.Target]) -> str:
     if NOOP in medians:
         line += (f"; per worker {medians[TWO] / 2 / medians[NOOP]:.2f} of the no-op "
                  f"(1 worker: {medians[ONE] / medians[NOOP]:.2f})")
+    if REPLICAS in medians:
+        line += (f"\n2 replicas vs 1 process: {medians[REPLICAS] / medians[ONE]:.2f}x "
+                 f"({medians[REPLICAS]:,.0f} req/s)")
     return line
 
 
@@ -308,7 +356,8 @@ def bench(args: argparse.Namespace) -> int:
         workdir = Path(tmp)
         targets = [noop_target(workdir, args),
                    sitsmesh_target(ONE, workdir, args, 1),
-                   sitsmesh_target(TWO, workdir, args, 2)]
+                   sitsmesh_target(TWO, workdir, args, 2),
+                   replicas_target(workdir, args)]
         code = bl.run_bench(targets, args, workdir, h2load, "Authorization/Check, direct gRPC")
         print(f"\n{scaling(targets)}")
         return code

@@ -258,6 +258,9 @@ class Target:
     # ... and the exact growth each must show for a round of n requests.
     expected: Callable[[int], dict[str, float]] = lambda n: {}
     goal: float | None = None  # wanted ratio vs the baseline, reported only
+    # More servers loaded at once with `url` (replicas): the requests and clients are
+    # split evenly, one h2load each, started together; rates are the sum.
+    extra_urls: list[str] = field(default_factory=list)
     notes: Callable[[], list[str]] = list  # facts observed during the run, printed at the end
     # Wait before reading a round's baseline counters; 0 when every counter is immediate.
     flush_wait_s: float = FLUSH_WAIT_S
@@ -322,33 +325,10 @@ def percentile(sorted_values: Sequence[int], pct: float) -> int:
     return sorted_values[max(0, math.ceil(pct / 100 * len(sorted_values)) - 1)]
 
 
-def run_h2load(h2load: str, target: Target, args: argparse.Namespace, requests: int,
-               workdir: Path, extra_args: Sequence[str] = ()) -> LoadResult:
-    """One checked h2load run; `extra_args` (e.g. `--rps=N`) go before the target's own."""
-    log_file = workdir / "h2load.log"
-    log_file.unlink(missing_ok=True)  # h2load appends; a stale log would skew the count
-    argv = [h2load, "-n", str(requests), "-c", str(args.clients), "-m", str(args.streams),
-            "-t", str(args.threads), *extra_args, *target.h2load_args,
-            "--log-file", str(log_file), target.url]
-    before = target.settled_counters()
-    cpu_before = procs_cpu(target.procs)
-    child_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.monotonic()
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout,
-                              check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise BenchError(f"h2load timed out after {args.timeout}s") from exc
-    wall = time.monotonic() - started
-    child_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu_after = procs_cpu(target.procs)
-    after = target.counters()
-    client_cpu = (child_after.ru_utime - child_before.ru_utime
-                  + child_after.ru_stime - child_before.ru_stime)
-    server_cpu = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()}
-    out = done.stdout
-    if done.returncode != 0:
-        raise BenchError(f"h2load exited {done.returncode}: {done.stderr.strip()}\n{out}")
+def _checked_rate(code: int, out: str, err: str, target: Target, requests: int) -> float:
+    """One h2load's req/s, after checking every request got its 2xx and its bytes."""
+    if code != 0:
+        raise BenchError(f"h2load exited {code}: {err.strip()}\n{out}")
     finished, reqs = _FINISHED.search(out), _REQUESTS.search(out)
     status, data = _STATUS.search(out), _DATA.search(out)
     if not (finished and reqs and status and data):
@@ -361,14 +341,62 @@ def run_h2load(h2load: str, target: Target, args: argparse.Namespace, requests: 
     if not requests * low <= data_bytes <= requests * high:
         raise BenchError(f"expected {low}..{high} DATA bytes per response, got "
                          f"{data_bytes} for {requests} requests:\n{out}")
+    return float(finished.group(1))
+
+
+def run_h2load(h2load: str, target: Target, args: argparse.Namespace, requests: int,
+               workdir: Path, extra_args: Sequence[str] = ()) -> LoadResult:
+    """One checked h2load run; `extra_args` (e.g. `--rps=N`) go before the target's own."""
+    urls = [target.url, *target.extra_urls]
+    share, extra = divmod(requests, len(urls))
+    clients = max(1, args.clients // len(urls))
+    runs = []
+    for n, url in enumerate(urls):
+        log_file = workdir / f"h2load-{n}.log"
+        log_file.unlink(missing_ok=True)  # h2load appends; a stale log would skew the count
+        count = share + (extra if n == 0 else 0)
+        argv = [h2load, "-n", str(count), "-c", str(clients), "-m", str(args.streams),
+                "-t", str(args.threads), *extra_args, *target.h2load_args,
+                "--log-file", str(log_file), url]
+        runs.append((argv, log_file, count))
+    before = target.settled_counters()
+    cpu_before = procs_cpu(target.procs)
+    child_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for argv, _, _ in runs]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(1.0, args.timeout
+                                                        - (time.monotonic() - started))))
+    except subprocess.TimeoutExpired as exc:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        raise BenchError(f"h2load timed out after {args.timeout}s") from exc
+    wall = time.monotonic() - started
+    child_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_after = procs_cpu(target.procs)
+    after = target.counters()
+    client_cpu = (child_after.ru_utime - child_before.ru_utime
+                  + child_after.ru_stime - child_before.ru_stime)
+    server_cpu = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()}
+    rate = 0.0
+    durations: list[int] = []
+    for proc, (out, err), (_, log_file, count) in zip(procs, outputs, runs, strict=True):
+        rate += _checked_rate(proc.returncode, out, err, target, count)
+        # --log-file: one line per request, "<start µs>\t<status>\t<duration µs>".
+        lines = [int(line.split("\t")[2]) for line in log_file.read_text().splitlines() if line]
+        log_file.unlink()
+        if len(lines) != count:
+            raise BenchError(f"h2load log has {len(lines)} lines, expected {count}")
+        durations += lines
     target.check_counters(before, after, requests)
-    # --log-file: one line per request, "<start µs>\t<status>\t<duration µs>".
-    durations = sorted(int(line.split("\t")[2])
-                       for line in log_file.read_text().splitlines() if line)
-    log_file.unlink()
-    if len(durations) != requests:
-        raise BenchError(f"h2load log has {len(durations)} lines, expected {requests}")
-    return LoadResult(float(finished.group(1)), percentile(durations, 50) / 1000,
+    durations.sort()
+    # Several started together: the slowest one bounds the combined rate.
+    finished_rate = rate if len(urls) == 1 else requests / wall
+    return LoadResult(finished_rate, percentile(durations, 50) / 1000,
                       percentile(durations, 99) / 1000, wall, client_cpu, server_cpu)
 
 

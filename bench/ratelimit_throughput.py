@@ -70,6 +70,8 @@ HUGE_LIMIT = 1_000_000_000
 NOOP = "no-op grpc.aio RateLimitService"
 MEMORY = "sitsmesh serve, memory store"
 REDIS = "sitsmesh serve, redis store"
+REDIS_WORKERS = "sitsmesh serve --workers 2, redis store"
+REDIS_REPLICAS = "2 x sitsmesh serve (replicas), redis store"
 GOALS = {MEMORY: 0.85, REDIS: 0.60}
 # Slack on each sitsmesh reply's size: limit_remaining and duration_until_reset are varints.
 SIZE_SLACK = 8
@@ -186,7 +188,8 @@ def noop_target(workdir: Path, args: argparse.Namespace, body: Path) -> bl.Targe
 
 
 def sitsmesh_target(name: str, workdir: Path, args: argparse.Namespace, body: Path,
-                    configs: list[str], redis: bool) -> bl.Target:
+                    configs: list[str], redis: bool, *, workers: int = 1,
+                    replicas: int = 1) -> bl.Target:
     procs: list[bl.Proc] = []
     extra = list(configs)
     redis_port = 0
@@ -201,15 +204,21 @@ def sitsmesh_target(name: str, workdir: Path, args: argparse.Namespace, body: Pa
                   "--redis-timeout-ms", str(args.redis_timeout_ms)]
     else:
         extra += ["--ratelimit-store", "memory"]
-    sitsmesh, data, metrics = bl.sitsmesh_proc("sitsmesh-redis" if redis else "sitsmesh-memory",
-                                            workdir, *extra)
-    procs.append(sitsmesh)
+    if workers > 1:
+        extra += ["--workers", str(workers)]
+    role = f"sitsmesh-{'redis' if redis else 'memory'}-{workers}w{replicas}r"
+    servers = [bl.sitsmesh_proc(f"{role}-{n}", workdir, *extra) for n in range(replicas)]
+    procs += [proc for proc, _, _ in servers]
+    data = servers[0][1]
 
     most_clients = [0]
 
     def counters() -> dict[str, float]:
         try:
-            out = bl.metric_samples(metrics)
+            out: dict[str, float] = {}
+            for _, _, metrics in servers:  # replicas: their counts add up
+                for key, value in bl.metric_samples(metrics).items():
+                    out[key] = out.get(key, 0.0) + value
             if redis:
                 out.update(redis_calls(redis_port))
                 most_clients[0] = max(most_clients[0], int(out["redis connected clients"]))
@@ -237,12 +246,17 @@ def sitsmesh_target(name: str, workdir: Path, args: argparse.Namespace, body: Pa
 
         bl.wait_until(ready, args.ready_timeout, f"{name} on {data}")
         size = verify_sitsmesh_rls(data)
+        for _, other, _ in servers[1:]:
+            bl.wait_until(lambda addr=other: _answers(addr), args.ready_timeout,
+                          f"{name} on {other}")
+            verify_sitsmesh_rls(other)
         target.response_bytes = (size - SIZE_SLACK, size + SIZE_SLACK)
         if redis and not redis_calls(redis_port)["redis evalsha calls"]:
             raise bl.BenchError("no EVALSHA reached redis-server: the store is not Redis")
 
     target = bl.Target(name, f"http://{data}{METHOD}", procs, setup, bl.grpc_args(body),
-                    counters=counters, expected=expected, goal=GOALS[name], notes=notes)
+                       counters=counters, expected=expected, goal=GOALS.get(name), notes=notes,
+                       extra_urls=[f"http://{addr}{METHOD}" for _, addr, _ in servers[1:]])
     return target
 
 
@@ -294,7 +308,12 @@ def bench(args: argparse.Namespace) -> int:
         targets = [noop_target(workdir, args, body),
                    sitsmesh_target(MEMORY, workdir, args, body, configs, redis=False)]
         if args.redis_server:
-            targets.append(sitsmesh_target(REDIS, workdir, args, body, configs, redis=True))
+            targets += [
+                sitsmesh_target(REDIS, workdir, args, body, configs, redis=True),
+                sitsmesh_target(REDIS_WORKERS, workdir, args, body, configs, redis=True,
+                                workers=2),
+                sitsmesh_target(REDIS_REPLICAS, workdir, args, body, configs, redis=True,
+                                replicas=2)]
         code = bl.run_bench(targets, args, workdir, h2load, "ShouldRateLimit, direct gRPC")
         if not args.redis_server:
             print("\nredis-server not found: the Redis target was not run "
