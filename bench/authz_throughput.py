@@ -289,9 +289,10 @@ def replicas_target(workdir: Path, args: argparse.Namespace) -> bl.Target:
         def knows_key() -> bool:  # b follows the shared state store
             second.check_alive()
             try:
-                return check(data_b, check_request(key)).status.code == 0
+                code: int = check(data_b, check_request(key)).status.code
             except grpc.RpcError:
                 return False
+            return code == 0
 
         bl.wait_until(knows_key, args.ready_timeout, f"replica b on {data_b} to know the key")
         if verify_sitsmesh(data_b, key) != size:

@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -247,8 +248,7 @@ def sitsmesh_target(name: str, workdir: Path, args: argparse.Namespace, body: Pa
         bl.wait_until(ready, args.ready_timeout, f"{name} on {data}")
         size = verify_sitsmesh_rls(data)
         for _, other, _ in servers[1:]:
-            bl.wait_until(lambda addr=other: _answers(addr), args.ready_timeout,
-                          f"{name} on {other}")
+            bl.wait_until(partial(_answers, other), args.ready_timeout, f"{name} on {other}")
             verify_sitsmesh_rls(other)
         target.response_bytes = (size - SIZE_SLACK, size + SIZE_SLACK)
         if redis and not redis_calls(redis_port)["redis evalsha calls"]:
