@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
@@ -139,3 +140,44 @@ def test_a_rate_limit_config_applied_on_one_replica_reaches_every_worker_of_anot
         until(lambda: all(limit_seen(b.data_addr) == limit for _ in range(10)), 1.0,  # noqa: B023
               f"every worker of B enforcing {limit}")
     assert b.stop() == 0
+
+
+def test_three_replicas_behind_one_envoy_share_keys_and_revocations_within_a_second(
+        start_sitsmesh: Start, pg_url: str, tmp_path: Path,  # noqa: F811
+        upstream: int) -> None:
+    """As the issue states it: three replicas on one PostgreSQL, all three endpoints of
+    one real Envoy's sitsmesh cluster; a key made through A works through B and C (and
+    through Envoy) within 1 s, and a revocation through C is enforced everywhere."""
+    from google.rpc import code_pb2
+
+    nodes = [start_sitsmesh("--state-url", pg_url, name=name) for name in ("a", "b", "c")]
+    a, b, c = nodes
+    envoy = harness.start_envoy(tmp_path, a.data_addr, upstream, fragments=["ext_authz"],
+                                replicas=[n.data_addr for n in nodes])
+    try:
+        doc = make_key(a, "acme")
+        until(lambda: all(check(n, doc["key"]) == code_pb2.OK for n in (b, c)), 1.0,
+              "key works on B and C")
+        until(lambda: all(_through(envoy, doc["key"]) == 200 for _ in range(6)), 1.0,
+              "key works through Envoy, whichever replica answers")
+        assert c.cli("apikeys", "revoke", doc["id"]).returncode == 0
+        until(lambda: all(check(n, doc["key"]) == code_pb2.UNAUTHENTICATED
+                          for n in (a, b)), 1.0, "revocation enforced on A and B")
+        until(lambda: all(_through(envoy, doc["key"]) == 401 for _ in range(6)), 1.0,
+              "revocation enforced through Envoy")
+    finally:
+        envoy.kill()
+
+
+def _through(envoy: harness.Envoy, key: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(envoy.url("/v2/models/bert/infer"), data=b"{}",
+                                     method="POST", headers={"x-api-key": key})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            status: int = reply.status
+            return status
+    except urllib.error.HTTPError as exc:
+        return exc.code
