@@ -116,6 +116,7 @@ SLOT_S = 10  # the assembler's slot: a window loses its oldest slot every 10 s
 ENTRIES_KEY = "x-bench-entries"  # the no-op's trailing metadata
 NOOP = "no-op grpc.aio AccessLogService"
 SITS = "sitsmesh serve (1 worker, chains on)"
+SHARED = "sitsmesh serve, shared_runtime=redis"
 GOAL_RATE = 30_000.0
 GOAL_RATIO = 0.70
 START_NS = 1_767_225_600 * 10**9  # 2026-01-01T00:00:00Z: start_time of request 0
@@ -497,8 +498,13 @@ def check_own_times(reply: Any, what: str) -> None:
                             f"histogram bucket)")
 
 
-def sitsmesh_target(workdir: Path, args: argparse.Namespace) -> tuple[Target, Admin]:
-    proc, data, metrics = bl.sitsmesh_proc("sitsmesh-1w", workdir)
+def sitsmesh_target(workdir: Path, args: argparse.Namespace,
+                    redis_url: str = "") -> tuple[Target, Admin]:
+    """With `redis_url`, every hop goes through the shared hop bus (a Redis stream) and
+    back before the assembler sees it, as on every replica of a fleet."""
+    extra = ["--shared-runtime", "redis", "--redis-url", redis_url] if redis_url else []
+    proc, data, metrics = bl.sitsmesh_proc("sitsmesh-shared" if redis_url else "sitsmesh-1w",
+                                           workdir, *extra)
     proc.cpu_name = ht.by_kind
     admin_addr = proc.argv[proc.argv.index("--admin-addr") + 1]
     admin = Admin(admin_addr, Path(proc.argv[proc.argv.index("--state-dir") + 1]))
@@ -569,7 +575,7 @@ def sitsmesh_target(workdir: Path, args: argparse.Namespace) -> tuple[Target, Ad
     def verify(before: dict[str, float], load: Load) -> None:
         check(before, load.entries // 3, len(load.counts))
 
-    target = Target(SITS, data, proc, setup, counters, verify)
+    target = Target(SHARED if redis_url else SITS, data, proc, setup, counters, verify)
     return target, admin
 
 
@@ -594,10 +600,16 @@ async def serve_noop(addr: str) -> None:
 
 # --------------------------------------------------------------------------- part 1
 
-def throughput(args: argparse.Namespace, workdir: Path) -> tuple[list[Target], list[str]]:
+def throughput(args: argparse.Namespace, workdir: Path,
+               redis_url: str = "") -> tuple[list[Target], list[str]]:
     noop = noop_target(workdir)
     sits, admin = sitsmesh_target(workdir, args)
     targets = [noop, sits]
+    admins = [admin]
+    if redis_url:
+        shared, shared_admin = sitsmesh_target(workdir, args, redis_url)
+        targets.append(shared)
+        admins.append(shared_admin)
     clients = Clients(args.client_procs, args.streams, args.entries_per_message, args.timeout)
     errors: list[str] = []
     try:
@@ -632,7 +644,8 @@ def throughput(args: argparse.Namespace, workdir: Path) -> tuple[list[Target], l
                       f"{t.rss_mib[-1][1]:.1f} MiB", file=sys.stderr, flush=True)
     finally:
         errors.extend(clients.stop())
-        admin.close()
+        for one in admins:
+            one.close()
         for t in reversed(targets):
             t.errors.extend(t.proc.stop())
     return targets, errors
@@ -659,7 +672,7 @@ def render_throughput(targets: Sequence[Target], args: argparse.Namespace) -> st
 
 
 def goals(targets: Sequence[Target]) -> str:
-    noop, sits = targets
+    noop, sits = targets[:2]
     if not (noop.rates and sits.rates):
         return "Goals: n/a (a target failed)"
     rate = statistics.median(sits.rates)
@@ -808,8 +821,14 @@ def render_memory(samples: Sequence[tuple[int, float, float, int]],
 def bench(args: argparse.Namespace) -> int:
     started = time.monotonic()
     failed = False
-    with tempfile.TemporaryDirectory(prefix="sitsmesh-accesslog-bench-") as tmp:
-        targets, errors = throughput(args, Path(tmp))
+    with tempfile.TemporaryDirectory(prefix="sitsmesh-accesslog-bench-") as tmp, \
+            contextlib.ExitStack() as stack:
+        redis_url = ""
+        if args.shared:  # the hop bus's cost: a redis-server for the shared target
+            from sitsmesh.dev.redis import redis_server
+
+            redis_url = stack.enter_context(redis_server(Path(tmp) / "redis")).url
+        targets, errors = throughput(args, Path(tmp), redis_url)
         print(f"\nStreamAccessLogs, direct gRPC: {args.client_procs} client processes, "
               f"{args.streams} streams x {args.messages} messages x "
               f"{args.entries_per_message} entries "
@@ -852,6 +871,9 @@ def bench(args: argparse.Namespace) -> int:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--rounds", type=int, default=5, help="rounds per target (default 5)")
+    p.add_argument("--shared", action="store_true",
+                   help="also a sitsmesh with shared_runtime=redis (its own redis-server): "
+                        "what the hop bus costs per entry")
     p.add_argument("--streams", type=int, default=4,
                    help="concurrent StreamAccessLogs calls (default 4)")
     p.add_argument("--client-procs", type=int, default=2,

@@ -376,7 +376,8 @@ class ChainsComponent:
         release = self.bus.release if self.bus is not None else self._release
         servicer = AccessLogServicer(
             sink, release, max_request_id=self._settings.request_id_max_length,
-            on_drop=self._metrics.dropped if self._metrics is not None else None)
+            on_drop=self._metrics.dropped if self._metrics is not None else None,
+            pace=self.bus.room if self.bus is not None else None)
         return [DataService(ACCESSLOG_SERVICE, lambda server: (
             als_pb2_grpc.add_AccessLogServiceServicer_to_server(servicer, server)))]
 

@@ -31,7 +31,8 @@ DEFAULT_KEY = "sitsmesh:bus:hops"
 # Entries the stream keeps (approximately): minutes of hops at thousands a second, so a
 # reader that lost its connection for a moment resumes where it was.
 STREAM_LENGTH = 200_000
-MAX_PENDING = 50_000      # events buffered while Redis is slow; the oldest go first
+MAX_PENDING = 50_000      # events buffered while Redis is slow; past it, applied here
+HIGH_WATER = 20_000       # past it, access-log streams wait (gRPC flow control to Envoy)
 MAX_BATCH = 1_000         # events in one stream entry
 READ_COUNT = 200
 READ_BLOCK_MS = 500
@@ -99,10 +100,11 @@ class HopBus:
         # Other kinds of event the bus carries (a replica's pressure report), by kind.
         self._handlers: dict[str, Callable[[list[Any]], None]] = {}
         self._wake = asyncio.Event()
+        self._drained = asyncio.Event()
         self.published = 0
         self.applied = 0
         self.fallbacks = 0     # events applied here because Redis did not take them
-        self.dropped = 0       # events lost: the buffer was full while Redis was down
+        self.overflowed = 0    # events applied here because the buffer was full
         self.malformed = 0
 
     # --- the ingestion path: no I/O -----------------------------------------
@@ -128,10 +130,20 @@ class HopBus:
     def _push(self, event: _Event) -> None:
         pending = self._pending
         if len(pending) >= MAX_PENDING:
-            del pending[: MAX_PENDING // 10]
-            self.dropped += MAX_PENDING // 10
+            # Never lost: applied here, as when Redis is down (this process's own chains
+            # and holds stay right), and counted.
+            self.overflowed += 1
+            self._apply([event])
+            return
         pending.append(event)
         self._wake.set()
+
+    async def room(self) -> None:
+        """Wait while the publisher is behind: a stream that calls this between messages
+        slows its sender (Envoy) through gRPC flow control instead of growing the buffer."""
+        while len(self._pending) > HIGH_WATER:
+            self._drained.clear()
+            await self._drained.wait()
 
     # --- background ------------------------------------------------------------
 
@@ -150,11 +162,14 @@ class HopBus:
                     await self._client.xadd(self._key, {"b": json.dumps(batch)},
                                             maxlen=STREAM_LENGTH, approximate=True)
                     self.published += len(batch)
+                    if len(self._pending) <= HIGH_WATER:
+                        self._drained.set()
                 except Exception as exc:  # Redis down or slow: keep this process right
                     self.fallbacks += len(batch)
                     _log.warning("hop bus publish failed; applying here only",
                                  events=len(batch), error=str(exc))
                     self._apply(batch)
+                    self._drained.set()
 
     async def _read_forever(self) -> None:
         last = "$"

@@ -5,7 +5,7 @@ Each entry also ends its request's admission hold (matched by request id).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -58,16 +58,19 @@ class HopSink(Protocol):
 
     def add(self, hop: Hop) -> None: ...
 
-
 class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     def __init__(self, assembler: HopSink,
                  release: Callable[[str, float | None], bool], *,
                  max_request_id: int = DEFAULT_MAX_REQUEST_ID,
-                 on_drop: Callable[[str], None] | None = None) -> None:
+                 on_drop: Callable[[str], None] | None = None,
+                 pace: Callable[[], Awaitable[None]] | None = None) -> None:
         self._assembler = assembler
         self._release = release
         self._max_request_id = max_request_id
         self._on_drop = on_drop
+        # Awaited between messages when the sink can fall behind (the shared hop bus):
+        # the stream then slows its sender instead of growing a buffer.
+        self._pace = pace
         self.entries = 0
         self.dropped = 0
 
@@ -86,7 +89,10 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
     async def _consume(self, request_iterator: AsyncIterator[Any], add: Callable[[Hop], None],
                        release: Callable[[str, float | None], bool],
                        max_request_id: int) -> None:
+        pace = self._pace
         async for message in request_iterator:
+            if pace is not None:
+                await pace()
             for entry in message.http_logs.log_entry:
                 self.entries += 1
                 if entry.common_properties.intermediate_log_entry:

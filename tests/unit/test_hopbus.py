@@ -29,3 +29,17 @@ def test_a_hop_round_trips_through_json() -> None:
 def test_malformed_events_are_refused(event: object) -> None:
     with pytest.raises(ValueError):
         decode(event)
+
+
+def test_past_its_buffer_the_bus_applies_events_here_instead_of_dropping_them() -> None:
+    from typing import Any, cast
+
+    from sitsmesh.shared import hopbus
+
+    seen: list[Hop] = []
+    bus = hopbus.HopBus(cast(Any, None), deliver=seen.append, release=lambda r, e: True)
+    hop = Hop("r", 1.0, 0.1, upstream_cluster="pre")
+    for _ in range(hopbus.MAX_PENDING + 5):
+        bus.add(hop)
+    assert len(seen) == 5 and bus.overflowed == 5  # nothing published is lost either
+    assert len(bus._pending) == hopbus.MAX_PENDING  # noqa: SLF001 - the bound itself
