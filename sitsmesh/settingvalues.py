@@ -28,13 +28,18 @@ def int_range(low: int, high: int) -> Callable[[Any], int]:
     return parse
 
 
-def seconds(raw: Any) -> float:
+def _number(raw: Any, expected: str) -> float:
+    """`raw` as a float (a bool is no number); ValueError naming what was `expected`."""
     if isinstance(raw, bool) or not isinstance(raw, int | float | str):
-        raise ValueError(f"expected a number of seconds, got {raw!r}")
+        raise ValueError(f"expected {expected}, got {raw!r}")
     try:
-        value = float(raw)
+        return float(raw)
     except ValueError:
-        raise ValueError(f"expected a number of seconds, got {raw!r}") from None
+        raise ValueError(f"expected {expected}, got {raw!r}") from None
+
+
+def seconds(raw: Any) -> float:
+    value = _number(raw, "a number of seconds")
     if not 0 <= value <= 3600:
         raise ValueError(f"must be between 0 and 3600 seconds, got {value:g}")
     return value
@@ -42,12 +47,7 @@ def seconds(raw: Any) -> float:
 
 def fraction(raw: Any) -> float:
     """A ratio in [0, 1]."""
-    if isinstance(raw, bool) or not isinstance(raw, int | float | str):
-        raise ValueError(f"expected a number between 0 and 1, got {raw!r}")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"expected a number between 0 and 1, got {raw!r}") from None
+    value = _number(raw, "a number between 0 and 1")
     if not 0 <= value <= 1:
         raise ValueError(f"must be between 0 and 1, got {value:g}")
     return value
