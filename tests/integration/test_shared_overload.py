@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ import pytest
 from sitsmesh.dev import harness
 from sitsmesh.dev.redis import RedisServer, redis_server
 from sitsmesh.dev.stagesvc import StageService
+from tests import sharedstack
+from tests.sharedstack import replicas
 
 pytestmark = pytest.mark.integration
 
@@ -68,12 +71,8 @@ def fleet(tmp_path: Path, redis: RedisServer) -> Iterator[Fleet]:
     envoys: list[harness.Envoy] = []
     state = tmp_path / "state"
     try:
-        for name in ("a", "b"):
-            node = harness.start_sitsmesh(tmp_path, "--state-dir", str(state), "--redis-url",
-                                          redis.url, "--shared-runtime", "redis",
-                                          "--reload-interval-seconds", "0.2", name=name)
-            node.state_dir = state
-            nodes.append(node)
+        nodes += replicas(partial(harness.start_sitsmesh, tmp_path), state,
+                                      redis.url)
         a = nodes[0]
         (tmp_path / "plain.yaml").write_text(PIPELINE)
         (tmp_path / "thresholds.yaml").write_text(THRESHOLDS)
@@ -152,12 +151,6 @@ def _drive(fleet: Fleet, envoys: list[harness.Envoy], rate: float, seconds: floa
     return sorted(results, key=lambda r: r.sent)
 
 
-def _leader(nodes: list[harness.Sitsmesh]) -> harness.Sitsmesh:
-    leading = [n for n in nodes if '"leading"' in n.output()]
-    assert len(leading) == 1
-    return leading[0]
-
-
 def test_two_replicas_shed_as_one_and_shedding_survives_the_leaders_death(
         fleet: Fleet) -> None:
     # 80 requests/s over both Envoys against a stage that serves 50: each replica alone
@@ -172,7 +165,7 @@ def test_two_replicas_shed_as_one_and_shedding_survives_the_leaders_death(
     for node in fleet.nodes:  # either replica reports the same decision
         assert node.pressure("plain").fraction < 0.9
 
-    leader = _leader(fleet.nodes)
+    leader = sharedstack.leader(fleet.nodes)
     survivor = next(n for n in fleet.nodes if n is not leader)
     survivor_envoy = fleet.envoys[fleet.nodes.index(survivor)]
     assert leader.stop(signal.SIGKILL) != 0

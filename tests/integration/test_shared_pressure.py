@@ -13,12 +13,13 @@ from typing import Any
 
 import grpc
 import pytest
-from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
 from google.rpc import code_pb2
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.dev.redis import RedisServer, redis_server
+from tests import sharedstack
+from tests.sharedstack import check, replicas
 
 Start = Callable[..., harness.Sitsmesh]
 PIPELINE = """\
@@ -36,15 +37,8 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def _replicas(start: Start, tmp_path: Path, redis: RedisServer) -> list[harness.Sitsmesh]:
-    state = tmp_path / "state"
-    nodes = []
-    for name in ("a", "b"):  # one after the other: a creates the shared admin token
-        node = start("--state-dir", str(state), "--redis-url", redis.url,
-                     "--shared-runtime", "redis", "--reload-interval-seconds", "0.2",
-                     "--admission-hold-seconds", "60", name=name)
-        node.state_dir = state
-        nodes.append(node)
-    return nodes
+    return replicas(start, tmp_path / "state", redis.url,
+                                "--admission-hold-seconds", "60")
 
 
 def _watch(node: harness.Sitsmesh) -> admin_pb2.PipelinePressure:
@@ -65,24 +59,6 @@ def _in_flight(node: harness.Sitsmesh) -> int:
         return -1
 
 
-def _check(node: harness.Sitsmesh, key: str, request_id: str) -> int:
-    http = attribute_context_pb2.AttributeContext.HttpRequest(
-        method="POST", path="/v2/models/bert/infer", id=request_id,
-        headers={"x-api-key": key, "x-request-id": request_id})
-    request = external_auth_pb2.CheckRequest(attributes=attribute_context_pb2.AttributeContext(
-        request=attribute_context_pb2.AttributeContext.Request(http=http)))
-    with grpc.insecure_channel(node.data_addr) as channel:
-        reply = external_auth_pb2_grpc.AuthorizationStub(channel).Check(request, timeout=5)
-    code: int = reply.status.code
-    return code
-
-
-def _leader(nodes: list[harness.Sitsmesh]) -> harness.Sitsmesh:
-    leading = [n for n in nodes if '"leading"' in n.output()]
-    assert len(leading) == 1, [n.output()[-2000:] for n in nodes]
-    return leading[0]
-
-
 def test_one_controller_sees_both_replicas_and_either_reports_it(
         start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
     a, b = _replicas(start_sitsmesh, tmp_path, redis)
@@ -93,19 +69,19 @@ def test_one_controller_sees_both_replicas_and_either_reports_it(
     assert a.cli("pipelines", "apply", str(tmp_path / "p.yaml")).returncode == 0
     harness.wait_until(lambda: _in_flight(a) == 0 and _in_flight(b) == 0, 5,
                        "the pipeline on both")
-    harness.wait_until(lambda: _check(b, key, "warm") == code_pb2.OK, 5, "the key on b")
+    harness.wait_until(lambda: check(b, key, "warm") == code_pb2.OK, 5, "the key on b")
     harness.wait_until(lambda: _in_flight(a) == 1 == _in_flight(b), 5, "b's hold on both")
     base = 1
     # Traffic through a only, held in flight (no access logs): both replicas' controller
     # input counts it, and whichever replica is asked reports the same.
     for n in range(60):
-        assert _check(a, key, f"r{n}") == code_pb2.OK
+        assert check(a, key, f"r{n}") == code_pb2.OK
     harness.wait_until(lambda: _in_flight(a) == base + 60 and _in_flight(b) == base + 60, 5,
                        "the 60 held requests seen by both replicas")
     seen_a, seen_b = _watch(a), _watch(b)
     assert seen_a.arrival_rate > 0 and seen_b.arrival_rate > 0
     assert seen_a.fraction == seen_b.fraction
-    assert _leader([a, b]) in (a, b)  # exactly one of them leads
+    assert sharedstack.leader([a, b]) in (a, b)  # exactly one of them leads
 
 
 def test_the_other_replica_takes_over_within_a_second_when_the_leader_dies(
@@ -116,7 +92,7 @@ def test_the_other_replica_takes_over_within_a_second_when_the_leader_dies(
     harness.wait_until(lambda: all(_in_flight(n) == 0 for n in nodes), 5, "the pipeline")
     harness.wait_until(lambda: sum('"leading"' in n.output() for n in nodes) == 1, 5,
                        "one leader")
-    leader = _leader(nodes)
+    leader = sharedstack.leader(nodes)
     survivor = next(n for n in nodes if n is not leader)
     assert leader.stop(signal.SIGKILL) != 0
     died = time.monotonic()
@@ -177,7 +153,7 @@ def test_workers_share_the_controller_chains_and_caps_through_redis(
     # Fresh connections: the kernel spreads them over both workers.
     codes = []
     for n in range(40):  # over several report ticks (0.1 s): overshoot stays a tick's worth
-        codes.append(_check(node, key, f"w{n}"))
+        codes.append(check(node, key, f"w{n}"))
         time.sleep(0.01)
     admitted = codes.count(code_pb2.OK)
     # The cap of 30 holds over both workers (a tick's overshoot at most).

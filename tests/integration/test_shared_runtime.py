@@ -13,13 +13,13 @@ import grpc
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
-from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from google.rpc import code_pb2
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.dev.redis import RedisServer, redis_server
+from tests.sharedstack import check, replicas
 
 Start = Callable[..., harness.Sitsmesh]
 PIPELINE = """\
@@ -39,15 +39,10 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 def _pair(start: Start, tmp_path: Path, redis: RedisServer, shared: str
           ) -> tuple[harness.Sitsmesh, harness.Sitsmesh]:
-    state = tmp_path / f"state-{shared}"
-    args = ("--state-dir", str(state), "--redis-url", redis.url, "--shared-runtime", shared,
-            "--reload-interval-seconds", "0.2", "--admission-hold-seconds", "30")
-    nodes = []
-    for name in ("a", "b"):  # one after the other: a creates the shared admin token
-        node = start(*args, name=f"{name}-{shared}")
-        node.state_dir = state  # the harness names its own; the last --state-dir wins
-        nodes.append(node)
-    return nodes[0], nodes[1]
+    a, b = replicas(start, tmp_path / f"state-{shared}", redis.url,
+                                "--admission-hold-seconds", "30", shared=shared,
+                                names=(f"a-{shared}", f"b-{shared}"))
+    return a, b
 
 
 def _admin(node: harness.Sitsmesh) -> admin_pb2_grpc.AdminStub:
@@ -106,18 +101,6 @@ def test_without_shared_runtime_each_replica_sees_only_its_part(
     assert _chains(a)[0] == _chains(b)[0] == 0
 
 
-def _check(node: harness.Sitsmesh, key: str, request_id: str) -> int:
-    http = attribute_context_pb2.AttributeContext.HttpRequest(
-        method="POST", path="/v2/models/bert/infer", id=request_id,
-        headers={"x-api-key": key, "x-request-id": request_id})
-    request = external_auth_pb2.CheckRequest(attributes=attribute_context_pb2.AttributeContext(
-        request=attribute_context_pb2.AttributeContext.Request(http=http)))
-    with grpc.insecure_channel(node.data_addr) as channel:
-        reply = external_auth_pb2_grpc.AuthorizationStub(channel).Check(request, timeout=5)
-    code: int = reply.status.code
-    return code
-
-
 def _access_log(node: harness.Sitsmesh, request_id: str) -> None:
     entry = accesslog_pb2.HTTPAccessLogEntry(
         request=accesslog_pb2.HTTPRequestProperties(request_id=request_id))
@@ -136,12 +119,12 @@ def test_the_hold_of_a_check_ends_whichever_replica_gets_its_access_log(
                  "1").returncode == 0
     made = a.cli("apikeys", "create", "--tenant", "acme", "--output", "json")
     key = json.loads(made.stdout)["key"]
-    harness.wait_until(lambda: _check(a, key, "probe-a") == code_pb2.OK, 5, "key on a")
+    harness.wait_until(lambda: check(a, key, "probe-a") == code_pb2.OK, 5, "key on a")
     _access_log(a, "probe-a")
-    harness.wait_until(lambda: _check(a, key, "first") == code_pb2.OK, 5, "a slot on a")
-    assert _check(a, key, "second") == code_pb2.RESOURCE_EXHAUSTED
+    harness.wait_until(lambda: check(a, key, "first") == code_pb2.OK, 5, "a slot on a")
+    assert check(a, key, "second") == code_pb2.RESOURCE_EXHAUSTED
     _access_log(b, "first")  # the request ended; its entry reached the other replica
-    harness.wait_until(lambda: _check(a, key, "third") == code_pb2.OK, 2,
+    harness.wait_until(lambda: check(a, key, "third") == code_pb2.OK, 2,
                        "the slot freed through b")
 
 
@@ -170,17 +153,17 @@ def test_a_tenant_cap_counts_the_requests_held_on_every_replica(
                  "2").returncode == 0
     key = json.loads(a.cli("apikeys", "create", "--tenant", "acme", "--output",
                            "json").stdout)["key"]
-    harness.wait_until(lambda: _check(b, key, "b-1") == code_pb2.OK, 5, "key and cap on b")
-    assert _check(a, key, "a-1") == code_pb2.OK
+    harness.wait_until(lambda: check(b, key, "b-1") == code_pb2.OK, 5, "key and cap on b")
+    assert check(a, key, "a-1") == code_pb2.OK
     # Two held, one on each replica: once each has the other's count (a report every
     # 0.1 s), the cap of 2 is reached on both.
     time.sleep(0.5)
-    assert _check(a, key, "a-probe") == code_pb2.RESOURCE_EXHAUSTED
-    assert _check(b, key, "b-probe") == code_pb2.RESOURCE_EXHAUSTED
+    assert check(a, key, "a-probe") == code_pb2.RESOURCE_EXHAUSTED
+    assert check(b, key, "b-probe") == code_pb2.RESOURCE_EXHAUSTED
     _access_log(b, "a-1")  # a's request ended; its entry reached b
-    harness.wait_until(lambda: _check(b, key, "b-2") == code_pb2.OK, 2, "a slot for b")
+    harness.wait_until(lambda: check(b, key, "b-2") == code_pb2.OK, 2, "a slot for b")
     time.sleep(0.5)
-    assert _check(a, key, "a-2") == code_pb2.RESOURCE_EXHAUSTED  # b's two count on a
+    assert check(a, key, "a-2") == code_pb2.RESOURCE_EXHAUSTED  # b's two count on a
 
 
 def _chain_report(node: harness.Sitsmesh) -> admin_pb2.LatencyChain:
