@@ -2,10 +2,10 @@
 SIGKILL under load costs at most the requests in flight at that instant, and a rolling
 restart of all three costs none.
 
-The replicas share admin state through one --state-dir (SQLite in WAL mode works across
-processes on one machine) and rate-limit counts through one real redis-server. Envoy has
-all three as endpoints of sitsmesh_data, for ext_authz and ratelimit, with the
-fragments' active gRPC health checks, outlier detection and retries.
+As the issue sets it up: the replicas share admin state through one real PostgreSQL and
+rate-limit counts, hops and the controller's lease through one real redis-server. Envoy
+has all three as endpoints of sitsmesh_data, for ext_authz, ratelimit and access logs,
+with the fragments' active gRPC health checks, outlier detection and retries.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import pytest
 
 from sitsmesh.dev import harness
 from sitsmesh.dev.redis import RedisServer, redis_server
+from tests.pgcluster import pg_cluster, pg_url  # noqa: F401 - fixtures
 
 Start = Callable[..., harness.Sitsmesh]
 INFER = "/v2/models/llama-3/infer"
@@ -155,12 +156,14 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 @pytest.fixture
 def replicas(tmp_path: Path, start_sitsmesh: Start, upstream: int,
-             redis: RedisServer) -> Iterator[Replicas]:
+             redis: RedisServer, pg_url: str) -> Iterator[Replicas]:  # noqa: F811
     config = tmp_path / "ratelimit.yaml"
     config.write_text(RATELIMIT_CONFIG)
+    # One state dir too: it holds the admin token the CLI calls of every replica use.
     state = tmp_path / "shared-state"
-    args = ("--ratelimit-config", str(config), "--ratelimit-store", "redis",
-            "--redis-url", redis.url, "--store-replicas", "3",
+    args = ("--state-url", pg_url, "--ratelimit-config", str(config),
+            "--ratelimit-store", "redis", "--redis-url", redis.url,
+            "--shared-runtime", "redis", "--store-replicas", "3",
             "--reload-interval-seconds", "0.2")
 
     def start(name: str, addrs: tuple[str, str, str] | None = None) -> harness.Sitsmesh:
@@ -174,7 +177,7 @@ def replicas(tmp_path: Path, start_sitsmesh: Start, upstream: int,
     key: str = json.loads(made.stdout)["key"]
     nodes = [first, start("replica1"), start("replica2")]
     envoy = harness.start_envoy(tmp_path, first.data_addr, upstream,
-                                fragments=["ext_authz", "ratelimit"],
+                                fragments=["ext_authz", "ratelimit", "access_log"],
                                 replicas=[n.data_addr for n in nodes])
     generation = iter(range(3, 100))
 

@@ -47,6 +47,12 @@ def check_cluster(bootstrap: Doc) -> None:
     assert outlier.get("enforcing_consecutive_gateway_failure") == 100, \
         "Envoy enforces gateway-failure ejection 0% of the time by default"
     assert 0 < outlier["max_ejection_percent"] <= 50, "never eject a majority"
+    [thresholds] = cluster["circuit_breakers"]["thresholds"]
+    budget = thresholds["retry_budget"]
+    # Every Check in flight on a lost replica is retried at once: Envoy's default of
+    # 3 concurrent retries turned the rest into 403s.
+    assert budget["budget_percent"]["value"] >= 50
+    assert budget["min_retry_concurrency"] >= 16
 
 
 def check_retries(grpc_service: Doc, filter_timeout: str) -> None:
@@ -92,6 +98,9 @@ BREAKS: list[tuple[str, Any]] = [
     ("cluster", lambda c: c["health_checks"][0].pop("grpc_health_check")),
     ("cluster", lambda c: c["health_checks"][0].update(interval="30s")),
     ("cluster", lambda c: c.pop("common_lb_config")),
+    ("cluster", lambda c: c.pop("circuit_breakers")),
+    ("cluster", lambda c: c["circuit_breakers"]["thresholds"][0]["retry_budget"].update(
+        min_retry_concurrency=3)),
     (_AUTHZ, lambda f: f["grpc_service"].pop("retry_policy")),
     (_AUTHZ, lambda f: f["grpc_service"]["retry_policy"].update(retry_on="5xx")),
     (_AUTHZ, lambda f: f["grpc_service"]["retry_policy"].update(num_retries=0)),
