@@ -56,6 +56,7 @@ from sitsmesh.transport.metrics import add_to_server as add_metrics
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
 from sitsmesh.transport.ratelimit import RateLimitServicer
 from sitsmesh.transport.ratelimit import add_to_server as add_ratelimit
+from sitsmesh.transport.streams import OpenStreams
 
 STORE_HEALTH = "sitsmesh.ratelimit.store"
 # Rule counters and expiry sweeps: once a second keeps scrapes and holds fresh enough
@@ -235,13 +236,13 @@ class PressureComponent:
     def gate(self) -> PressureGate | None:
         return self.runtime.gate if self.runtime is not None else None
 
-    def services(self) -> list[DataService]:
+    def services(self, streams: OpenStreams) -> list[DataService]:
         """Envoy's stats sink, where the controller runs: each stage's queue as Envoy
         sees it."""
         if self.runtime is None:
             return []
         servicer = MetricsServicer(self.shared.envoy if self.shared is not None
-                                   else self.runtime.on_envoy)
+                                   else self.runtime.on_envoy, streams)
         return [DataService(METRICS_SERVICE, lambda server: add_metrics(servicer, server))]
 
     def attach(self, chains: ChainsComponent) -> None:
@@ -369,7 +370,7 @@ class ChainsComponent:
         sink = self.bus or self.assembler
         return sink.add if sink is not None else None
 
-    def services(self) -> list[DataService]:
+    def services(self, streams: OpenStreams) -> list[DataService]:
         if self.assembler is None:
             return []
         sink: HopSink = self.bus if self.bus is not None else self.assembler
@@ -377,7 +378,7 @@ class ChainsComponent:
         servicer = AccessLogServicer(
             sink, release, max_request_id=self._settings.request_id_max_length,
             on_drop=self._metrics.dropped if self._metrics is not None else None,
-            pace=self.bus.room if self.bus is not None else None)
+            pace=self.bus.room if self.bus is not None else None, streams=streams)
         return [DataService(ACCESSLOG_SERVICE, lambda server: (
             als_pb2_grpc.add_AccessLogServiceServicer_to_server(servicer, server)))]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
@@ -33,6 +33,7 @@ from sitsmesh.transport.admin.ratelimit import RateLimitAdmin
 from sitsmesh.transport.admin.status import StatusAdmin
 from sitsmesh.transport.admin.swaps import SwapAdmin
 from sitsmesh.transport.admin.tenants import TenantAdmin
+from sitsmesh.transport.streams import OpenStreams
 
 
 class Role(enum.Enum):
@@ -50,6 +51,8 @@ class Graph:
     chains: ChainsComponent
     pressure: PressureComponent | None
     swaps: SwapsComponent | None
+    # Envoy's access-log and stats streams, ended when the drain window closes.
+    streams: OpenStreams = field(default_factory=OpenStreams)
 
     @property
     def parts(self) -> tuple[RateLimitComponent | AuthzComponent | ChainsComponent
@@ -59,9 +62,9 @@ class Graph:
 
     def data_services(self) -> list[DataService]:
         """The Envoy-facing services this process serves (none in a supervisor)."""
-        pressure = self.pressure.services() if self.pressure is not None else []
-        return [*self.authz.services(), *self.ratelimit.services(), *self.chains.services(),
-                *pressure]
+        pressure = self.pressure.services(self.streams) if self.pressure is not None else []
+        return [*self.authz.services(), *self.ratelimit.services(),
+                *self.chains.services(self.streams), *pressure]
 
     async def start(self) -> None:
         for part in self.parts:

@@ -37,6 +37,7 @@ from sitsmesh.transport.auth import BearerTokenInterceptor, CallerGate
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
 from sitsmesh.transport.metrics import SERVICE_NAME as METRICS_SERVICE
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
+from sitsmesh.transport.streams import OpenStreams
 
 _log = logs.get("sitsmesh.server")
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -174,11 +175,15 @@ def _stop_event(on_hup: Callable[[], None] | None = None) -> asyncio.Event:
 
 
 async def _drain_and_stop(settings: Settings, board: StatusBoard,
-                          servers: list[aio.Server]) -> None:
+                          servers: list[aio.Server], streams: OpenStreams) -> None:
     board.set_all(Serving.DRAINING)
     _log.info("draining", drain_seconds=settings.drain_seconds)
     await asyncio.sleep(settings.drain_seconds)
     board.set_all(Serving.NOT_SERVING)
+    # Envoy never ends these itself: left open they held stop() for the whole grace.
+    ended = streams.end_all()
+    if ended:
+        _log.info("ended Envoy streams", streams=ended)
     await asyncio.gather(*(s.stop(settings.grace_seconds) for s in servers))
 
 
@@ -217,7 +222,7 @@ async def run_worker(settings: Settings, index: int,
     on_ready()
     _log.info("worker serving", data_addr=data, **structlog_ctx)
     await stop.wait()
-    await _drain_and_stop(settings, board, [server])
+    await _drain_and_stop(settings, board, [server], graph.streams)
     await graph.stop()
     await state.close()
     _log.info("worker stopped", **structlog_ctx)
@@ -322,7 +327,7 @@ async def run(settings: Settings) -> int:
         await stop.wait()
         if pool is not None:
             pool.terminate()
-        await _drain_and_stop(settings, board, servers)
+        await _drain_and_stop(settings, board, servers, graph.streams)
         clean = True
         if pool is not None:
             clean = await pool.wait(settings.drain_seconds + settings.grace_seconds + 5)

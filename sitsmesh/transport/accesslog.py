@@ -15,6 +15,7 @@ from grpc import aio
 from sitsmesh.chains.assembler import Hop
 from sitsmesh.errors import InvalidArgumentError
 from sitsmesh.transport.errors import abort
+from sitsmesh.transport.streams import OpenStreams
 
 SERVICE_NAME = als_pb2.DESCRIPTOR.services_by_name["AccessLogService"].full_name
 STAGE_HEADER = "x-sits-stage"
@@ -63,8 +64,10 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                  release: Callable[[str, float | None], bool], *,
                  max_request_id: int = DEFAULT_MAX_REQUEST_ID,
                  on_drop: Callable[[str], None] | None = None,
-                 pace: Callable[[], Awaitable[None]] | None = None) -> None:
+                 pace: Callable[[], Awaitable[None]] | None = None,
+                 streams: OpenStreams | None = None) -> None:
         self._assembler = assembler
+        self._streams = streams or OpenStreams()
         self._release = release
         self._max_request_id = max_request_id
         self._on_drop = on_drop
@@ -79,7 +82,8 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
         add, release = self._assembler.add, self._release
         max_request_id = self._max_request_id
         try:
-            await self._consume(request_iterator, add, release, max_request_id)
+            await self._streams.run(
+                self._consume(request_iterator, add, release, max_request_id))
         except DecodeError:
             # grpc would answer UNKNOWN with an exception name; say what was wrong.
             await abort(context, InvalidArgumentError(

@@ -25,6 +25,7 @@ from grpc import aio
 from sitsmesh.errors import InvalidArgumentError
 from sitsmesh.pressure.signals import EnvoySample
 from sitsmesh.transport.errors import abort
+from sitsmesh.transport.streams import OpenStreams
 
 SERVICE_NAME = "envoy.service.metrics.v3.MetricsService"
 _METHOD = "StreamMetrics"
@@ -123,27 +124,33 @@ def samples_from(message: Any) -> dict[str, EnvoySample]:
 class MetricsServicer:
     """One stream per Envoy; `on_samples(node, samples)` takes each flush's clusters."""
 
-    def __init__(self, on_samples: Callable[[str, dict[str, EnvoySample]], None]) -> None:
+    def __init__(self, on_samples: Callable[[str, dict[str, EnvoySample]], None],
+                 streams: OpenStreams | None = None) -> None:
         self._on_samples = on_samples
+        self._streams = streams or OpenStreams()
 
     async def StreamMetrics(self, request_iterator: AsyncIterator[Any],
                             context: aio.ServicerContext[Any, Any]) -> Any:
-        node = ""
         try:
-            async for message in request_iterator:
-                if message.HasField("identifier"):
-                    # Sent on the stream's first message only.
-                    node = message.identifier.node.id
-                    if type(node) is not str or not node:
-                        node = context.peer()
-                samples = samples_from(message)
-                if samples:
-                    self._on_samples(node or context.peer(), samples)
+            await self._streams.run(self._consume(request_iterator, context))
         except DecodeError:
             # grpc would answer UNKNOWN with an exception name; say what was wrong.
             await abort(context, InvalidArgumentError(
                 "a StreamMetricsMessage could not be parsed"))
         return StreamMetricsResponse()
+
+    async def _consume(self, request_iterator: AsyncIterator[Any],
+                       context: aio.ServicerContext[Any, Any]) -> None:
+        node = ""
+        async for message in request_iterator:
+            if message.HasField("identifier"):
+                # Sent on the stream's first message only.
+                node = message.identifier.node.id
+                if type(node) is not str or not node:
+                    node = context.peer()
+            samples = samples_from(message)
+            if samples:
+                self._on_samples(node or context.peer(), samples)
 
 
 def add_to_server(servicer: MetricsServicer, server: aio.Server) -> None:

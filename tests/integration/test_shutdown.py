@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
+import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 from grpc import aio
@@ -16,6 +19,15 @@ from sitsmesh.dev import harness
 
 Start = Callable[..., harness.Sitsmesh]
 SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def _active_calls(envoy: harness.Envoy) -> int:
+    name = "cluster.sitsmesh_data.upstream_rq_active"
+    for line in envoy.admin_get(f"/stats?filter=^{name}$").splitlines():
+        key, _, value = line.partition(": ")
+        if key == name:
+            return int(value)
+    return 0
 
 
 async def _hammer(node: harness.Sitsmesh, sigterm_after: float,
@@ -78,3 +90,29 @@ async def test_sigterm_with_workers_drains_every_worker(start_sitsmesh: Start) -
     code = await asyncio.get_running_loop().run_in_executor(None, node.proc.wait, 30)
     assert code == 0, node.output()
     assert node.output().count('"worker stopped"') == 2
+
+
+def test_envoys_open_streams_end_at_the_drain_so_sigterm_does_not_wait_out_the_grace(
+        tmp_path: Path, start_sitsmesh: Start, upstream: int) -> None:
+    """Envoy never closes its access-log and stats streams; a replica used to wait its
+    whole grace for them on every shutdown (and then cut them off)."""
+    grace, drain = 20.0, 0.5
+    node = start_sitsmesh("--grace-seconds", str(grace), drain=drain)
+    envoy = harness.start_envoy(tmp_path, node.data_addr, upstream,
+                                fragments=["access_log", "metrics_service"])
+    try:
+        for _ in range(5):
+            with urllib.request.urlopen(envoy.url("/v2/models/bert/infer"), timeout=5) as r:
+                assert r.status == 200
+        harness.wait_until(lambda: _active_calls(envoy) >= 2, 10,
+                           "Envoy's access-log and stats streams to open")
+        began = time.monotonic()
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(grace + 10) == 0, node.output()
+        took = time.monotonic() - began
+    finally:
+        envoy.kill()
+    assert took < drain + 3, f"shutdown took {took:.1f} s: it waited for the grace"
+    ended = [json.loads(line) for line in node.output().splitlines()
+             if '"ended Envoy streams"' in line]
+    assert ended and ended[0]["streams"] >= 2, node.output()[-3000:]
