@@ -85,6 +85,8 @@ class Settings:
     ratelimit_expiration_jitter_seconds: int = 0
     # --- shared runtime state: README "Replicas" ---
     shared_runtime: str = "off"
+    # --- RLQS (rate_limit_quota): README "Quotas in Envoy (RLQS)" ---
+    rlqs_assignment_ttl_s: int = 20
     reload_interval_seconds: float = 1.0
     authz_api_key_headers: tuple[str, ...] = ("x-api-key", "authorization")
     authz_peer_tenants: Mapping[str, str] = field(default_factory=dict)
@@ -235,6 +237,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "ratelimit_metric_names": values.choice(("sitsmesh", "envoyproxy", "both")),
     "ratelimit_expiration_jitter_seconds": values.int_range(0, 86_400),
     "shared_runtime": values.choice(("off", "redis")),
+    "rlqs_assignment_ttl_s": values.int_range(6, 3600),
     "reload_interval_seconds": values.seconds,
     "authz_api_key_headers": values.header_names,
     "authz_peer_tenants": values.mapping,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # The data-plane services an allowlist can name, as `data_callers` keys.
-DATA_SERVICES = ("authz", "ratelimit", "accesslog", "metrics")
+DATA_SERVICES = ("authz", "ratelimit", "accesslog", "metrics", "quota")
 _LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
 

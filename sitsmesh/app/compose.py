@@ -23,6 +23,7 @@ from sitsmesh.app.components import (
     RateLimitComponent,
     SwapsComponent,
 )
+from sitsmesh.app.quota import QuotaComponent
 from sitsmesh.config import Settings
 from sitsmesh.state import StateStore
 from sitsmesh.status import StatusBoard
@@ -51,20 +52,22 @@ class Graph:
     chains: ChainsComponent
     pressure: PressureComponent | None
     swaps: SwapsComponent | None
+    quota: QuotaComponent
     # Envoy's access-log and stats streams, ended when the drain window closes.
     streams: OpenStreams = field(default_factory=OpenStreams)
 
     @property
     def parts(self) -> tuple[RateLimitComponent | AuthzComponent | ChainsComponent
-                             | PressureComponent | SwapsComponent, ...]:
+                             | PressureComponent | SwapsComponent | QuotaComponent, ...]:
         return tuple(p for p in (self.ratelimit, self.authz, self.chains, self.pressure,
-                                 self.swaps) if p is not None)
+                                 self.swaps, self.quota) if p is not None)
 
     def data_services(self) -> list[DataService]:
         """The Envoy-facing services this process serves (none in a supervisor)."""
         pressure = self.pressure.services(self.streams) if self.pressure is not None else []
         return [*self.authz.services(), *self.ratelimit.services(),
-                *self.chains.services(self.streams), *pressure]
+                *self.chains.services(self.streams), *pressure,
+                *self.quota.services(self.streams)]
 
     async def start(self) -> None:
         for part in self.parts:
@@ -97,7 +100,8 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
         pressure.attach(chains)
     if pressure is not None and role is not Role.WORKER:
         swaps = SwapsComponent(settings, store, registry, pressure.runtime)
-    return Graph(ratelimit, authz, chains, pressure, swaps)
+    quota = QuotaComponent(settings, ratelimit, pressure, serve=serve)
+    return Graph(ratelimit, authz, chains, pressure, swaps, quota)
 
 
 async def check_workers(graph: Graph, settings: Settings) -> None:

@@ -37,6 +37,7 @@ from sitsmesh.transport.auth import BearerTokenInterceptor, CallerGate
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
 from sitsmesh.transport.metrics import SERVICE_NAME as METRICS_SERVICE
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
+from sitsmesh.transport.rlqs import SERVICE_NAME as RLQS_SERVICE
 from sitsmesh.transport.streams import OpenStreams
 
 _log = logs.get("sitsmesh.server")
@@ -94,7 +95,8 @@ def _gated(settings: Settings, services: list[DataService],
     if not settings.data_callers:
         return services
     names = {"authz": AUTHZ_SERVICE, "ratelimit": RATELIMIT_SERVICE,
-             "accesslog": ACCESSLOG_SERVICE, "metrics": METRICS_SERVICE}
+             "accesslog": ACCESSLOG_SERVICE, "metrics": METRICS_SERVICE,
+             "quota": RLQS_SERVICE}
     short = {full: key for key, full in names.items()}
     refused = tls.refused_calls(registry)
     gate = CallerGate({names[k]: ids for k, ids in settings.data_callers.items()},

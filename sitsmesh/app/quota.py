@@ -1,0 +1,70 @@
+"""RLQS (Envoy's rate_limit_quota filter): quotas from the rate-limit config and the
+backpressure decisions, enforced by Envoy with no call per request."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
+
+from sitsmesh import logs
+from sitsmesh.app.components import Background, DataService, PressureComponent, RateLimitComponent
+from sitsmesh.config import Settings
+from sitsmesh.pressure.controller import Decision
+from sitsmesh.quota.service import QuotaService
+from sitsmesh.ratelimit.config import Node
+from sitsmesh.transport.rlqs import REFRESH_S, SERVICE_NAME, RateLimitQuotaServicer
+from sitsmesh.transport.streams import OpenStreams
+
+_log = logs.get("sitsmesh.app.quota")
+_NO_DECISIONS: Mapping[str, Decision] = {}
+
+
+class QuotaComponent:
+    """Where the data plane is served by one process. With worker processes each would
+    split the same global rate among the Envoys it happens to hold, so RLQS is served
+    only by a single process (Envoy then falls back to its filter's
+    no_assignment_behavior, and the start-up log says why)."""
+
+    def __init__(self, settings: Settings, ratelimit: RateLimitComponent,
+                 pressure: PressureComponent | None, *, serve: bool) -> None:
+        self._settings = settings
+        self._background = Background()
+        self.servicer: RateLimitQuotaServicer | None = None
+        if not serve:
+            return
+        if settings.workers > 1:
+            _log.warning("RLQS is not served with worker processes: each would split the "
+                         "global rates on its own", workers=settings.workers)
+            return
+        holder = ratelimit.config.holder
+        gate = pressure.gate if pressure is not None else None
+
+        def domains() -> Mapping[str, Node]:
+            return holder.current.domains
+
+        def decisions() -> Mapping[str, Decision]:
+            return gate.snapshot.decisions if gate is not None else _NO_DECISIONS
+
+        def pipeline_for(hint: str, model: str) -> str:
+            return gate.pipeline_for(hint, model) if gate is not None else ""
+
+        self.service = QuotaService(domains, decisions, pipeline_for)
+        self.servicer = RateLimitQuotaServicer(self.service, settings.rlqs_assignment_ttl_s)
+
+    def services(self, streams: OpenStreams) -> list[DataService]:
+        servicer = self.servicer
+        if servicer is None:
+            return []
+        servicer.streams = streams
+        return [DataService(SERVICE_NAME, lambda server: (
+            rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(servicer, server)))]
+
+    async def start(self) -> None:
+        if self.servicer is not None:
+            # Decisions move every controller tick, and one Envoy's report moves the
+            # others' shares: what changed goes out without waiting for their reports.
+            self._background.every(REFRESH_S, self.servicer.push)
+
+    async def stop(self) -> None:
+        await self._background.stop()

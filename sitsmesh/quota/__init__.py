@@ -1,0 +1,1 @@
+"""Quotas Envoy enforces itself (RLQS): what each Envoy may admit, decided here."""

@@ -1,0 +1,136 @@
+"""What governs one RLQS bucket, and the verdicts across all Envoys. Pure.
+
+A bucket id is a map Envoy builds per request (filters/fragments/rate_limit_quota.yaml
+builds tenant, priority and model from the headers ext_authz sets). Two things can
+govern it, and the stricter wins:
+- the rule of the stream's domain, in envoyproxy/ratelimit's format, that its
+  entries reach down the descriptor tree (a map has no order: the tree gives it;
+  entries the tree does not ask for are left out, and `name` is a label);
+- with `priority` and `model` (or `pipeline`) entries, that pipeline's backpressure
+  decision for the priority.
+Buckets that reach the same rule (or the same pipeline and priority) share one
+global rate, whichever Envoy reports them. A bucket nothing governs is allowed, as
+the reference allows a descriptor with no limit.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sitsmesh.pressure.controller import Decision
+from sitsmesh.ratelimit.config import Node, Rule
+from sitsmesh.ratelimit.match import match
+
+LABEL = "name"
+MAX_ENTRIES = 16
+MAX_TEXT = 256
+
+
+class Kind(enum.Enum):
+    ALLOW = "allow"
+    DENY = "deny"
+    SHARED = "shared"  # a global rate, split across the Envoys that report the bucket
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    kind: Kind
+    rate: float = 0.0   # requests/s across every Envoy (SHARED)
+    window_s: int = 1   # the rule's window: the longest a fill may last
+    why: str = ""       # the rule's stats key, or the pipeline
+    group: str = ""     # buckets of one group share the rate
+
+
+ALLOW = Verdict(Kind.ALLOW)
+
+
+def key_of(domain: str, bucket: Mapping[str, str]) -> str:
+    """One string per bucket and domain, the same whatever order the map came in."""
+    return "\x1f".join([domain, *(f"{k}\x1e{v}" for k, v in sorted(bucket.items()))])
+
+
+def check(bucket: Mapping[str, str]) -> str:
+    """Why a bucket id is refused ('' when it is fine): ids are kept per stream."""
+    if not bucket:
+        return "a bucket_id has no entries"
+    if len(bucket) > MAX_ENTRIES:
+        return f"a bucket_id has {len(bucket)} entries (at most {MAX_ENTRIES})"
+    for key, value in bucket.items():
+        if len(key) > MAX_TEXT or len(value) > MAX_TEXT:
+            return f"a bucket_id entry is longer than {MAX_TEXT} characters"
+    return ""
+
+
+def priority_of(bucket: Mapping[str, str]) -> int | None:
+    text = bucket.get("priority", "")
+    return int(text) if text.isdigit() and len(text) < 3 else None
+
+
+def walk(root: Node, bucket: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The bucket's entries the descriptor tree reaches, in the tree's order."""
+    remaining = {k: v for k, v in bucket.items() if k != LABEL}
+    ordered: list[tuple[str, str]] = []
+    level = root
+    while remaining:
+        for key in sorted(remaining):
+            value = remaining[key]
+            node = _child(level, key, value)
+            if node is not None:
+                ordered.append((key, value))
+                del remaining[key]
+                level = node
+                break
+        else:
+            break
+    return ordered
+
+
+def _child(level: Node, key: str, value: str) -> Node | None:
+    exact = f"{key}_{value}"
+    node = level.children.get(exact)
+    if node is None:
+        node = next((n for pattern, n in level.wildcards if pattern.matches(exact)), None)
+    return node if node is not None else level.children.get(key)
+
+
+def rule_verdict(domain: str, root: Node | None, bucket: Mapping[str, str],
+                 fraction: Mapping[str, float]) -> Verdict:
+    """The verdict of the rule `bucket` reaches in one domain's tree. `fraction`: the
+    admitted fraction of each pipeline, for adaptive rules."""
+    if root is None:
+        return ALLOW
+    ordered = walk(root, bucket)
+    if not ordered:
+        return ALLOW
+    node, parts, _ = match(root, ordered)
+    rules = [r for r in (node.rules if node is not None else ()) if not r.unlimited]
+    if not rules or any(r.shadow_mode for r in rules):
+        return ALLOW
+    rule = min(rules, key=lambda r: _rate(r, fraction))
+    rate = _rate(rule, fraction)
+    group = "\x1f".join(("rule", domain, *parts, str(rule.index)))
+    if rate <= 0:
+        return Verdict(Kind.DENY, why=rule.stats_key, group=group)
+    return Verdict(Kind.SHARED, rate, rule.window_s, rule.stats_key, group)
+
+
+def _rate(rule: Rule, fraction: Mapping[str, float]) -> float:
+    scale = fraction.get(rule.adaptive_pipeline, 1.0) if rule.adaptive_pipeline else 1.0
+    return rule.requests_per_unit * scale / max(1, rule.window_s)
+
+
+def admission_verdict(pipeline: str, decision: Decision | None, priority: int,
+                      demand: float) -> Verdict:
+    """A priority's verdict from its pipeline's decision: a priority wholly under the
+    admission level is denied, one wholly over it (or protected) allowed, and the one
+    the level cuts through gets the share of its demand (requests/s, all Envoys) the
+    level admits."""
+    group = f"pipeline\x1f{pipeline}\x1f{priority}"
+    if decision is None or priority >= decision.protected_from or decision.cutoff <= priority:
+        return Verdict(Kind.ALLOW, why=pipeline, group=group)
+    if decision.cutoff >= priority + 1:
+        return Verdict(Kind.DENY, why=pipeline, group=group)
+    admitted = (priority + 1 - decision.cutoff) * max(demand, 1.0)
+    return Verdict(Kind.SHARED, admitted, 1, pipeline, group)

@@ -1,0 +1,81 @@
+"""Divide one global rate among the Envoys that ask for it, by their recent demand.
+
+Envoy 1.40 enforces a token bucket per bucket id and Envoy process, refilled
+continuously at tokens_per_fill / fill_interval, and reads fill_interval in whole
+seconds (a smaller one divides by zero). So a share is a whole number of tokens per
+fill of whole seconds; the fill is chosen per rule, once, long enough that every
+Envoy gets at least one token per fill, and the Envoys' tokens add up to the rule's
+rate exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# Tokens per fill across all Envoys at least this many: coarser shares round badly.
+RESOLUTION = 100
+# An Envoy whose demand is tiny (or just arrived) still gets this fraction of an equal
+# share, so a burst on it is not refused until its next report, 5 s later.
+FLOOR = 0.1
+# The bucket holds about this long of its rate: enough for arrivals that come in
+# clumps, little enough that a new assignment (which starts full) overshoots little.
+BURST_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class TokenShare:
+    tokens_per_fill: int
+    fill_s: int
+    max_tokens: int
+
+    @property
+    def rate(self) -> float:
+        return self.tokens_per_fill / self.fill_s
+
+
+def fill_seconds(rate: float, envoys: int, window_s: int) -> int:
+    """Whole seconds per fill for a global `rate` (requests/s): at least RESOLUTION
+    tokens per fill in all and one per Envoy, never longer than the rule's window."""
+    if rate <= 0:
+        return 1
+    wanted = math.ceil(max(RESOLUTION, envoys) / rate)
+    return max(1, min(wanted, max(1, window_s)))
+
+
+def weights(rate: float, demands: Mapping[str, float | None]) -> dict[str, float]:
+    """Each Envoy's weight: its demand (requests/s), an equal share when not yet known,
+    and never below FLOOR of an equal share."""
+    if not demands:
+        return {}
+    equal = rate / len(demands)
+    floor = max(FLOOR * equal, 1e-9)
+    return {envoy: max(floor, equal if demand is None else demand)
+            for envoy, demand in demands.items()}
+
+
+def split(rate: float, window_s: int, demands: Mapping[str, float | None]
+          ) -> dict[str, TokenShare]:
+    """Each Envoy's token bucket for a global `rate` (requests/s) over `window_s`-second
+    windows, in proportion to `weights`. The tokens per fill add up to the rate (one
+    per Envoy at least: a bucket of zero would refuse everything until a report)."""
+    envoys = sorted(demands)
+    if not envoys:
+        return {}
+    fill = fill_seconds(rate, len(envoys), window_s)
+    total = max(len(envoys), round(rate * fill))
+    weight = weights(rate, demands)
+    whole = sum(weight.values())
+    exact = {e: total * weight[e] / whole for e in envoys}
+    tokens = {e: math.floor(exact[e]) for e in envoys}
+    # Largest remainders take what the floors left, ties by name (stable across calls).
+    left = total - sum(tokens.values())
+    for e in sorted(envoys, key=lambda e: (math.floor(exact[e]) - exact[e], e))[:left]:
+        tokens[e] += 1
+    for e in envoys:
+        if tokens[e] == 0:  # zero would refuse everything until a report: take one
+            tokens[max(envoys, key=lambda o: (tokens[o], o))] -= 1
+            tokens[e] = 1
+    return {e: TokenShare(t, fill, max(1, math.ceil(t / fill * BURST_S)))
+            for e, t in tokens.items()}

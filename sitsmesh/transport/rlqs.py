@@ -1,0 +1,127 @@
+"""envoy.service.rate_limit_quota.v3.RateLimitQuotaService: Envoy's rate_limit_quota
+filter reports usage per bucket; sitsmesh answers, and pushes, quota assignments.
+
+Each stream gets a queue: the report reader and the periodic refresh both put
+replies on it and one writer sends them, since a gRPC call takes one write at a
+time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
+from envoy.type.v3 import ratelimit_strategy_pb2, token_bucket_pb2
+from google.protobuf import duration_pb2, wrappers_pb2
+from google.protobuf.message import DecodeError
+from grpc import aio
+
+from sitsmesh import logs
+from sitsmesh.errors import InvalidArgumentError
+from sitsmesh.quota.buckets import Kind
+from sitsmesh.quota.service import Assignment, QuotaService, Update
+from sitsmesh.transport.errors import abort
+from sitsmesh.transport.streams import OpenStreams
+
+SERVICE_NAME = rlqs_pb2.DESCRIPTOR.services_by_name["RateLimitQuotaService"].full_name
+REFRESH_S = 0.25
+MAX_QUEUED = 64  # replies waiting for one slow Envoy; past it the stream is ended
+
+_Response = rlqs_pb2.RateLimitQuotaResponse
+_Action = _Response.BucketAction
+_Strategy = ratelimit_strategy_pb2.RateLimitStrategy
+_log = logs.get("sitsmesh.transport.rlqs")
+
+
+def _strategy(assignment: Assignment) -> Any:
+    if assignment.kind is Kind.ALLOW:
+        return _Strategy(blanket_rule=_Strategy.ALLOW_ALL)
+    if assignment.kind is Kind.DENY or assignment.share is None:
+        return _Strategy(blanket_rule=_Strategy.DENY_ALL)
+    share = assignment.share
+    return _Strategy(token_bucket=token_bucket_pb2.TokenBucket(
+        max_tokens=share.max_tokens,
+        tokens_per_fill=wrappers_pb2.UInt32Value(value=share.tokens_per_fill),
+        fill_interval=duration_pb2.Duration(seconds=share.fill_s)))
+
+
+def response(updates: Sequence[Update], ttl_s: int) -> Any:
+    actions = []
+    ttl = duration_pb2.Duration(seconds=ttl_s)
+    for bucket_id, assignment in updates:
+        bucket = rlqs_pb2.BucketId(bucket=bucket_id)
+        if assignment is None:
+            actions.append(_Action(bucket_id=bucket, abandon_action=_Action.AbandonAction()))
+        else:
+            actions.append(_Action(bucket_id=bucket, quota_assignment_action=(
+                _Action.QuotaAssignmentAction(assignment_time_to_live=ttl,
+                                              rate_limit_strategy=_strategy(assignment)))))
+    return _Response(bucket_action=actions)
+
+
+class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # type: ignore[misc]
+    def __init__(self, service: QuotaService, ttl_s: int,
+                 streams: OpenStreams | None = None) -> None:
+        self._service = service
+        # Envoy 1.40 reads the TTL's whole seconds, and 0 expires at once.
+        self._ttl_s = max(1, ttl_s)
+        self.streams = streams or OpenStreams()
+        self._queues: dict[str, asyncio.Queue[Sequence[Update] | None]] = {}
+
+    async def StreamRateLimitQuotas(self, request_iterator: AsyncIterator[Any],
+                                    context: aio.ServicerContext[Any, Any]) -> None:
+        try:
+            await self.streams.run(self._serve(request_iterator, context))
+        except DecodeError:
+            await abort(context, InvalidArgumentError(
+                "a RateLimitQuotaUsageReports could not be parsed"))
+
+    async def _serve(self, request_iterator: AsyncIterator[Any],
+                     context: aio.ServicerContext[Any, Any]) -> None:
+        stream = self._service.open()
+        queue: asyncio.Queue[Sequence[Update] | None] = asyncio.Queue()
+        self._queues[stream.name] = queue
+        reader = asyncio.ensure_future(self._read(request_iterator, stream, queue))
+        try:
+            while (updates := await queue.get()) is not None:
+                await context.write(response(updates, self._ttl_s))
+            await reader  # raises what ended the reading, if anything
+        finally:
+            reader.cancel()
+            self._queues.pop(stream.name, None)
+            self._service.close(stream)
+
+    async def _read(self, request_iterator: AsyncIterator[Any], stream: Any,
+                    queue: asyncio.Queue[Sequence[Update] | None]) -> None:
+        try:
+            async for reports in request_iterator:
+                usages = [(dict(u.bucket_id.bucket), u.num_requests_allowed,
+                           u.num_requests_denied,
+                           u.time_elapsed.seconds + u.time_elapsed.nanos * 1e-9)
+                          for u in reports.bucket_quota_usages]
+                updates = self._service.report(stream, reports.domain, usages)
+                if updates:
+                    self._put(stream.name, queue, updates)
+        finally:
+            queue.put_nowait(None)
+
+    def _put(self, name: str, queue: asyncio.Queue[Sequence[Update] | None],
+             updates: Sequence[Update]) -> None:
+        if queue.qsize() >= MAX_QUEUED:
+            # An Envoy that reads nothing: end its stream rather than queue without end
+            # (it opens a new one at its next report).
+            _log.warning("RLQS stream not reading; ending it", stream=name)
+            queue.put_nowait(None)
+            return
+        queue.put_nowait(updates)
+
+    def push(self) -> int:
+        """Send every stream what changed since it was last told; returns how many."""
+        pushes = self._service.refresh()
+        for name, updates in pushes.items():
+            queue = self._queues.get(name)
+            if queue is not None:
+                self._put(name, queue, updates)
+        return len(pushes)

@@ -1,0 +1,139 @@
+"""QuotaService: buckets reach rules of the rate-limit config and pipelines'
+decisions; a global rate is split across every Envoy reporting buckets of one rule;
+what moved is pushed. Pure logic: the real-Envoy proof is
+tests/integration/test_rlqs_envoy.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sitsmesh.pressure.controller import Decision
+from sitsmesh.quota.buckets import Kind
+from sitsmesh.quota.service import MAX_BUCKETS, QuotaService
+from sitsmesh.ratelimit.config import build
+
+CONFIG = """
+domain: edge
+descriptors:
+  - key: tenant
+    value: acme
+    rate_limit: {unit: minute, requests_per_unit: 600}
+  - key: tenant
+    value: free
+    rate_limit: {unit: minute, requests_per_unit: 0}
+  - key: tenant
+    value: vip
+    rate_limit: {unlimited: true}
+"""
+SHED = Decision("infer", "sitsmesh", 0.5, 2.5, 0, 9, 1, "model", "overloaded", 100.0, (), 0.0)
+
+
+class World:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.decisions: dict[str, Decision] = {}
+        config = build([("edge.yaml", CONFIG)])
+        self.service = QuotaService(lambda: config.domains, lambda: self.decisions,
+                                    lambda hint, model: "infer" if model == "llama" else "",
+                                    clock=lambda: self.now)
+
+
+def _bucket(tenant: str, priority: str = "0", model: str = "other") -> dict[str, str]:
+    return {"name": "sitsmesh", "tenant": tenant, "priority": priority, "model": model}
+
+
+def test_buckets_get_their_rules_verdict() -> None:
+    world = World()
+    stream = world.service.open()
+    updates = dict((b["tenant"], a) for b, a in world.service.report(stream, "edge", [
+        (_bucket("acme"), 1, 0, 0.0), (_bucket("free"), 1, 0, 0.0),
+        (_bucket("vip"), 1, 0, 0.0), (_bucket("nobody"), 1, 0, 0.0)]))
+    assert updates["free"] is not None and updates["free"].kind is Kind.DENY
+    assert updates["vip"] is not None and updates["vip"].kind is Kind.ALLOW
+    assert updates["nobody"] is not None and updates["nobody"].kind is Kind.ALLOW
+    acme = updates["acme"]
+    assert acme is not None and acme.kind is Kind.SHARED and acme.share is not None
+    assert acme.share.rate == 10.0  # 600 a minute, one Envoy
+
+
+def test_buckets_of_one_rule_share_its_rate_across_envoys_and_priorities() -> None:
+    world = World()
+    a, b = world.service.open(), world.service.open()
+    world.service.report(a, "edge", [(_bucket("acme", "0"), 90, 0, 0.0),
+                                     (_bucket("acme", "5"), 90, 0, 0.0)])
+    world.service.report(b, "edge", [(_bucket("acme"), 10, 0, 0.0)])
+    world.now = 5.0
+    # Demand: a's two buckets 18/s each, b's 2/s.
+    got = world.service.report(a, "edge", [(_bucket("acme", "0"), 90, 0, 5.0),
+                                           (_bucket("acme", "5"), 90, 0, 5.0)])
+    got += world.service.report(b, "edge", [(_bucket("acme"), 10, 0, 5.0)])
+    world.service.refresh()
+    rates = [bk.due.share.rate for s in (a, b) for bk in s.buckets.values()
+             if bk.due is not None and bk.due.share is not None]
+    assert sum(rates) == 10.0
+    assert rates[2] < rates[0] / 5  # b asks for 2 of 38 requests/s
+
+
+def test_a_pipeline_decision_denies_shed_priorities_and_splits_the_cut_one() -> None:
+    world = World()
+    stream = world.service.open()
+    world.service.report(stream, "edge", [(_bucket("vip", str(p), "llama"), 1, 0, 0.0)
+                                          for p in (0, 2, 5)])
+    world.decisions["infer"] = SHED  # level 2.5: 0-1 shed, half of 2, protected from 9
+    pushes = world.service.refresh()[stream.name]
+    kinds = {b["priority"]: a.kind for b, a in pushes if a is not None}
+    assert kinds == {"0": Kind.DENY, "2": Kind.SHARED}  # 5 stays ALLOW: nothing to push
+    world.decisions["infer"] = dataclasses.replace(SHED, cutoff=0.0)
+    again = world.service.refresh()[stream.name]
+    assert {a.kind for _, a in again if a is not None} == {Kind.ALLOW}
+
+
+def test_the_stricter_of_rule_and_pipeline_wins() -> None:
+    world = World()
+    stream = world.service.open()
+    world.decisions["infer"] = SHED
+    [(_, free_hi)] = world.service.report(stream, "edge", [(_bucket("free", "5", "llama"),
+                                                             1, 0, 0.0)])
+    assert free_hi is not None and free_hi.kind is Kind.DENY  # the rule denies
+    [(_, acme_lo)] = world.service.report(stream, "edge", [(_bucket("acme", "0", "llama"),
+                                                             1, 0, 0.0)])
+    assert acme_lo is not None and acme_lo.kind is Kind.DENY  # the pipeline sheds it
+
+
+def test_small_moves_are_not_pushed_and_replies_repeat_what_envoy_has() -> None:
+    world = World()
+    a, b = world.service.open(), world.service.open()
+    world.service.report(a, "edge", [(_bucket("acme"), 50, 0, 5.0)])
+    world.service.report(b, "edge", [(_bucket("acme"), 50, 0, 5.0)])
+    world.service.refresh()
+    first = next(iter(a.buckets.values())).sent
+    world.now = 5.0
+    [(_, reply)] = world.service.report(a, "edge", [(_bucket("acme"), 52, 0, 5.0)])
+    assert reply == first  # a 4 % move: Envoy keeps its bucket (a new one starts full)
+    assert world.service.refresh() == {}
+
+
+def test_bad_and_too_many_buckets_are_abandoned_not_kept() -> None:
+    world = World()
+    stream = world.service.open()
+    [(_, verdict)] = world.service.report(stream, "edge", [({"tenant": "x" * 300}, 1, 0, 0)])
+    assert verdict is None and not stream.buckets
+    usages = [(_bucket(f"t{i}"), 1, 0, 0.0) for i in range(MAX_BUCKETS + 5)]
+    updates = world.service.report(stream, "edge", usages)
+    assert len(stream.buckets) == MAX_BUCKETS
+    assert sum(a is None for _, a in updates) == 5
+
+
+def test_idle_buckets_are_abandoned_and_closed_streams_forgotten() -> None:
+    world = World()
+    a, b = world.service.open(), world.service.open()
+    world.service.report(a, "edge", [(_bucket("acme"), 1, 0, 0.0)])
+    world.service.report(b, "edge", [(_bucket("acme"), 1, 0, 0.0)])
+    world.now = 1000.0
+    [(_, gone)] = world.service.report(a, "edge", [(_bucket("acme"), 0, 0, 5.0)])
+    assert gone is None and not a.buckets
+    world.service.close(a)
+    world.service.refresh()
+    [bucket] = b.buckets.values()
+    assert bucket.due is not None and bucket.due.share is not None
+    assert bucket.due.share.rate == 10.0  # b alone now
