@@ -19,9 +19,12 @@ RESOLUTION = 100
 # An Envoy whose demand is tiny (or just arrived) still gets this fraction of an equal
 # share, so a burst on it is not refused until its next report, 5 s later.
 FLOOR = 0.1
-# The bucket holds about this long of its rate: enough for arrivals that come in
-# clumps, little enough that a new assignment (which starts full) overshoots little.
-BURST_S = 0.5
+# The bucket holds about this long of its rate, and at least MIN_BURST tokens: a bucket
+# of one token loses whatever accrues while it is full (an Envoy with one token a
+# second and a request every 1/3 s admitted 0.75 a second), and a new assignment
+# starts full, so a big one overshoots.
+BURST_S = 1.0
+MIN_BURST = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,5 +80,5 @@ def split(rate: float, window_s: int, demands: Mapping[str, float | None]
         if tokens[e] == 0:  # zero would refuse everything until a report: take one
             tokens[max(envoys, key=lambda o: (tokens[o], o))] -= 1
             tokens[e] = 1
-    return {e: TokenShare(t, fill, max(1, math.ceil(t / fill * BURST_S)))
+    return {e: TokenShare(t, fill, max(MIN_BURST, math.ceil(t / fill * BURST_S)))
             for e, t in tokens.items()}
