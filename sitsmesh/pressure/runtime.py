@@ -126,6 +126,10 @@ class PressureRuntime:
                     stage, count)
         self.controller.configure(self._pipelines, effective)
 
+    def now(self) -> float:
+        """This process's monotonic clock, the one its signals are stamped in."""
+        return self._clock()
+
     def on_hop(self, pipeline: str, stage: str, hop: Hop) -> None:
         """A hop as of when it happened: its wall-clock start becomes this process's
         monotonic time, and how late its entry came is kept."""

@@ -56,13 +56,16 @@ class PipelineSignals:
         self.open_bins[index] = self.open_bins.get(index, 0) + 1
         self.admit_bins[index] = self.admit_bins.get(index, 0) + 1
 
-    def unhold(self, admitted: float, ended: float | None, arrived: float) -> None:
-        """A held request ended at `ended` (None: its hold timed out), learned at `arrived`."""
+    def unhold(self, admitted: float, ended: float | None, arrived: float,
+               held_at: float | None = None) -> None:
+        """A held request ended at `ended` (None: its hold timed out), learned at `arrived`.
+        `held_at`: the time its hold was recorded at, when that is not `admitted` (a
+        replica's hold arrives binned): the hold is found in that bin."""
         if self.journal is not None:
             self.journal.append((admitted, ended, arrived))
         if self.in_flight > 0:
             self.in_flight -= 1
-        index = int(admitted // BIN_S)
+        index = int((admitted if held_at is None else held_at) // BIN_S)
         left = self.open_bins.get(index, 0) - 1
         if left > 0:
             self.open_bins[index] = left

@@ -170,10 +170,17 @@ class SharedPressure:
                 at = (int(index) + 0.5) * BIN_S - offset
                 for _ in range(int(count)):
                     target.hold(at)
-            for adm, ended, arrived in ends:
+            # An end is learned here now, not when its replica learned it: the watermark
+            # ("every end up to here has arrived") must wait for the report too, or the
+            # ends still on their way count as requests in flight.
+            here = self._runtime.now()
+            for adm, ended, _arrived in ends:
+                # Its hold came binned (above): it is found in the same bin, else it
+                # stayed open for good and counted as in flight from then on.
+                held_at = (int(float(adm) // BIN_S) + 0.5) * BIN_S - offset
                 target.unhold(float(adm) - offset,
                               None if ended is None else float(ended) - offset,
-                              float(arrived) - offset)
+                              here, held_at)
             self._all_arrivals[name] = self._all_arrivals.get(name, 0.0) + int(arrivals)
         self.applied += 1
 

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any, cast
+
 import pytest
 
+from sitsmesh.chains.pipeline import pipeline_from
 from sitsmesh.pressure.controller import Decision, Snapshot
+from sitsmesh.pressure.runtime import PressureRuntime
 from sitsmesh.pressure.stages import SignalAge, StagePressure
-from sitsmesh.shared.pressure import decode_snapshot, encode_snapshot, share_of
+from sitsmesh.shared.pressure import (
+    SharedPressure,
+    decode_snapshot,
+    encode_snapshot,
+    share_of,
+)
+
+PIPELINE = pipeline_from("demo", {"models": ["m*"], "stages": [
+    {"name": "model", "match": {"upstream_cluster": "triton"}, "sla_p99_ms": 250}]})
 
 
 def _snapshot() -> Snapshot:
@@ -42,3 +55,56 @@ def test_a_replica_applies_its_share_of_what_a_decision_counts() -> None:
     assert (mine.fraction, mine.cutoff) == (0.6, 1.4)  # ratios hold for every replica
     tiny = share_of(_snapshot(), {"infer": 0.001}).decisions["infer"]
     assert tiny.concurrency == 1  # a cap never rounds down to "no cap"
+
+
+class _Bus:
+    """Stands in for the hop bus: what one replica publishes, another applies."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Any] = {}
+        self.published: list[Any] = []
+
+    def on(self, kind: str, handler: Any) -> None:
+        self.handlers[kind] = handler
+
+    def publish(self, event: Any) -> None:
+        self.published.append(json.loads(json.dumps(event)))  # as it crosses Redis
+
+
+def _replica(wall_minus_mono: float, clock: list[float]
+             ) -> tuple[SharedPressure, _Bus, PressureRuntime]:
+    runtime = PressureRuntime(None, clock=lambda: clock[0],
+                              wall=lambda: clock[0] + wall_minus_mono, shared=True)
+    runtime.set_pipelines({"demo": PIPELINE})
+    runtime.gate.wall_offset = wall_minus_mono
+    bus = _Bus()
+    shared = SharedPressure(runtime, cast(Any, bus), cast(Any, None), cast(Any, None))
+    return shared, bus, runtime
+
+
+def test_holds_and_ends_from_another_replica_leave_no_hold_open() -> None:
+    """Found by the 2-replica overload bench: a reported hold was opened in its wall
+    clock bin's middle and closed at its exact time, which often fell in the next local
+    bin, so it stayed open for good (237-314 of 1000) and the controller saw a queue."""
+    clock = [100.0]
+    sender, sent, sending = _replica(5000.123456, clock)
+    receiver, _, receiving = _replica(9000.987654, clock)
+    local = sending.local.pipeline("demo")  # what the sender's gate counts
+    for i in range(1000):
+        clock[0] = 100.0 + i * 0.0437
+        local.hold(clock[0])
+        if i % 50 == 49:
+            sender.report()
+    for i in range(1000):
+        clock[0] = 200.0 + i * 0.01
+        local.unhold(100.0 + i * 0.0437, clock[0] - 0.2, clock[0])
+        if i % 50 == 49:
+            sender.report()
+    clock[0] = 220.0
+    for event in sent.published:
+        receiver.apply_report(event)
+    target = receiving.signals.pipeline("demo")
+    assert target.in_flight == 0
+    assert target.open_bins == {}, f"{sum(target.open_bins.values())} holds left open"
+    # Ends are learned when the report is applied, not when the sender learned them.
+    assert min(target.lags) >= 220.0 - 210.0 - 0.01
