@@ -132,11 +132,14 @@ def per_second(run: VariantRun, sla_ms: float) -> list[Second]:
     return out
 
 
-def target_checks(summaries: Sequence[Summary], sla_ms: float
+def target_checks(summaries: Sequence[Summary], sla_ms: float, key: str = "sitsmesh"
                   ) -> list[tuple[str, bool, str]]:
-    """(target, met, the numbers) for sitsmesh in one scenario and flush setting."""
+    """(target, met, the numbers) for sitsmesh (`key`: on that many replicas, like
+    "sitsmesh-x2") in one scenario and flush setting; adaptive_concurrency on as many
+    replicas if it ran so, else the one that ran."""
     by = {s.key: s for s in summaries}
-    sm, ac = by.get("sitsmesh"), by.get("adaptive")
+    suffix = key[len("sitsmesh"):]
+    sm, ac = by.get(key), by.get("adaptive" + suffix) or by.get("adaptive")
     if sm is None:
         return []
     out = [(f"false sheds at 0.5x <= {FALSE_SHED_MAX:.1%}",

@@ -34,13 +34,17 @@ def plot(title: str, columns: Mapping[str, Mapping[str, Sequence[Second]]], capa
         top.plot(xs, [multiplier(x) * capacity for x in xs], "k--", lw=1.2, label="offered")
         top.axhline(capacity, color="k", lw=0.6, alpha=0.4)
         for key, secs in variants.items():
-            color, label = COLORS.get(key, "k"), LABELS.get(key, key)
+            # A variant on N replicas ("sitsmesh-x2"): its variant's colour, dotted.
+            base, _, count = key.partition("-x")
+            color = COLORS.get(base, "k")
+            label = LABELS.get(base, base) + (f" x{count}" if count else "")
+            style = ":" if count else "-"
             top.plot(xs, [s.goodput for s in secs], color=color, lw=1.8, marker=".",
-                     label=label)
+                     ls=style, label=label)
             known = [(x, s.p99_ms) for x, s in zip(xs, secs, strict=True)
                      if s.p99_ms is not None]
             bottom.plot([x for x, _ in known], [v for _, v in known], color=color, lw=1.8,
-                        marker=".", label=label)
+                        marker=".", ls=style, label=label)
         bottom.axhline(sla_ms, color="r", ls="--", lw=1, label=f"SLA {sla_ms:g} ms")
         t = 0.0
         for seg in PROFILE:

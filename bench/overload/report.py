@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from analysis import Summary, fmt_ms, fmt_pct, fmt_s, per_second, target_checks
 from load import multiplier, phase, total_s
-from stack import VariantRun
+from stack import ReplicaShare, VariantRun, base_key
 
 
 def summary_table(summaries: Sequence[Summary]) -> str:
@@ -26,14 +26,20 @@ def summary_table(summaries: Sequence[Summary]) -> str:
     return "\n".join(lines)
 
 
+def sitsmesh_keys(summaries: Sequence[Summary]) -> list[tuple[str, str]]:
+    """(key, label) of every sitsmesh variant that ran, on any number of replicas."""
+    return [(s.key, s.label) for s in summaries if base_key(s.key) == "sitsmesh"]
+
+
 def targets(summaries: Sequence[Summary], sla_ms: float) -> list[str]:
-    checks = target_checks(summaries, sla_ms)
-    if not checks:
-        return ["- sitsmesh was not run: no targets checked"]
-    met = sum(ok for _, ok, _ in checks)
-    return [f"sitsmesh met {met} of {len(checks)} targets:", "",
-            *(f"- {name}: {'met' if ok else '**not met**'} ({detail})"
-              for name, ok, detail in checks)]
+    out: list[str] = []
+    for key, label in sitsmesh_keys(summaries):
+        checks = target_checks(summaries, sla_ms, key)
+        met = sum(ok for _, ok, _ in checks)
+        out += [*([""] if out else []), f"{label} met {met} of {len(checks)} targets:", "",
+                *(f"- {name}: {'met' if ok else '**not met**'} ({detail})"
+                  for name, ok, detail in checks)]
+    return out or ["- sitsmesh was not run: no targets checked"]
 
 
 def seconds_table(runs: Sequence[VariantRun], sla_ms: float) -> str:
@@ -149,12 +155,25 @@ def spread_table(rounds: Sequence[Sequence[Summary]]) -> str:
 
 
 def rounds_met(rounds: Sequence[Sequence[Summary]], sla_ms: float) -> list[str]:
-    checks = [target_checks(s, sla_ms) for s in rounds]
-    if not checks or not checks[0]:
-        return []
-    return [f"- {name}: met in {sum(c[i][1] for c in checks)}/{len(checks)} rounds "
-            f"({'; '.join(c[i][2] for c in checks)})"
-            for i, (name, _, _) in enumerate(checks[0])]
+    out: list[str] = []
+    keys = sitsmesh_keys(rounds[0]) if rounds else []
+    for key, label in keys:
+        checks = [target_checks(s, sla_ms, key) for s in rounds]
+        indent = "  " if len(keys) > 1 else ""
+        if indent:
+            out.append(f"- {label}:")
+        out += [f"{indent}- {name}: met in {sum(c[i][1] for c in checks)}/{len(checks)} "
+                f"rounds ({'; '.join(c[i][2] for c in checks)})"
+                for i, (name, _, _) in enumerate(checks[0])]
+    return out
+
+
+def replica_note(shares: Sequence[ReplicaShare]) -> str:
+    """How the run spread over the replicas."""
+    parts = [f"{r.name}{' (took the lease)' if r.leading else ''}: {r.calls} calls from "
+             f"Envoy, {r.streams} of its streams open at the end, {r.sheds} sheds"
+             for r in shares]
+    return "per replica (calls: Checks plus one per stream): " + "; ".join(parts)
 
 
 def overview(rows: Sequence[tuple[str, str, float, Sequence[Summary]]], sla_ms: float) -> str:
@@ -165,17 +184,20 @@ def overview(rows: Sequence[tuple[str, str, float, Sequence[Summary]]], sla_ms: 
              "| targets met |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for title, flush, capacity, summaries in rows:
         by = {s.key: s for s in summaries}
-        sm, ac = by.get("sitsmesh"), by.get("adaptive")
-        checks = target_checks(summaries, sla_ms)
-        met = f"{sum(ok for _, ok, _ in checks)}/{len(checks)}" if checks else "-"
-        if sm is None:
+        keys = sitsmesh_keys(summaries)
+        if not keys:
             lines.append(f"| {title} | {flush} | {capacity:.1f} | - | - | - | - | - | - | - "
-                         f"| {met} |")
-            continue
-        lines.append(
-            f"| {title} | {flush} | {capacity:.1f} | {fmt_pct(sm.false_shed, 2)} "
-            f"| {sm.goodput_2x:.1f} ({sm.goodput_2x_pct:.0f} %) "
-            f"| {f'{ac.goodput_2x:.1f}' if ac else '-'} | {fmt_ms(sm.p99_2x_ms)} "
-            f"| {fmt_pct(sm.high_all, 2)} | {fmt_s(sm.admission_s)} "
-            f"| {fmt_pct(sm.low_after)} | {met} |")
+                         f"| - |")
+        for key, label in keys:
+            sm = by[key]
+            ac = by.get("adaptive" + key[len("sitsmesh"):]) or by.get("adaptive")
+            checks = target_checks(summaries, sla_ms, key)
+            met = f"{sum(ok for _, ok, _ in checks)}/{len(checks)}"
+            name = title if key == "sitsmesh" else f"{title}, {label}"
+            lines.append(
+                f"| {name} | {flush} | {capacity:.1f} | {fmt_pct(sm.false_shed, 2)} "
+                f"| {sm.goodput_2x:.1f} ({sm.goodput_2x_pct:.0f} %) "
+                f"| {f'{ac.goodput_2x:.1f}' if ac else '-'} | {fmt_ms(sm.p99_2x_ms)} "
+                f"| {fmt_pct(sm.high_all, 2)} | {fmt_s(sm.admission_s)} "
+                f"| {fmt_pct(sm.low_after)} | {met} |")
     return "\n".join(lines)

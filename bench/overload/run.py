@@ -26,10 +26,19 @@ targets are checked for sitsmesh and printed (reported, not enforced), with the
 per-second tables, sitsmesh's decisions every tick and adaptive_concurrency's
 gradient controller. One PNG per scenario: `--png-dir`/overload-<scenario>.png.
 
+With `--replicas 1,2` the variants that sitsmesh's controller decides (seed, sitsmesh)
+run once per replica count, the others on the first count only, on the same stages,
+capacity and load plans. Each count gets its own sitsmesh (N >= 2: N replicas sharing
+one state dir and, through a redis-server, the controller, holds and hops; every Envoy
+lists them all), fresh in every round and stopped before the next count's starts, so
+the counts alternate through a noisy machine's ups and downs. Each such sitsmesh first
+gets the closed loop the capacity is measured with (the first one's measurement sets
+the capacity; the others' are printed).
+
     .venv/bin/python bench/overload/run.py [--scenarios triton,twohop,fanout]
         [--flush 0.02s,1s] [--variants none,adaptive,seed,sitsmesh] [--rounds 1]
-        [--service-ms 20] [--distribution fixed] [--sla-ms 250] [--seed 1]
-        [--json FILE] [--replot FILE]
+        [--replicas 1] [--service-ms 20] [--distribution fixed] [--sla-ms 250]
+        [--seed 1] [--json FILE] [--replot FILE]
 
 One scenario at one flush setting takes about 2 minutes; all of it about 13.
 Exit status 1 if a scenario fails to start or to run (the others still run).
@@ -63,6 +72,11 @@ import topology
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 Rounds = list[dict[str, list[stk.VariantRun]]]  # per round: flush -> the variants' runs
+REPLICAS_NOTE = (
+    "A variant on N >= 2 replicas (labelled xN) runs on N `sitsmesh serve` processes on one "
+    "SQLite state dir with `--shared-runtime redis` on one redis-server; every Envoy lists "
+    "all of them as endpoints of its sitsmesh cluster. Admin calls and WatchPressure (the "
+    "controller tables: the leader's published decision) go to the first replica.")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -81,6 +95,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="access-log flush intervals, comma-separated (default 0.02s,1s)")
     p.add_argument("--variants", default=",".join(stk.VARIANTS),
                    help=f"comma-separated, run in this order (default {','.join(stk.VARIANTS)})")
+    p.add_argument("--replicas", default="1",
+                   help="sitsmesh replica counts, comma-separated, run in this order "
+                        f"(1..{stk.MAX_REPLICAS}; default 1)")
     p.add_argument("--service-ms", type=float, default=20.0,
                    help="the bottleneck's service time (default 20)")
     p.add_argument("--distribution", choices=("fixed", "exp"), default="fixed",
@@ -118,6 +135,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--flush: {exc}")
     args.variant_list = [stk.VARIANTS[k] for k in
                          listed("--variants", args.variants, list(stk.VARIANTS))]
+    counts = listed("--replicas", args.replicas, None)
+    if (not all(c.isdigit() and 1 <= int(c) <= stk.MAX_REPLICAS for c in counts)
+            or len(set(counts)) != len(counts)):
+        p.error(f"--replicas: distinct counts within 1..{stk.MAX_REPLICAS}, not {args.replicas}")
+    args.replica_list = [int(c) for c in counts]
     if args.rounds < 1 or args.plot_round < 1 or args.rounds > 20:
         p.error("--rounds must be within 1..20 and --plot-round >= 1")
     if not 0 <= args.high_share <= 1:
@@ -152,47 +174,77 @@ def say(line: str) -> None:
 
 
 def run_scenario(scenario: scenarios.Scenario, args: argparse.Namespace, tmp: Path
-                 ) -> tuple[scenarios.Backend, float, Rounds]:
+                 ) -> tuple[scenarios.Backend, float, Rounds, list[str]]:
+    """The stages, then per replica count (and, with several counts, per round) a
+    sitsmesh and its variants' runs; returns the capacity, the runs and notes on the
+    closed loops that only warmed a sitsmesh up."""
     opts = scenarios.Options(args.service_ms, args.distribution, args.sla_ms, args.seed)
+    every = list(range(1, args.rounds + 1))
+    # One count: one sitsmesh for every round, as without --replicas.
+    units = ([(args.replica_list[0], every)] if len(args.replica_list) == 1 else
+             [(count, [rnd]) for rnd in every for count in args.replica_list])
     with contextlib.ExitStack() as exits:
         backend = scenario.start(tmp, exits, opts)
-        stack = stk.start_sitsmesh(tmp, backend, exits)
-        if args.capacity > 0:
-            capacity = args.capacity
-        else:
-            capacity, median = stk.measure_capacity(stack, args.capacity_workers,
-                                                    args.capacity_s, args.timeout_s)
-            say(f"[{scenario.key}] capacity measured: {capacity:.1f} rps closed loop "
-                f"({args.capacity_workers} callers, median latency {median:.0f} ms; nominal "
-                f"{backend.nominal_rps:.0f} rps)")
-        rounds: Rounds = []
-        for rnd in range(1, args.rounds + 1):
-            plan = load.schedule(capacity, args.high_share, args.seed + rnd - 1)
-            by_flush: dict[str, list[stk.VariantRun]] = {}
-            for flush in args.flush_list:
-                runs = by_flush.setdefault(flush, [])
-                for variant in args.variant_list:
-                    began = time.monotonic()
-                    one = stk.run_variant(stack, variant, flush, plan, args.timeout_s)
-                    runs.append(one)
-                    s = analysis.summarise(one, capacity, args.sla_ms)
-                    say(f"[{scenario.key}] round {rnd} flush {flush} {variant.label:<21} "
-                        f"false sheds {analysis.fmt_pct(s.false_shed, 2)}  goodput 2x "
-                        f"{s.goodput_2x:5.1f} rps ({s.goodput_2x_pct:3.0f} %)  p99 2x "
-                        f"{analysis.fmt_ms(s.p99_2x_ms):>5} ms  high "
-                        f"{analysis.fmt_pct(s.high_all, 2)}  admission "
-                        f"{analysis.fmt_s(s.admission_s)}  low after "
-                        f"{analysis.fmt_pct(s.low_after)}  ({time.monotonic() - began:.0f} s)")
-            rounds.append(by_flush)
-        return backend, capacity, rounds
+        capacity = args.capacity if args.capacity > 0 else 0.0
+        rounds: Rounds = [{flush: [] for flush in args.flush_list} for _ in every]
+        notes: list[str] = []
+        for count, rnds in units:
+            variants = [stk.replicated(v, count) for v in args.variant_list
+                        if count == args.replica_list[0] or v.policy != "off"]
+            if not variants:
+                continue
+            with contextlib.ExitStack() as mine:  # one sitsmesh at a time
+                tag = "" if len(units) == 1 else f"-r{rnds[0]}"
+                stack = stk.start_sitsmesh(tmp, backend, mine, count, tag)
+                if args.capacity <= 0:
+                    measured, median = stk.measure_capacity(
+                        stack, args.capacity_workers, args.capacity_s, args.timeout_s)
+                    if not capacity:
+                        capacity = measured
+                        say(f"[{scenario.key}] capacity measured: {capacity:.1f} rps closed "
+                            f"loop ({args.capacity_workers} callers, median latency "
+                            f"{median:.0f} ms; nominal {backend.nominal_rps:.0f} rps)")
+                    else:
+                        notes.append(f"round {rnds[0]}, {count} replica(s), warmed up by the "
+                                     f"same closed loop: {measured:.1f} rps, median latency "
+                                     f"{median:.0f} ms (the load plans use {capacity:.1f} rps)")
+                        say(f"[{scenario.key}] {notes[-1]}")
+                for rnd in rnds:
+                    plan = load.schedule(capacity, args.high_share, args.seed + rnd - 1)
+                    for flush in args.flush_list:
+                        for variant in variants:
+                            rounds[rnd - 1][flush].append(
+                                run_one(scenario.key, stack, variant, flush, plan, rnd,
+                                        capacity, args))
+        return backend, capacity, rounds, notes
+
+
+def run_one(key: str, stack: stk.Stack, variant: stk.Variant, flush: str,
+            plan: Sequence[tuple[float, int]], rnd: int, capacity: float,
+            args: argparse.Namespace) -> stk.VariantRun:
+    began = time.monotonic()
+    one = stk.run_variant(stack, variant, flush, plan, args.timeout_s)
+    s = analysis.summarise(one, capacity, args.sla_ms)
+    say(f"[{key}] round {rnd} flush {flush} {variant.label:<21} "
+        f"false sheds {analysis.fmt_pct(s.false_shed, 2)}  goodput 2x "
+        f"{s.goodput_2x:5.1f} rps ({s.goodput_2x_pct:3.0f} %)  p99 2x "
+        f"{analysis.fmt_ms(s.p99_2x_ms):>5} ms  high "
+        f"{analysis.fmt_pct(s.high_all, 2)}  admission "
+        f"{analysis.fmt_s(s.admission_s)}  low after "
+        f"{analysis.fmt_pct(s.low_after)}  ({time.monotonic() - began:.0f} s)")
+    return one
 
 
 def print_scenario(scenario: scenarios.Scenario, backend: scenarios.Backend, capacity: float,
-                   rounds: Rounds, args: argparse.Namespace) -> dict[str, list[analysis.Summary]]:
+                   rounds: Rounds, notes: Sequence[str], args: argparse.Namespace
+                   ) -> dict[str, list[analysis.Summary]]:
     """The scenario's tables; returns the plotted round's summaries per flush."""
     print(f"\n## {scenario.title}\n\n{backend.describe}; capacity {capacity:.1f} rps "
           f"(nominal {backend.nominal_rps:.0f}); bottleneck stage `{backend.bottleneck}`; "
           f"thresholds set: `{backend.thresholds_flow('sitsmesh')}`")
+    if args.replica_list != [1]:
+        print(f"\nsitsmesh replica counts, in this order: {args.replica_list}. "
+              f"{REPLICAS_NOTE}" + "".join(f"\n\n- {n}" for n in notes))
     shown = min(args.plot_round, len(rounds)) - 1
     out: dict[str, list[analysis.Summary]] = {}
     for flush in args.flush_list:
@@ -213,8 +265,8 @@ def print_scenario(scenario: scenarios.Scenario, backend: scenarios.Backend, cap
         print(report.seconds_table(runs, args.sla_ms))
         for r in runs:
             if r.variant.policy == "sitsmesh":
-                print(f"\nsitsmesh controller per second ({scenario.key}, flush {flush}; "
-                      f"stage columns: {backend.bottleneck}):\n")
+                print(f"\n{r.variant.label} controller per second ({scenario.key}, flush "
+                      f"{flush}; stage columns: {backend.bottleneck}):\n")
                 print(report.controller_table(r, args.sla_ms))
             if r.variant.adaptive:
                 print(f"\nadaptive_concurrency per second ({scenario.key}, flush {flush}):\n")
@@ -231,7 +283,9 @@ def print_scenario(scenario: scenarios.Scenario, backend: scenarios.Backend, cap
         for r in runs:
             if r.variant.policy == "sitsmesh":
                 for note in report.controller_notes(r, capacity):
-                    print(f"- sitsmesh controller: {note}")
+                    print(f"- {r.variant.label} controller: {note}")
+            if r.replicas:
+                print(f"- {r.variant.label}: {report.replica_note(r.replicas)}")
     return out
 
 
@@ -283,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix=f"bench-overload-{scenario.key}-") as name:
             tmp = Path(name)
             try:
-                backend, capacity, rounds = run_scenario(scenario, args, tmp)
+                backend, capacity, rounds, notes = run_scenario(scenario, args, tmp)
             except (stk.BenchError, RuntimeError, TimeoutError, OSError, ValueError,
                     grpc.RpcError, subprocess.SubprocessError) as exc:
                 failed = True
@@ -291,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"\n## {scenario.title}\n\nFAILED: {exc}")
                 say(f"FAILED {scenario.key}: {detail}")
                 continue
-        summaries = print_scenario(scenario, backend, capacity, rounds, args)
+        summaries = print_scenario(scenario, backend, capacity, rounds, notes, args)
         overview += [(scenario.key, flush, capacity, s) for flush, s in summaries.items()]
         shown = rounds[min(args.plot_round, len(rounds)) - 1]
         png = draw(scenario.key, scenario.title, capacity,

@@ -10,6 +10,13 @@
 Every variant authenticates through sitsmesh, logs every hop to it and pushes
 Envoy's stats to it; only the admission decision differs. One sitsmesh serves all
 variants of a scenario (as one would in production, it keeps what it learned).
+
+With `replicas` N >= 2 that sitsmesh is N `sitsmesh serve` processes sharing one
+SQLite state dir and, through one redis-server, the controller (a lease: the leader
+decides, the others apply its published decision), admission holds and latency-chain
+hops (--shared-runtime redis). Admin calls and WatchPressure go to the first replica;
+every Envoy lists all replicas as endpoints of its sitsmesh cluster. A variant run on
+N replicas is keyed `<key>-xN` and labelled `<label> xN`.
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ from typing import Any
 import grpc
 import load
 import topology
+from prometheus_client.parser import text_string_to_metric_families
 from scenarios import Backend
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
+from sitsmesh.dev.redis import redis_server
 
 NONE, ADAPTIVE, SEED, SITSMESH = "none", "adaptive", "seed", "sitsmesh"
 
@@ -45,6 +54,7 @@ class Variant:
     label: str
     policy: str      # sitsmesh thresholds policy
     adaptive: bool   # Envoy with the adaptive_concurrency filter
+    replicas: int = 1  # sitsmesh serve processes behind every Envoy
 
 
 VARIANTS = {v.key: v for v in (
@@ -55,17 +65,61 @@ VARIANTS = {v.key: v for v in (
 )}
 
 
+MAX_REPLICAS = 4
+
+
+def replicated(variant: Variant, replicas: int) -> Variant:
+    """The variant run on `replicas` sitsmesh processes (itself for one)."""
+    if replicas == 1:
+        return variant
+    return Variant(f"{variant.key}-x{replicas}", f"{variant.label} x{replicas}",
+                   variant.policy, variant.adaptive, replicas)
+
+
+def base_key(key: str) -> str:
+    """The variant a (possibly replicated) key names: "sitsmesh-x2" -> "sitsmesh"."""
+    return key.split("-x", 1)[0]
+
+
 @dataclass
 class Stack:
     tmp: Path
     backend: Backend
-    node: harness.Sitsmesh
+    node: harness.Sitsmesh   # admin calls and WatchPressure go here
     key: str
+    nodes: list[harness.Sitsmesh] = field(default_factory=list)  # every replica
+
+    @property
+    def replicas(self) -> int:
+        return len(self.nodes)
 
 
-def start_sitsmesh(tmp: Path, backend: Backend, exits: contextlib.ExitStack) -> Stack:
-    node = harness.start_sitsmesh(tmp, *backend.sitsmesh_args)
-    exits.callback(node.kill)
+def _start_nodes(tmp: Path, backend: Backend, exits: contextlib.ExitStack,
+                 replicas: int, tag: str) -> list[harness.Sitsmesh]:
+    if replicas == 1:
+        node = harness.start_sitsmesh(tmp, *backend.sitsmesh_args, name=f"sitsmesh{tag}")
+        exits.callback(node.kill)
+        return [node]
+    prefix = f"sitsmesh-x{replicas}{tag}"
+    redis = exits.enter_context(redis_server(tmp / f"redis-x{replicas}{tag}"))
+    shared = ("--shared-runtime", "redis", "--redis-url", redis.url)
+    nodes = []
+    # One after the other: the first creates the admin token the others read.
+    for name in "abcd"[:replicas]:
+        node = harness.start_sitsmesh(tmp, *backend.sitsmesh_args, *shared,
+                                      name=f"{prefix}-{name}", state_dir=tmp / f"{prefix}-state")
+        exits.callback(node.kill)
+        nodes.append(node)
+    return nodes
+
+
+def start_sitsmesh(tmp: Path, backend: Backend, exits: contextlib.ExitStack,
+                   replicas: int = 1, tag: str = "") -> Stack:
+    """`tag` sets a sitsmesh apart from the scenario's others (its logs, its state)."""
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise BenchError(f"replicas must be within 1..{MAX_REPLICAS}, not {replicas}")
+    nodes = _start_nodes(tmp, backend, exits, replicas, tag)
+    node = nodes[0]
     (tmp / "pipeline.yaml").write_text(backend.pipeline_yaml())
     steps = (("pipelines", "apply", str(tmp / "pipeline.yaml")),
              ("tenants", "create", "acme", "--models", "*", "--priority", "0",
@@ -77,19 +131,22 @@ def start_sitsmesh(tmp: Path, backend: Backend, exits: contextlib.ExitStack) -> 
     made = node.cli("apikeys", "create", "--tenant", "acme", "--output", "json")
     if made.returncode != 0:
         raise BenchError(f"sitsmesh apikeys create failed: {made.stderr}")
-    stack = Stack(tmp, backend, node, str(json.loads(made.stdout)["key"]))
+    stack = Stack(tmp, backend, node, str(json.loads(made.stdout)["key"]), nodes)
     set_policy(stack, "off")
     return stack
 
 
-def pressure_once(stack: Stack) -> admin_pb2.PipelinePressure:
-    return stack.node.pressure(stack.backend.pipeline)
+def pressure_once(stack: Stack, node: harness.Sitsmesh | None = None
+                  ) -> admin_pb2.PipelinePressure:
+    return (node or stack.node).pressure(stack.backend.pipeline)
 
 
-def _pressure_is(stack: Stack, test: Callable[[admin_pb2.PipelinePressure], bool]) -> bool:
-    """A poll for wait_until: a WatchPressure that fails or is slow counts as "not yet"."""
+def _pressure_is(stack: Stack, test: Callable[[admin_pb2.PipelinePressure], bool],
+                 node: harness.Sitsmesh | None = None) -> bool:
+    """A poll for wait_until: a WatchPressure that fails or is slow counts as "not yet"
+    (as does a replica that does not know the pipeline yet)."""
     try:
-        return test(pressure_once(stack))
+        return test(pressure_once(stack, node))
     except grpc.RpcError:
         return False
 
@@ -100,8 +157,10 @@ def set_policy(stack: Stack, policy: str) -> None:
     done = stack.node.cli("thresholds", "set", stack.backend.pipeline, str(path))
     if done.returncode != 0:
         raise BenchError(f"sitsmesh thresholds set ({policy}) failed: {done.stderr}")
+    # Every replica: the others read the thresholds from the shared state store.
     try:
-        harness.wait_until(lambda: _pressure_is(stack, lambda p: p.policy == policy), 20,
+        harness.wait_until(lambda: all(_pressure_is(stack, lambda p: p.policy == policy, n)
+                                       for n in stack.nodes), 20,
                            f"sitsmesh to apply policy {policy}", interval=0.1)
     except TimeoutError as exc:
         raise BenchError(str(exc)) from exc
@@ -189,6 +248,20 @@ class Recorder:
 
 
 @dataclass
+class ReplicaShare:
+    """What one replica got of a run: Envoy's calls to it (every Check, plus one per
+    access-log or stats stream), the streams still open on it at the end (Envoy's
+    access-log and stats streams), the sheds its gate answered, and whether it ever
+    took the controller's lease."""
+
+    name: str
+    calls: int
+    streams: int
+    sheds: int
+    leading: bool
+
+
+@dataclass
 class VariantRun:
     variant: Variant
     flush: str
@@ -198,12 +271,35 @@ class VariantRun:
     settled_s: float | None   # before it, until sitsmesh admitted everything
     pressure: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
     envoy_stats: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    replicas: list[ReplicaShare] = field(default_factory=list)  # with 2 or more
+
+
+def _sheds(node: harness.Sitsmesh) -> float:
+    return sum(sample.value for family in text_string_to_metric_families(node.metrics())
+               for sample in family.samples if sample.name == "sitsmesh_shed_total")
+
+
+def _shares(stack: Stack, envoy: harness.Envoy, before: list[float]) -> list[ReplicaShare]:
+    hosts: dict[str, dict[str, int]] = {}
+    prefix = f"{topology.SITSMESH_CLUSTER}::"
+    for line in envoy.admin_get("/clusters").splitlines():
+        parts = line.split("::")  # cluster::host:port::stat::value, or a cluster-wide line
+        if line.startswith(prefix) and len(parts) == 4 and parts[2] in ("rq_total", "rq_active"):
+            hosts.setdefault(parts[1], {})[parts[2]] = int(parts[3])
+    out = []
+    for node, sheds in zip(stack.nodes, before, strict=True):
+        host = hosts.get(node.data_addr, {})
+        out.append(ReplicaShare(node.log_path.stem, host.get("rq_total", 0),
+                                host.get("rq_active", 0), round(_sheds(node) - sheds),
+                                '"leading"' in node.output()))
+    return out
 
 
 def _envoy(stack: Stack, name: str, flush: str, adaptive: bool) -> harness.Envoy:
     try:
-        return topology.start_envoy(stack.tmp, name, stack.node.data_addr, stack.backend.hops,
-                                    access_log_flush=flush, adaptive=adaptive)
+        return topology.start_envoy(stack.tmp, name, [n.data_addr for n in stack.nodes],
+                                    stack.backend.hops, access_log_flush=flush,
+                                    adaptive=adaptive)
     except RuntimeError as exc:  # Envoy exited: a setup failure of this variant
         raise BenchError(f"envoy ({name}): {str(exc)[-2000:]}") from None
 
@@ -241,7 +337,8 @@ def measure_capacity(stack: Stack, workers: int, seconds: float,
     """Closed loop through a no-control Envoy: (completions/s, median latency ms)."""
     set_policy(stack, "off")
     wait_drained(stack)
-    envoy = _envoy(stack, "capacity", "0.02s", adaptive=False)
+    name = "capacity" if stack.replicas == 1 else f"capacity-x{stack.replicas}"
+    envoy = _envoy(stack, name, "0.02s", adaptive=False)
     try:
         _sanity(stack, envoy, timeout)
         n, latencies, failed = asyncio.run(load.closed_loop(
@@ -272,6 +369,7 @@ def run_variant(stack: Stack, variant: Variant, flush: str,
         _sanity(stack, envoy, timeout)
         settled = wait_admitting(stack)
         time.sleep(0.5)
+        before = [_sheds(n) for n in stack.nodes] if stack.replicas > 1 else []
         t0_box: list[float] = []
         with Recorder(stack, envoy if variant.adaptive else None) as recorder:
             results = asyncio.run(load.open_loop(envoy.listen_port, stack.key,
@@ -279,7 +377,8 @@ def run_variant(stack: Stack, variant: Variant, flush: str,
         drained = _settle(stack, flush)
         if envoy.proc.poll() is not None:
             raise BenchError(f"envoy ({name}) died during the run")
+        shares = _shares(stack, envoy, before) if before else []
     finally:
         envoy.kill()
     return VariantRun(variant, flush, results, t0_box[0], drained, settled,
-                      recorder.pressure, recorder.envoy_stats)
+                      recorder.pressure, recorder.envoy_stats, shares)

@@ -11,12 +11,15 @@ Each hop's route goes to a cluster named after its stage, so a pipeline matches 
 stages by `upstream_cluster`. Only the entry listener authorises and admits (that is
 where shedding happens); every listener logs, so sitsmesh sees each hop's latency.
 The access-log flush is the variable under test; the stats sink (Envoy's per-cluster
-gauges pushed to sitsmesh) is the same in every variant.
+gauges pushed to sitsmesh) is the same in every variant. With several sitsmesh replicas,
+all of them are endpoints of the one `sitsmesh_data` cluster, as a mesh would list them:
+Envoy spreads Checks over them; each of its access-log and stats streams stays on one.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -24,6 +27,7 @@ from typing import Any, cast
 from sitsmesh.dev import envoyconf, harness
 
 HCM = "envoy.filters.network.http_connection_manager"
+SITSMESH_CLUSTER = "sitsmesh_data"  # filters/local/bootstrap.yaml's name for sitsmesh
 EXT_AUTHZ = "envoy.filters.http.ext_authz"
 FRAGMENTS = ["ext_authz", "access_log", "metrics_service"]
 STATS_FLUSH = "0.25s"
@@ -55,16 +59,18 @@ class Hop:
     upstream_port: int
 
 
-def bootstrap(sitsmesh_addr: str, hops: list[Hop], admin_port: int, *, access_log_flush: str,
-              adaptive: bool) -> dict[str, Any]:
+def bootstrap(sitsmesh_addrs: Sequence[str], hops: list[Hop], admin_port: int, *,
+              access_log_flush: str, adaptive: bool) -> dict[str, Any]:
     entry = hops[0]
     values = envoyconf.local_values(
-        sitsmesh_addr=sitsmesh_addr, upstream_port=entry.upstream_port,
+        sitsmesh_addr=sitsmesh_addrs[0], upstream_port=entry.upstream_port,
         listen_port=entry.listen_port, envoy_admin_port=admin_port,
         # Envoy must see sitsmesh healthy before the first Check: probe it often.
         health_interval="0.25s", access_log_flush=access_log_flush, stats_flush=STATS_FLUSH)
     base = envoyconf.render(harness.REPO / "filters" / "local" / "bootstrap.yaml", values,
                             FRAGMENTS)
+    if len(sitsmesh_addrs) > 1:
+        envoyconf.set_endpoints(base, SITSMESH_CLUSTER, sitsmesh_addrs)
     resources = base["static_resources"]
     template = resources["listeners"][0]
     listeners = []
@@ -109,17 +115,19 @@ def _hcm(listener: dict[str, Any]) -> dict[str, Any]:
     raise ValueError("listener without an http_connection_manager")
 
 
-def start_envoy(tmp: Path, name: str, sitsmesh_addr: str, hops: list[Hop], *,
+def start_envoy(tmp: Path, name: str, sitsmesh_addrs: Sequence[str], hops: list[Hop], *,
                 access_log_flush: str, adaptive: bool) -> harness.Envoy:
-    """A fresh Envoy, returned once it is live and sees sitsmesh healthy."""
+    """A fresh Envoy, returned once it is live and sees every sitsmesh replica healthy."""
     admin = harness.free_port()
-    path = envoyconf.write(bootstrap(sitsmesh_addr, hops, admin,
+    path = envoyconf.write(bootstrap(sitsmesh_addrs, hops, admin,
                                      access_log_flush=access_log_flush, adaptive=adaptive),
                            tmp / f"envoy-{name}.yaml")
     envoy = harness.launch_envoy(path, hops[0].listen_port, admin, tmp / f"envoy-{name}.log")
     try:
-        # ext_authz fails closed: the sitsmesh_data cluster must be healthy first.
-        harness.wait_until(lambda: envoy.cluster_health("sitsmesh_data") == ["healthy"], 10,
+        # ext_authz fails closed: the sitsmesh_data cluster must be healthy first, and
+        # every replica in it, or the first Checks would all go to the ones that are.
+        healthy = ["healthy"] * len(sitsmesh_addrs)
+        harness.wait_until(lambda: envoy.cluster_health(SITSMESH_CLUSTER) == healthy, 10,
                            f"envoy ({name}) to see sitsmesh healthy")
     except BaseException:
         envoy.kill()
