@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/sitsmesh dev
+	$(VENV)/bin/sitsmesh dev $(ARGS)
 
 # System packages, as CHECK=PACKAGE pairs; installed when root, otherwise named.
 TEST_SYSDEPS  := "$(PYTHON) -c 'import ensurepip, venv'=python3-venv" \

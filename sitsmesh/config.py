@@ -87,6 +87,7 @@ class Settings:
     shared_runtime: str = "off"
     # --- RLQS (rate_limit_quota): README "Quotas in Envoy (RLQS)" ---
     rlqs_assignment_ttl_s: int = 20
+    admission: str = "calls"
     reload_interval_seconds: float = 1.0
     authz_api_key_headers: tuple[str, ...] = ("x-api-key", "authorization")
     authz_peer_tenants: Mapping[str, str] = field(default_factory=dict)
@@ -238,6 +239,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "ratelimit_expiration_jitter_seconds": values.int_range(0, 86_400),
     "shared_runtime": values.choice(("off", "redis")),
     "rlqs_assignment_ttl_s": values.int_range(6, 3600),
+    "admission": values.choice(("calls", "rlqs")),
     "reload_interval_seconds": values.seconds,
     "authz_api_key_headers": values.header_names,
     "authz_peer_tenants": values.mapping,

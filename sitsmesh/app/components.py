@@ -229,6 +229,8 @@ class PressureComponent:
                 registry, scrape_interval_s=settings.pressure_scrape_seconds,
                 stale_after_s=settings.pressure_stale_seconds,
                 shared=settings.shared_runtime == "redis")
+            # RLQS sheds in Envoy: Check still counts arrivals and holds for the controller.
+            self.runtime.gate.enforce = settings.admission != "rlqs"
             self.thresholds.on_change(self.runtime.set_thresholds)
             self.runtime.scraping = any(e.metrics_url for e in settings.triton_endpoints)
 

@@ -18,6 +18,9 @@ def add_commands(sub: Subcommands) -> None:
     dev.add_argument("--data-addr", default="127.0.0.1:50051", help="sitsmesh data plane")
     dev.add_argument("--triton-ports", default="18000,18001,18002", metavar="HTTP,GRPC,METRICS",
                      help="the demo Triton's ports")
+    dev.add_argument("--admission", choices=("calls", "rlqs"), default="calls",
+                     help="calls: Envoy's ratelimit filter asks sitsmesh per request; rlqs: "
+                          "Envoy's rate_limit_quota filter enforces quotas sitsmesh assigns")
     dev.add_argument("serve_args", nargs=argparse.REMAINDER,
                      help="after --: more `sitsmesh serve` flags")
     dev.set_defaults(func=cmd_dev)
@@ -34,4 +37,5 @@ def cmd_dev(args: argparse.Namespace) -> int:
                          f"{args.triton_ports!r}") from None
     ports = devstack.DevPorts(args.listen_port, args.envoy_admin_port, args.upstream_port,
                               args.data_addr, http, grpc_port, metrics)
-    return devstack.main(Path(args.run_dir), Path(args.filters_dir), ports, serve_args)
+    return devstack.main(Path(args.run_dir), Path(args.filters_dir), ports, serve_args,
+                         admission=args.admission)

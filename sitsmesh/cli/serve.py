@@ -66,6 +66,9 @@ _FLAG_HELP = {
                               "(ratelimit_service_rate_limit_*) or both",
     "shared_runtime": "redis: replicas and workers share latency-chain hops and admission-hold "
                       "releases through redis_url (off: each process keeps its own)",
+    "admission": "who sheds on backpressure: calls (Check and ShouldRateLimit answer 429) or "
+                 "rlqs (Envoy's rate_limit_quota filter, on quotas sitsmesh assigns; Check "
+                 "then only counts)",
     "rlqs_assignment_ttl_s": "seconds an RLQS quota assignment lasts in Envoy without a "
                              "renewal (Envoy reports every 5 s; sitsmesh renews on each)",
     "ratelimit_expiration_jitter_seconds": "random extra seconds [0, N) on Redis counter "

@@ -161,7 +161,10 @@ def _demo_key(bin_dir: Path, serve_args: list[str]) -> str:
     return key
 
 
-def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str]) -> int:
+def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str], *,
+         admission: str = "calls") -> int:
+    """`admission` rlqs: Envoy's rate_limit_quota filter in place of its ratelimit filter,
+    and sitsmesh assigning the quotas (Check then only counts for the controller)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     bin_dir = Path(sys.executable).parent
     upstream = ThreadingHTTPServer(("127.0.0.1", ports.upstream), _DemoUpstream)
@@ -169,8 +172,11 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
 
     values = envoyconf.local_values(sitsmesh_addr=ports.data_addr, upstream_port=ports.upstream,
                                     listen_port=ports.listen, envoy_admin_port=ports.envoy_admin)
+    rlqs = admission == "rlqs"
+    serve_args = ["--admission", admission, *serve_args]
+    limits = "rate_limit_quota" if rlqs else "ratelimit"
     bootstrap = envoyconf.render(filters_dir / "local" / "bootstrap.yaml", values,
-                                 fragments=["ext_authz", "ratelimit", "access_log",
+                                 fragments=["ext_authz", limits, "access_log",
                                             "metrics_service"])
     triton = _start_triton(run_dir, ports)
     if triton is not None:
@@ -217,7 +223,11 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
              "no key: 401"),
             (".venv/bin/sitsmesh status", "admin API, token from the state dir"),
             (f"curl -si -H 'x-api-key: {key}' -H 'x-user: alice' "
-             f"http://127.0.0.1:{ports.listen}/ | head -5", "6th in a minute gets 429"),
+             f"http://127.0.0.1:{ports.listen}/ | head -5", "6th in a minute gets 429")
+            if not rlqs else
+            (f"for i in 1 2 3 4; do curl -s -o /dev/null -w '%{{http_code}} ' -H 'x-api-key: "
+             f"{key}' http://127.0.0.1:{ports.listen}/; done",
+             "RLQS: tenant demo's 30 a minute, enforced in Envoy: 429s"),
             (f".venv/bin/sitsmesh health --addr {ports.data_addr}",
              "gRPC health of the data plane"),
             ("curl -s http://127.0.0.1:9464/metrics | grep sitsmesh_", "Prometheus metrics"),

@@ -31,8 +31,8 @@ class Shed:
 
 
 class PressureGate:
-    __slots__ = ("_budgets", "_clock", "_models", "_pipelines", "_routes", "_u", "samples",
-                 "sheds", "signals", "snapshot", "wall_offset")
+    __slots__ = ("_budgets", "_clock", "_models", "_pipelines", "_routes", "_u", "enforce",
+                 "samples", "sheds", "signals", "snapshot", "wall_offset")
 
     def __init__(self, signals: Signals,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -51,6 +51,8 @@ class PressureGate:
         self.samples: dict[tuple[str, str], tuple[str, str, int]] = {}
         # Wall-clock seconds minus monotonic ones: access-log times are wall clock.
         self.wall_offset = 0.0
+        # False: count, never shed (Envoy sheds, on the quotas RLQS assigns it).
+        self.enforce = True
 
     def set_pipelines(self, pipelines: Mapping[str, Pipeline]) -> None:
         self._pipelines = {name: self.signals.pipeline(name) for name in pipelines}
@@ -91,7 +93,7 @@ class PressureGate:
         # The clock only while a level sheds: the budget is spent then, and only then.
         now = self._clock() if decision is not None and decision.cutoff > 0 else 0.0
         reason = shed_reason(decision, priority, u, in_flight, budget=budget, now=now)
-        if not reason or decision is None:
+        if not reason or decision is None or not self.enforce:
             signals.admitted += 1
             admitted(decision, budget, now)
             return None

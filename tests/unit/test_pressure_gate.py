@@ -50,6 +50,16 @@ def test_requests_find_their_pipeline_by_hint_or_model() -> None:
     assert gate.pipeline_for("", "bert") == ""
 
 
+def test_a_gate_that_does_not_enforce_counts_every_arrival_and_sheds_none() -> None:
+    """--admission rlqs: Envoy sheds on its quotas; Check's gate feeds the controller."""
+    gate = _gate(_decision(cutoff=2.0, concurrency=1))
+    gate.enforce = False
+    assert all(gate.admit("demo", 0, f"r{i}", "acme") is None for i in range(100))
+    signals = gate.signals.pipeline("demo")
+    assert (signals.arrivals, signals.admitted, signals.shed) == (100, 100, 0)
+    assert signals.by_priority[0] == 100 and gate.sheds == {}
+
+
 def test_the_admission_level_sheds_exactly_its_share_of_a_priority() -> None:
     gate = _gate(_decision(cutoff=0.3))
     outcomes = [gate.admit("demo", 0, f"r{i}", "acme") for i in range(1000)]
