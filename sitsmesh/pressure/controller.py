@@ -81,6 +81,8 @@ class Decision:
     # Pipeline requests/s the bottleneck can take: the budget a shedding level spends
     # (see admit.Budget); 0 = none, the level sheds its share of every arrival.
     admit_rate: float = 0.0
+    # Arrivals/s by priority: RLQS turns the level into a rate per priority.
+    priority_rates: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +135,17 @@ class Controller:
             decisions[name] = self._decide(pipeline, thresholds, now)
         self.snapshot = Snapshot(decisions, now)
         return self.snapshot
+
+    def expected_in_flight(self, name: str, signals: PipelineSignals, now: float) -> float:
+        """How many of `signals`' held requests are most likely still running: one
+        replica's own holds (its gate's live counts), judged by what this controller
+        learned of the pipeline's stages and latencies."""
+        state = self._states.get(name)
+        if state is None:
+            return float(signals.in_flight)
+        watermark = now - max(signals.lags, default=0.0)
+        return _in_flight(state, signals, self.thresholds.get(name, Thresholds()), now,
+                          watermark, views=[])
 
     # --- one pipeline ----------------------------------------------------
 
@@ -301,7 +314,7 @@ class Controller:
                         round(cutoff, 4), concurrency, protected_from, tick.retry_after,
                         tick.bottleneck, tick.level, round(tick.state.lam, 3),
                         tuple(tick.views), tick.now, tick.offset, round(tick.in_flight, 2),
-                        round(admit_rate, 3))
+                        round(admit_rate, 3), tuple(round(r, 3) for r in tick.state.shares))
 
     # --- one stage -------------------------------------------------------
 

@@ -124,13 +124,19 @@ def _rate(rule: Rule, fraction: Mapping[str, float]) -> float:
 def admission_verdict(pipeline: str, decision: Decision | None, priority: int,
                       demand: float) -> Verdict:
     """A priority's verdict from its pipeline's decision: a priority wholly under the
-    admission level is denied, one wholly over it (or protected) allowed, and the one
-    the level cuts through gets the share of its demand (requests/s, all Envoys) the
-    level admits."""
+    admission level is denied, one wholly over it (or protected) allowed. The one the
+    level cuts through gets what Check would admit of it: the level's share of its
+    arrivals, or what the bottleneck's budget leaves after the priorities over it,
+    whichever is more. Arrivals come from the decision (counted where Check runs) or,
+    without them, from the buckets' reported `demand` (requests/s, all Envoys)."""
     group = f"pipeline\x1f{pipeline}\x1f{priority}"
     if decision is None or priority >= decision.protected_from or decision.cutoff <= priority:
         return Verdict(Kind.ALLOW, why=pipeline, group=group)
     if decision.cutoff >= priority + 1:
         return Verdict(Kind.DENY, why=pipeline, group=group)
-    admitted = (priority + 1 - decision.cutoff) * max(demand, 1.0)
-    return Verdict(Kind.SHARED, admitted, 1, pipeline, group)
+    rates = decision.priority_rates
+    arriving = rates[priority] if priority < len(rates) and rates[priority] > 0 else demand
+    admitted = (priority + 1 - decision.cutoff) * arriving
+    if decision.admit_rate > 0 and rates:
+        admitted = max(admitted, decision.admit_rate - sum(rates[priority + 1:]))
+    return Verdict(Kind.SHARED, max(admitted, 1.0), 1, pipeline, group)

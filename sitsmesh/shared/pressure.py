@@ -68,7 +68,9 @@ def decode_snapshot(raw: str | bytes, wall_offset: float) -> Snapshot:
             stages = tuple(StagePressure(**{**stage, "signals": tuple(
                 SignalAge(**age) for age in stage["signals"])}) for stage in body["stages"])
             decisions[name] = Decision(**{**body, "stages": stages,
-                                          "at": float(body["at"]) - wall_offset})
+                                          "at": float(body["at"]) - wall_offset,
+                                          "priority_rates": tuple(
+                                              float(r) for r in body.get("priority_rates", ()))})
         return Snapshot(decisions, float(data["at"]) - wall_offset)
     except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"malformed decision: {exc}") from None
@@ -219,8 +221,30 @@ class SharedPressure:
             # No leader for a moment (a failover, or its decision lapsed): the standby's
             # own decision, on the same signals, keeps shedding going meanwhile.
             live = mine
-        runtime.apply(live, share_of(live, self.share))
+        runtime.apply(live, self._own_offsets(share_of(live, self.share)))
         return live
+
+    def _own_offsets(self, snapshot: Snapshot) -> Snapshot:
+        """Each decision's in-flight offset from this replica's own live holds. The
+        decision's offset is the fleet's, as of the last reports: scaled to a share it
+        missed every hold and end since, and at 1 s access-log flush that drift alone
+        tripped the in-flight cap in the calm (6 % false sheds). What this gate holds
+        that most likely ended is known here, now; the fleet's estimate of what still
+        runs, cut to this replica's share, stays a floor."""
+        runtime = self._runtime
+        now = runtime.now()
+        decisions = {}
+        for name, d in snapshot.decisions.items():
+            local = runtime.local.pipelines.get(name)
+            if local is None or not d.concurrency:
+                decisions[name] = d
+                continue
+            part = self.share.get(name, 1.0)
+            expected = max(runtime.controller.expected_in_flight(name, local, now),
+                           d.in_flight * part)
+            decisions[name] = dataclasses.replace(
+                d, in_flight_offset=max(0, round(local.in_flight - expected)))
+        return Snapshot(decisions, snapshot.at)
 
     async def run(self) -> None:
         while True:
