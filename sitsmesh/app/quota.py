@@ -3,21 +3,28 @@ backpressure decisions, enforced by Envoy with no call per request."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Mapping
 
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
+from redis.asyncio import Redis
 
 from sitsmesh import logs
 from sitsmesh.app.components import Background, DataService, PressureComponent, RateLimitComponent
+from sitsmesh.app.tls import redis_url
 from sitsmesh.config import Settings
 from sitsmesh.pressure.controller import Decision
+from sitsmesh.quota.peers import TTL_S, QuotaPeers
 from sitsmesh.quota.service import QuotaService
 from sitsmesh.ratelimit.config import Node
+from sitsmesh.shared.lease import holder_id
 from sitsmesh.transport.rlqs import REFRESH_S, SERVICE_NAME, RateLimitQuotaServicer
 from sitsmesh.transport.streams import OpenStreams
 
 _log = logs.get("sitsmesh.app.quota")
 _NO_DECISIONS: Mapping[str, Decision] = {}
+PEERS_S = 1.0
 
 
 class QuotaComponent:
@@ -51,6 +58,11 @@ class QuotaComponent:
 
         self.service = QuotaService(domains, decisions, pipeline_for)
         self.servicer = RateLimitQuotaServicer(self.service, settings.rlqs_assignment_ttl_s)
+        # Replicas split each global rate over every Envoy of the fleet, through the
+        # Redis the rate limits or the shared runtime already use.
+        self.peers: QuotaPeers | None = None
+        if settings.shared_runtime == "redis" or settings.ratelimit_store == "redis":
+            self.peers = QuotaPeers(Redis.from_url(redis_url(settings)), holder_id())
 
     def services(self, streams: OpenStreams) -> list[DataService]:
         servicer = self.servicer
@@ -65,6 +77,32 @@ class QuotaComponent:
             # Decisions move every controller tick, and one Envoy's report moves the
             # others' shares: what changed goes out without waiting for their reports.
             self._background.every(REFRESH_S, self.servicer.push)
+        if self.peers is not None:
+            self._background.spawn(self._share())
+
+    async def _share(self) -> None:
+        """Every second: this replica's members out, the others' in. Redis down: after
+        its TTL each replica splits among its own Envoys (the fleet then admits up to
+        replicas x the rate: open, as on_store_error=allow), and says so."""
+        assert self.peers is not None
+        failing_since: float | None = None
+        while True:
+            await asyncio.sleep(PEERS_S)
+            try:
+                self.service.remote = await self.peers.sync(self.service.local_members)
+                failing_since = None
+            except Exception as exc:  # Redis down or slow: keep serving from what we had
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    _log.warning("RLQS demand not shared: splitting from the last known",
+                                 error=str(exc))
+                if now - failing_since > TTL_S and self.service.remote:
+                    _log.warning("RLQS demand of other replicas expired: splitting among "
+                                 "this replica's Envoys only")
+                    self.service.remote = {}
 
     async def stop(self) -> None:
         await self._background.stop()
+        if self.peers is not None:
+            await self.peers.close()

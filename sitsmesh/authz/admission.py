@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from sitsmesh.pressure.gate import PressureGate
+from sitsmesh.pressure.gate import UNHELD, PressureGate
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +74,8 @@ class Admission:
         entered = gate.pipeline_for(pipeline, model) if gate is not None else ""
         if gate is not None and entered:
             shed = gate.admit(entered, priority, request_id, tenant)
+            if shed is UNHELD:
+                return ADMIT  # Envoy's quota refuses it (--admission rlqs): nothing to hold
             if shed is not None:
                 return Verdict(False, shed.message, float(shed.retry_after_s), shed.reason)
         counted = tenant if cap > 0 else ""

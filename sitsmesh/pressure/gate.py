@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sitsmesh.chains.pipeline import Pipeline
-from sitsmesh.pressure.admit import Budget, admitted, shed_reason
+from sitsmesh.pressure.admit import LEVEL, Budget, admitted, shed_reason
 from sitsmesh.pressure.controller import Decision, Snapshot
 from sitsmesh.pressure.signals import PipelineSignals, Signals
 
@@ -28,6 +28,11 @@ class Shed:
     reason: str
     retry_after_s: int
     message: str
+
+
+# Gate.admit's answer when it does not enforce and Envoy's quota will refuse the request:
+# let it through Check, and hold nothing for it.
+UNHELD = Shed("", "", 0, "")
 
 
 class PressureGate:
@@ -93,7 +98,15 @@ class PressureGate:
         # The clock only while a level sheds: the budget is spent then, and only then.
         now = self._clock() if decision is not None and decision.cutoff > 0 else 0.0
         reason = shed_reason(decision, priority, u, in_flight, budget=budget, now=now)
-        if not reason or decision is None or not self.enforce:
+        if not self.enforce and reason and decision is not None:
+            # Envoy sheds on its quotas: what they carry of the level it sheds there, so
+            # it is not counted in flight here (held, a request Envoy refused in a
+            # millisecond read as queued at the bottleneck). Quotas carry no in-flight cap.
+            if reason == LEVEL:
+                signals.shed += 1
+                return UNHELD
+            reason = ""
+        if not reason or decision is None:
             signals.admitted += 1
             admitted(decision, budget, now)
             return None

@@ -19,11 +19,13 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sitsmesh.pressure.admit import BURST_S
 from sitsmesh.pressure.controller import Decision
 from sitsmesh.ratelimit.config import Node, Rule
 from sitsmesh.ratelimit.match import match
 
 LABEL = "name"
+BRAKE = 2.0
 MAX_ENTRIES = 16
 MAX_TEXT = 256
 
@@ -41,6 +43,7 @@ class Verdict:
     window_s: int = 1   # the rule's window: the longest a fill may last
     why: str = ""       # the rule's stats key, or the pipeline
     group: str = ""     # buckets of one group share the rate
+    burst_s: float = 1.0  # the token bucket holds this long of its rate
 
 
 ALLOW = Verdict(Kind.ALLOW)
@@ -123,20 +126,32 @@ def _rate(rule: Rule, fraction: Mapping[str, float]) -> float:
 
 def admission_verdict(pipeline: str, decision: Decision | None, priority: int,
                       demand: float) -> Verdict:
-    """A priority's verdict from its pipeline's decision: a priority wholly under the
-    admission level is denied, one wholly over it (or protected) allowed. The one the
-    level cuts through gets what Check would admit of it: the level's share of its
-    arrivals, or what the bottleneck's budget leaves after the priorities over it,
-    whichever is more. Arrivals come from the decision (counted where Check runs) or,
-    without them, from the buckets' reported `demand` (requests/s, all Envoys)."""
+    """A priority's verdict from its pipeline's decision, as Check would apply it.
+
+    Protected: allowed. While the requests in flight are at BRAKE times the decision's
+    cap: denied.
+    Over the admission level: allowed. Under it: the level's share of
+    its arrivals, or what the bottleneck's budget (the decision's admit rate) leaves
+    after every priority over it, whichever is more; nothing left: denied. Arrivals
+    come from the decision (counted where Check runs) or, without them, from the
+    buckets' reported `demand` (requests/s, all Envoys)."""
     group = f"pipeline\x1f{pipeline}\x1f{priority}"
-    if decision is None or priority >= decision.protected_from or decision.cutoff <= priority:
+    if decision is None or priority >= decision.protected_from:
         return Verdict(Kind.ALLOW, why=pipeline, group=group)
-    if decision.cutoff >= priority + 1:
+    if decision.concurrency and decision.in_flight >= BRAKE * decision.concurrency:
+        # An emergency brake for what Check's in-flight cap does per request: a quota is
+        # a rate, and a surge queued past the SLA before the level caught up. At the cap
+        # itself a tick-long DENY_ALL flapped on and off and starved the priority.
         return Verdict(Kind.DENY, why=pipeline, group=group)
+    if decision.cutoff <= priority:
+        return Verdict(Kind.ALLOW, why=pipeline, group=group)
     rates = decision.priority_rates
     arriving = rates[priority] if priority < len(rates) and rates[priority] > 0 else demand
-    admitted = (priority + 1 - decision.cutoff) * arriving
+    admitted = max(0.0, priority + 1 - decision.cutoff) * arriving
     if decision.admit_rate > 0 and rates:
         admitted = max(admitted, decision.admit_rate - sum(rates[priority + 1:]))
-    return Verdict(Kind.SHARED, max(admitted, 1.0), 1, pipeline, group)
+    if admitted < 0.5:
+        return Verdict(Kind.DENY, why=pipeline, group=group)
+    # A small burst, as Check's budget (pressure.admit.BURST_S): Envoy starts every new
+    # token bucket full, and a second's worth on each change queued at the bottleneck.
+    return Verdict(Kind.SHARED, admitted, 1, pipeline, group, BURST_S)

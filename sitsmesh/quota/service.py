@@ -79,6 +79,10 @@ class QuotaService:
         self._clock = clock
         self._names = itertools.count(1)
         self.streams: dict[str, Stream] = {}
+        # Shared rates' members here (what the other replicas read), and theirs
+        # (sitsmesh.quota.peers): group -> member -> demand.
+        self.local_members: dict[str, dict[str, float | None]] = {}
+        self.remote: Mapping[str, Mapping[str, float | None]] = {}
 
     def open(self) -> Stream:
         stream = Stream(f"envoy-{next(self._names)}")
@@ -165,13 +169,17 @@ class QuotaService:
                     admission.setdefault((pipeline, priority), []).append(
                         (stream.name, bucket))
         for (pipeline, priority), members in admission.items():
-            demand = sum(b.demand or 0.0 for _, b in members)
+            group = f"pipeline\x1f{pipeline}\x1f{priority}"
+            demand = sum(b.demand or 0.0 for _, b in members) + sum(
+                d or 0.0 for d in self.remote.get(group, {}).values())
             verdict = buckets.admission_verdict(pipeline, decisions.get(pipeline),
                                                 priority, demand)
             for name, bucket in members:
                 verdicts[name, bucket.key].append(verdict)
             if verdict.kind is Kind.SHARED:
                 groups[verdict.group] = members
+        self.local_members = {group: {f"{n}\x1f{b.key}": b.demand for n, b in members}
+                              for group, members in groups.items()}
         shares = {group: self._split(group, members, verdicts)
                   for group, members in groups.items()}
         for stream in self.streams.values():
@@ -179,13 +187,13 @@ class QuotaService:
                 bucket.due = _stricter(verdicts[stream.name, bucket.key], shares,
                                        f"{stream.name}\x1f{bucket.key}")
 
-    @staticmethod
-    def _split(group: str, members: list[_Member],
+    def _split(self, group: str, members: list[_Member],
                verdicts: Mapping[tuple[str, str], list[Verdict]]) -> dict[str, TokenShare]:
+        """The group's rate across its members here and on the other replicas."""
         name, first = members[0]
         verdict = next(v for v in verdicts[name, first.key] if v.group == group)
-        return split(verdict.rate, verdict.window_s,
-                     {f"{n}\x1f{b.key}": b.demand for n, b in members})
+        demands = {**self.remote.get(group, {}), **self.local_members[group]}
+        return split(verdict.rate, verdict.window_s, demands, verdict.burst_s)
 
 
 def _stricter(verdicts: list[Verdict], shares: Mapping[str, Mapping[str, TokenShare]],

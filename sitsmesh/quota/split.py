@@ -58,8 +58,8 @@ def weights(rate: float, demands: Mapping[str, float | None]) -> dict[str, float
             for envoy, demand in demands.items()}
 
 
-def split(rate: float, window_s: int, demands: Mapping[str, float | None]
-          ) -> dict[str, TokenShare]:
+def split(rate: float, window_s: int, demands: Mapping[str, float | None],
+          burst_s: float = BURST_S) -> dict[str, TokenShare]:
     """Each Envoy's token bucket for a global `rate` (requests/s) over `window_s`-second
     windows, in proportion to `weights`. The tokens per fill add up to the rate (one
     per Envoy at least: a bucket of zero would refuse everything until a report)."""
@@ -80,5 +80,5 @@ def split(rate: float, window_s: int, demands: Mapping[str, float | None]
         if tokens[e] == 0:  # zero would refuse everything until a report: take one
             tokens[max(envoys, key=lambda o: (tokens[o], o))] -= 1
             tokens[e] = 1
-    return {e: TokenShare(t, fill, max(MIN_BURST, math.ceil(t / fill * BURST_S)))
+    return {e: TokenShare(t, fill, max(MIN_BURST, math.ceil(t / fill * burst_s)))
             for e, t in tokens.items()}

@@ -26,7 +26,7 @@ from sitsmesh.transport.errors import abort
 from sitsmesh.transport.streams import OpenStreams
 
 SERVICE_NAME = rlqs_pb2.DESCRIPTOR.services_by_name["RateLimitQuotaService"].full_name
-REFRESH_S = 0.25
+REFRESH_S = 0.05
 MAX_QUEUED = 64  # replies waiting for one slow Envoy; past it the stream is ended
 
 _Response = rlqs_pb2.RateLimitQuotaResponse

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from sitsmesh.dev import harness
+from sitsmesh.dev.redis import redis_server
 
 Start = Callable[..., harness.Sitsmesh]
 PER_MINUTE = 600  # 10/s in all
@@ -161,3 +162,30 @@ def test_sitsmesh_down_keeps_assignments_for_their_ttl_then_fails_open_and_resum
     print(f"\nfailed open {opened:.1f} s after the kill (TTL 6 s); denying again "
           f"{time.monotonic() - restarted:.1f} s after the restart")
     assert opened >= 4.0
+
+
+def test_replicas_split_one_global_limit_across_the_envoys_each_of_them_holds(
+        tmp_path: Path, start_sitsmesh: Start, upstream: int, config: Path,
+        kill_envoys: list[harness.Envoy]) -> None:
+    """Each Envoy's RLQS stream reaches one replica; through Redis every replica splits
+    the rate over the whole fleet's Envoys, so two replicas do not admit twice it."""
+    with redis_server(tmp_path / "redis") as redis:
+        args = ("--ratelimit-config", str(config), "--ratelimit-store", "redis",
+                "--redis-url", redis.url)
+        nodes = [start_sitsmesh(*args, name=f"replica{i}") for i in range(2)]
+        envoys = []
+        for i, node in enumerate(nodes):  # Envoy i talks to replica i only
+            (tmp_path / f"envoy{i}").mkdir()
+            envoys.append(harness.start_envoy(tmp_path / f"envoy{i}", node.data_addr,
+                                              upstream, fragments=["rate_limit_quota"]))
+        kill_envoys += envoys
+        warmup, measured = 11.0, 20.0
+        with Pacer(envoys[0], "acme", 15.0, warmup + measured) as a, \
+                Pacer(envoys[1], "acme", 15.0, warmup + measured) as b:
+            time.sleep(warmup + measured + 0.5)
+    start = min(a.answers[0][0], b.answers[0][0]) + warmup
+    admitted = a.admitted(start, start + measured) + b.admitted(start, start + measured)
+    expected = PER_MINUTE / 60 * measured
+    print(f"\ntwo replicas: admitted {admitted} in {measured:.0f} s (limit {expected:.0f}), "
+          f"{a.admitted(start, start + measured)} + {b.admitted(start, start + measured)}")
+    assert abs(admitted - expected) <= 0.05 * expected, admitted

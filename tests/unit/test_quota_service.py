@@ -25,7 +25,8 @@ descriptors:
     value: vip
     rate_limit: {unlimited: true}
 """
-SHED = Decision("infer", "sitsmesh", 0.5, 2.5, 0, 9, 1, "model", "overloaded", 100.0, (), 0.0)
+SHED = Decision("infer", "sitsmesh", 0.5, 2.5, 0, 9, 1, "model", "overloaded", 100.0, (), 0.0,
+                priority_rates=(10.0,) * 10)
 
 
 class World:
@@ -83,6 +84,8 @@ def test_a_pipeline_decision_denies_shed_priorities_and_splits_the_cut_one() -> 
     pushes = world.service.refresh()[stream.name]
     kinds = {b["priority"]: a.kind for b, a in pushes if a is not None}
     assert kinds == {"0": Kind.DENY, "2": Kind.SHARED}  # 5 stays ALLOW: nothing to push
+    [half] = [a for b, a in pushes if b["priority"] == "2" and a is not None]
+    assert half.share is not None and half.share.rate == 5.0  # half of its 10/s
     world.decisions["infer"] = dataclasses.replace(SHED, cutoff=0.0)
     again = world.service.refresh()[stream.name]
     assert {a.kind for _, a in again if a is not None} == {Kind.ALLOW}
@@ -137,3 +140,33 @@ def test_idle_buckets_are_abandoned_and_closed_streams_forgotten() -> None:
     [bucket] = b.buckets.values()
     assert bucket.due is not None and bucket.due.share is not None
     assert bucket.due.share.rate == 10.0  # b alone now
+
+
+def test_the_cut_priority_gets_what_the_bottlenecks_budget_leaves() -> None:
+    """As Check's budget: under the level, a priority still gets the admit rate the
+    priorities over it leave; above twice the in-flight cap, the brake denies it."""
+    world = World()
+    stream = world.service.open()
+    world.service.report(stream, "edge", [(_bucket("vip", "0", "llama"), 1, 0, 0.0)])
+    rates = (60.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 30.0)
+    world.decisions["infer"] = dataclasses.replace(
+        SHED, cutoff=0.9, protected_from=9, admit_rate=50.0, priority_rates=rates,
+        concurrency=5, in_flight=4.0)
+    [(_, budget)] = world.service.refresh()[stream.name]
+    assert budget is not None and budget.share is not None
+    assert budget.share.rate == 20.0  # 50 the bottleneck takes, 30 of them priority 9
+    world.decisions["infer"] = dataclasses.replace(world.decisions["infer"], in_flight=10.0)
+    [(_, braked)] = world.service.refresh()[stream.name]
+    assert braked is not None and braked.kind is Kind.DENY
+
+
+def test_replicas_split_over_every_envoy_of_the_fleet() -> None:
+    world = World()
+    stream = world.service.open()
+    world.service.report(stream, "edge", [(_bucket("acme"), 50, 0, 5.0)])
+    [group] = world.service.local_members
+    world.service.remote = {group: {"other:1\x1fenvoy-1": 10.0, "other:1\x1fenvoy-2": 30.0}}
+    world.service.refresh()
+    [bucket] = stream.buckets.values()
+    assert bucket.due is not None and bucket.due.share is not None
+    assert bucket.due.share.rate == 2.0  # its 10 of the 50 requests/s asked: 2 of 10/s
