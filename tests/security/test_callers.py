@@ -12,11 +12,14 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from google.protobuf import duration_pb2
 
 from sitsmesh.dev import harness
 from tests.security import pki, tlsnode
@@ -61,6 +64,17 @@ def _should_rate_limit(ch: grpc.Channel) -> rls_pb2.RateLimitResponse:
     return reply
 
 
+def _quota_report(channel: grpc.Channel) -> Any:
+    """One RLQS usage report (1000 requests a second on one bucket); the first reply."""
+    usage = rlqs_pb2.RateLimitQuotaUsageReports.BucketQuotaUsage(
+        bucket_id=rlqs_pb2.BucketId(bucket={"tenant": "acme"}), num_requests_allowed=5000,
+        time_elapsed=duration_pb2.Duration(seconds=5))
+    report = rlqs_pb2.RateLimitQuotaUsageReports(domain="edge", bucket_quota_usages=[usage])
+    stream = rlqs_pb2_grpc.RateLimitQuotaServiceStub(channel).StreamRateLimitQuotas(
+        iter([report]), timeout=5)
+    return next(stream)
+
+
 def test_data_plane_services_answer_only_their_allowlisted_callers(
         tmp_path: Path, ca: Ca, nodes: list[harness.Sitsmesh]) -> None:
     server = ca.issue("server", "IP:127.0.0.1")
@@ -69,8 +83,8 @@ def test_data_plane_services_answer_only_their_allowlisted_callers(
     node = tlsnode.start(
         tmp_path, "--data-tls-cert-file", str(server.cert), "--data-tls-key-file",
         str(server.key), "--data-tls-client-ca-file", str(ca.cert), "--data-callers",
-        f"accesslog={ENVOY_ID},ratelimit={ENVOY_ID},authz={ENVOY_ID},metrics={ENVOY_ID}",
-        data=(ca.cert, envoy))
+        f"accesslog={ENVOY_ID},ratelimit={ENVOY_ID},authz={ENVOY_ID},metrics={ENVOY_ID},"
+        f"quota={ENVOY_ID}", data=(ca.cert, envoy))
     nodes.append(node)
 
     with tlsnode.channel(node.data_addr, ca.cert, intruder) as ch:
@@ -82,6 +96,10 @@ def test_data_plane_services_answer_only_their_allowlisted_callers(
         with pytest.raises(grpc.RpcError) as counted:
             _should_rate_limit(ch)
         assert counted.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # An RLQS stream claiming a huge demand would take most of every shared rate.
+        with pytest.raises(grpc.RpcError) as greedy:
+            _quota_report(ch)
+        assert greedy.value.code() == grpc.StatusCode.PERMISSION_DENIED
         # Health stays open to probes whatever the allowlists say.
         assert tlsnode.health(node.data_addr, ca.cert, intruder) == tlsnode.SERVING
 
@@ -96,6 +114,7 @@ def test_data_plane_services_answer_only_their_allowlisted_callers(
     with tlsnode.channel(node.data_addr, ca.cert, envoy) as ch:
         assert _should_rate_limit(ch).overall_code == rls_pb2.RateLimitResponse.OK
         als_pb2_grpc.AccessLogServiceStub(ch).StreamAccessLogs(_forged_entries(3), timeout=5)
+        assert len(_quota_report(ch).bucket_action) == 1
 
     metrics = node.metrics()
     assert harness.metric_value(metrics, "sitsmesh_data_calls_refused_total",
