@@ -18,8 +18,7 @@ import asyncio
 import dataclasses
 import json
 import math
-import random
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from redis.asyncio import Redis
@@ -40,7 +39,6 @@ SHARE_ALPHA = 0.2          # smoothing of this replica's share of the arrivals
 _log = logs.get("sitsmesh.shared.pressure")
 
 _Counts = tuple[int, int, int, int, tuple[int, ...]]
-_draws = random.Random()  # noqa: S311 - rounding a cap, nothing secret
 
 
 def _counts(signals: PipelineSignals) -> _Counts:
@@ -78,23 +76,14 @@ def decode_snapshot(raw: str | bytes, wall_offset: float) -> Snapshot:
         raise ValueError(f"malformed decision: {exc}") from None
 
 
-def share_of(snapshot: Snapshot, share: Mapping[str, float],
-             draw: Callable[[], float] = _draws.random) -> Snapshot:
-    """What this replica's gate applies: the counts of each decision cut to its share.
-
-    A share of the in-flight cap rounds up with the probability of its fraction (a
-    new `draw` each tick), so the replicas' caps add up to the fleet's on average.
-    Rounded up every time, two replicas held 3 + 3 where one process held 5, and the
-    bottleneck's queue (and p99) stood 20 % higher."""
+def share_of(snapshot: Snapshot, share: Mapping[str, float]) -> Snapshot:
+    """What this replica's gate applies: the counts of each decision cut to its share."""
     decisions = {}
     for name, d in snapshot.decisions.items():
         part = share.get(name, 1.0)
-        cap = d.concurrency * part
-        whole = math.floor(cap)
-        concurrency = max(1, whole + (draw() < cap - whole)) if d.concurrency else 0
         decisions[name] = dataclasses.replace(
-            d, concurrency=concurrency, admit_rate=d.admit_rate * part,
-            in_flight_offset=round(d.in_flight_offset * part))
+            d, concurrency=max(1, math.ceil(d.concurrency * part)) if d.concurrency else 0,
+            admit_rate=d.admit_rate * part, in_flight_offset=round(d.in_flight_offset * part))
     return Snapshot(decisions, snapshot.at)
 
 
