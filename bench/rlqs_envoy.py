@@ -403,18 +403,26 @@ def accuracy_table(cases: Sequence[Case], start: float, args: argparse.Namespace
              "| per Envoy | sent in the window |",
              "|---|---:|---:|---:|---:|---:|---|---|---|---:|"]
     offered = OVERLOAD * args.limit_per_minute / 60
+    starts = range(int(start), int(end), WINDOW_S)
+    split: list[str] = []
     for c in cases:
         got = c.admitted(start, end)
         error = (got - expected) / expected
         goal = "-"
         if c.name == RLQS:
             goal = f"±{GOAL_ERROR:.0%} " + ("met" if abs(error) <= GOAL_ERROR else "**not met**")
-        windows = ", ".join(str(c.admitted(w, w + WINDOW_S))
-                            for w in range(int(start), int(end), WINDOW_S))
+        windows = ", ".join(str(c.admitted(w, w + WINDOW_S)) for w in starts)
+        if len(c.nodes) > 1:  # whose share moved when
+            split.append(f"- {c.name}: " + "; ".join(
+                f"{n.proc.role} " + ", ".join(str(c.admitted(w, w + WINDOW_S, i))
+                                             for w in starts)
+                for i, n in enumerate(c.nodes)))
         per_envoy = " / ".join(str(c.admitted(start, end, i)) for i in range(len(c.nodes)))
         sent = sum(1 for log in c.answers for at, _ in log if start <= at < end)
         lines.append(f"| {c.name} | {len(c.nodes)} | {offered:.0f} | {got} | {expected} "
                      f"| {error:+.2%} | {goal} | {windows} | {per_envoy} | {sent} |")
+    if split:
+        lines += ["", f"Admitted per {WINDOW_S} s, per Envoy:", "", *split]
     return "\n".join(lines)
 
 
