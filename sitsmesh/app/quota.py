@@ -38,6 +38,7 @@ class QuotaComponent:
         self._settings = settings
         self._background = Background()
         self.servicer: RateLimitQuotaServicer | None = None
+        self.peers: QuotaPeers | None = None
         if not serve:
             return
         if settings.workers > 1:
@@ -60,7 +61,6 @@ class QuotaComponent:
         self.servicer = RateLimitQuotaServicer(self.service, settings.rlqs_assignment_ttl_s)
         # Replicas split each global rate over every Envoy of the fleet, through the
         # Redis the rate limits or the shared runtime already use.
-        self.peers: QuotaPeers | None = None
         if settings.shared_runtime == "redis" or settings.ratelimit_store == "redis":
             self.peers = QuotaPeers(Redis.from_url(redis_url(settings)), holder_id())
 

@@ -43,6 +43,8 @@ def test_get_status_reports_version_uptime_services_and_config(
                       ("data", "envoy.service.auth.v3.Authorization"): admin_pb2.SERVING,
                       ("data", "envoy.service.accesslog.v3.AccessLogService"): admin_pb2.SERVING,
                       ("data", "envoy.service.metrics.v3.MetricsService"): admin_pb2.SERVING,
+                      ("data", "envoy.service.rate_limit_quota.v3.RateLimitQuotaService"):
+                      admin_pb2.SERVING,
                       ("admin", "sitsmesh.admin.v1.Admin"): admin_pb2.SERVING}
     assert not reply.workers
 
