@@ -223,10 +223,11 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
              "no key: 401"),
             (".venv/bin/sitsmesh status", "admin API, token from the state dir"),
             (f"curl -si -H 'x-api-key: {key}' -H 'x-user: alice' "
-             f"http://127.0.0.1:{ports.listen}/ | head -5", "6th in a minute gets 429")
+             f"http://127.0.0.1:{ports.listen}/v2/models/demo/infer | head -5",
+             "6th in a minute gets 429")
             if not rlqs else
             (f"for i in 1 2 3 4; do curl -s -o /dev/null -w '%{{http_code}} ' -H 'x-api-key: "
-             f"{key}' http://127.0.0.1:{ports.listen}/; done",
+             f"{key}' http://127.0.0.1:{ports.listen}/v2/models/demo/infer; done",
              "RLQS: tenant demo's 30 a minute, enforced in Envoy: 429s"),
             (f".venv/bin/sitsmesh health --addr {ports.data_addr}",
              "gRPC health of the data plane"),
