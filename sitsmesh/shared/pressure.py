@@ -76,15 +76,34 @@ def decode_snapshot(raw: str | bytes, wall_offset: float) -> Snapshot:
         raise ValueError(f"malformed decision: {exc}") from None
 
 
-def share_of(snapshot: Snapshot, share: Mapping[str, float]) -> Snapshot:
-    """What this replica's gate applies: the counts of each decision cut to its share."""
+def share_of(snapshot: Snapshot, share: Mapping[str, float],
+             caps: Mapping[str, int] | None = None) -> Snapshot:
+    """What this replica's gate applies: the counts of each decision cut to its share;
+    `caps`, this replica's part of each in-flight cap (else its share, rounded up)."""
     decisions = {}
     for name, d in snapshot.decisions.items():
         part = share.get(name, 1.0)
+        cap = (caps or {}).get(name) or max(1, math.ceil(d.concurrency * part))
         decisions[name] = dataclasses.replace(
-            d, concurrency=max(1, math.ceil(d.concurrency * part)) if d.concurrency else 0,
+            d, concurrency=cap if d.concurrency else 0,
             admit_rate=d.admit_rate * part, in_flight_offset=round(d.in_flight_offset * part))
     return Snapshot(decisions, snapshot.at)
+
+
+def cap_parts(cap: int, shares: Mapping[str, float]) -> dict[str, int]:
+    """An in-flight cap cut in whole parts that add up to it (when it can give each
+    replica one), by largest remainder, ties by name: every replica computes the same
+    parts from the same reports. Each rounding its own share up gave two replicas 3 + 3
+    of a cap of 5, and the bottleneck's queue and p99 stood higher."""
+    whole = sum(shares.values())
+    if cap <= 0 or whole <= 0:
+        return {}
+    exact = {r: cap * s / whole for r, s in shares.items()}
+    parts = {r: max(1, math.floor(e)) for r, e in exact.items()}
+    left = cap - sum(parts.values())
+    for r in sorted(exact, key=lambda r: (math.floor(exact[r]) - exact[r], r))[:max(0, left)]:
+        parts[r] += 1
+    return parts
 
 
 # --- the replicas' reports ----------------------------------------------------------
@@ -101,6 +120,8 @@ class SharedPressure:
         self._local_arrivals: dict[str, float] = {}   # since the last share update
         self._all_arrivals: dict[str, float] = {}
         self.share: dict[str, float] = {}
+        self.shares: dict[str, dict[str, float]] = {}  # pipeline -> replica -> share
+        self._sender_arrivals: dict[str, dict[str, float]] = {}
         self.published = 0
         self.applied = 0
         bus.on("p", self.apply_report)
@@ -149,12 +170,13 @@ class SharedPressure:
             self._local_arrivals[name] = self._local_arrivals.get(name, 0.0) + (
                 now[0] - before[0])
         if pipelines:
-            self._bus.publish(["p", pipelines])
+            self._bus.publish(["p", pipelines, self.lease.holder])
 
     def apply_report(self, event: list[Any]) -> None:
         """A replica's report (this one's too) into the signals the controller reads."""
-        if len(event) != 2 or not isinstance(event[1], dict):
-            raise ValueError("a report is ['p', {pipeline: changes}]")
+        if len(event) not in (2, 3) or not isinstance(event[1], dict):
+            raise ValueError("a report is ['p', {pipeline: changes}, replica]")
+        sender = str(event[2]) if len(event) == 3 else ""
         offset = self._runtime.gate.wall_offset
         signals = self._runtime.signals
         for name, changes in event[1].items():
@@ -184,6 +206,8 @@ class SharedPressure:
                               None if ended is None else float(ended) - offset,
                               here, held_at)
             self._all_arrivals[name] = self._all_arrivals.get(name, 0.0) + int(arrivals)
+            senders = self._sender_arrivals.setdefault(name, {})
+            senders[sender] = senders.get(sender, 0.0) + int(arrivals)
         self.applied += 1
 
     def _update_share(self) -> None:
@@ -193,8 +217,26 @@ class SharedPressure:
             part = min(1.0, self._local_arrivals.get(name, 0.0) / total)
             before = self.share.get(name, part)
             self.share[name] = before + SHARE_ALPHA * (part - before)
+            # Every replica's share too, as every replica sees it: the cap's parts.
+            shares = self.shares.setdefault(name, {})
+            counts = self._sender_arrivals.get(name, {})
+            for sender in set(shares) | set(counts):
+                got = counts.get(sender, 0.0) / total
+                was = shares.get(sender, got)
+                shares[sender] = was + SHARE_ALPHA * (got - was)
+                if shares[sender] < 0.001:
+                    del shares[sender]  # a replica gone quiet (or gone)
         self._local_arrivals.clear()
         self._all_arrivals.clear()
+        self._sender_arrivals.clear()
+
+    def caps(self, snapshot: Snapshot) -> dict[str, int]:
+        """This replica's part of each decision's in-flight cap, such that the parts of
+        all replicas add up to the cap (see cap_parts)."""
+        return {name: cap_parts(d.concurrency, self.shares.get(name, {})).get(
+                    self.lease.holder, max(1, math.ceil(d.concurrency
+                                                        * self.share.get(name, 1.0))))
+                for name, d in snapshot.decisions.items() if d.concurrency}
 
     async def tick(self) -> Snapshot | None:
         """Report, decide (every replica: a hot standby), and publish or follow."""
@@ -221,7 +263,7 @@ class SharedPressure:
             # No leader for a moment (a failover, or its decision lapsed): the standby's
             # own decision, on the same signals, keeps shedding going meanwhile.
             live = mine
-        runtime.apply(live, self._own_offsets(share_of(live, self.share)))
+        runtime.apply(live, self._own_offsets(share_of(live, self.share, self.caps(live))))
         return live
 
     def _own_offsets(self, snapshot: Snapshot) -> Snapshot:

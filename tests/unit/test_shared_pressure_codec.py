@@ -13,6 +13,7 @@ from sitsmesh.pressure.runtime import PressureRuntime
 from sitsmesh.pressure.stages import SignalAge, StagePressure
 from sitsmesh.shared.pressure import (
     SharedPressure,
+    cap_parts,
     decode_snapshot,
     encode_snapshot,
     share_of,
@@ -78,7 +79,8 @@ def _replica(wall_minus_mono: float, clock: list[float]
     runtime.set_pipelines({"demo": PIPELINE})
     runtime.gate.wall_offset = wall_minus_mono
     bus = _Bus()
-    shared = SharedPressure(runtime, cast(Any, bus), cast(Any, None), cast(Any, None))
+    lease = type("Lease", (), {"holder": f"replica-{wall_minus_mono}"})()
+    shared = SharedPressure(runtime, cast(Any, bus), cast(Any, None), cast(Any, lease))
     return shared, bus, runtime
 
 
@@ -108,3 +110,17 @@ def test_holds_and_ends_from_another_replica_leave_no_hold_open() -> None:
     assert target.open_bins == {}, f"{sum(target.open_bins.values())} holds left open"
     # Ends are learned when the report is applied, not when the sender learned them.
     assert min(target.lags) >= 220.0 - 210.0 - 0.01
+
+
+def test_the_replicas_parts_of_a_cap_add_up_to_it() -> None:
+    """Each rounding its own share up gave two replicas 3 + 3 of a cap of 5."""
+    assert cap_parts(5, {"a": 0.5, "b": 0.5}) == {"a": 3, "b": 2}  # ties by name
+    assert sum(cap_parts(5, {"a": 0.52, "b": 0.48}).values()) == 5
+    parts = cap_parts(12, {"a": 0.7, "b": 0.2, "c": 0.1})
+    assert sum(parts.values()) == 12
+    assert all(abs(parts[r] - 12 * s) < 1 for r, s in {"a": 0.7, "b": 0.2, "c": 0.1}.items())
+    assert cap_parts(2, {"a": 0.9, "b": 0.05, "c": 0.05}) == {"a": 1, "b": 1, "c": 1}
+    assert cap_parts(0, {"a": 1.0}) == {}
+    # A replica's own part, as share_of applies it.
+    mine = share_of(_snapshot(), {"infer": 0.5}, {"infer": 2}).decisions["infer"]
+    assert mine.concurrency == 2
