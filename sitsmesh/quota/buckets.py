@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from sitsmesh.pressure.admit import BURST_S
 from sitsmesh.pressure.controller import Decision
 from sitsmesh.ratelimit.config import Node, Rule
-from sitsmesh.ratelimit.match import match
+from sitsmesh.ratelimit.match import match, step
 
 LABEL = "name"
 BRAKE = 2.0
@@ -66,6 +66,11 @@ def check(bucket: Mapping[str, str]) -> str:
     return ""
 
 
+def admission_group(pipeline: str, priority: int) -> str:
+    """The shared rate of one pipeline's priority, whichever Envoys report it."""
+    return f"pipeline\x1f{pipeline}\x1f{priority}"
+
+
 def priority_of(bucket: Mapping[str, str]) -> int | None:
     text = bucket.get("priority", "")
     return int(text) if text.isdigit() and len(text) < 3 else None
@@ -79,7 +84,7 @@ def walk(root: Node, bucket: Mapping[str, str]) -> list[tuple[str, str]]:
     while remaining:
         for key in sorted(remaining):
             value = remaining[key]
-            node = _child(level, key, value)
+            node, _ = step(level, key, f"{key}_{value}")
             if node is not None:
                 ordered.append((key, value))
                 del remaining[key]
@@ -88,14 +93,6 @@ def walk(root: Node, bucket: Mapping[str, str]) -> list[tuple[str, str]]:
         else:
             break
     return ordered
-
-
-def _child(level: Node, key: str, value: str) -> Node | None:
-    exact = f"{key}_{value}"
-    node = level.children.get(exact)
-    if node is None:
-        node = next((n for pattern, n in level.wildcards if pattern.matches(exact)), None)
-    return node if node is not None else level.children.get(key)
 
 
 def rule_verdict(domain: str, root: Node | None, bucket: Mapping[str, str],
@@ -135,7 +132,7 @@ def admission_verdict(pipeline: str, decision: Decision | None, priority: int,
     after every priority over it, whichever is more; nothing left: denied. Arrivals
     come from the decision (counted where Check runs) or, without them, from the
     buckets' reported `demand` (requests/s, all Envoys)."""
-    group = f"pipeline\x1f{pipeline}\x1f{priority}"
+    group = admission_group(pipeline, priority)
     if decision is None or priority >= decision.protected_from:
         return Verdict(Kind.ALLOW, why=pipeline, group=group)
     if decision.concurrency and decision.in_flight >= BRAKE * decision.concurrency:

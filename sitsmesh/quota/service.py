@@ -188,7 +188,7 @@ class QuotaService:
                     admission.setdefault((pipeline, priority), []).append(
                         (stream.name, bucket))
         for (pipeline, priority), members in admission.items():
-            group = f"pipeline\x1f{pipeline}\x1f{priority}"
+            group = buckets.admission_group(pipeline, priority)
             demand = sum(b.demand or 0.0 for _, b in members) + sum(
                 d or 0.0 for d in self.remote.get(group, {}).values())
             verdict = buckets.admission_verdict(pipeline, decisions.get(pipeline),

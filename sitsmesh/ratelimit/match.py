@@ -20,16 +20,7 @@ def match(root: Node, entries: Sequence[tuple[str, str]]
     last = len(entries) - 1
     for i, (key, value) in enumerate(entries):
         exact = f"{key}_{value}"
-        node = level.children.get(exact)
-        how = "exact"
-        if node is None:
-            how = "wildcard"
-            for pattern, candidate in level.wildcards:
-                if pattern.matches(exact):
-                    node = candidate
-                    break
-        if node is None:
-            node, how = level.children.get(key), "key"
+        node, how = step(level, key, exact)
         if node is None:
             return None, parts, None
         parts.append(node.pattern if node.share_threshold else exact)
@@ -42,6 +33,18 @@ def match(root: Node, entries: Sequence[tuple[str, str]]
     named = ([_stats_part(*step) for step in path]
              if any(step[0].value_to_metric for step in path) else None)
     return found, parts, named
+
+
+def step(level: Node, key: str, exact: str) -> tuple[Node | None, str]:
+    """The child of `level` an entry reaches (`exact` is its `key_value`), and how:
+    by exact value, then by wildcard in config order, then by key alone."""
+    node = level.children.get(exact)
+    if node is not None:
+        return node, "exact"
+    for pattern, candidate in level.wildcards:
+        if pattern.matches(exact):
+            return candidate, "wildcard"
+    return level.children.get(key), "key"
 
 
 def _stats_part(node: Node, how: str, key: str, value: str) -> str:
