@@ -24,7 +24,9 @@ run: $(STAMP)
 TEST_SYSDEPS  := "$(PYTHON) -c 'import ensurepip, venv'=python3-venv" \
                  "command -v redis-server=redis-server" \
                  "ls /usr/lib/postgresql/*/bin/pg_ctl=postgresql" \
-                 "command -v openssl=openssl"
+                 "command -v openssl=openssl" \
+                 "command -v promtool=prometheus" \
+                 "command -v chromium=chromium"
 BENCH_SYSDEPS := "command -v h2load=nghttp2-client"
 
 sysdeps:
