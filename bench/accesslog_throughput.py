@@ -44,7 +44,7 @@ After every round (warm-up included), the following must hold:
   exactly entries/3, with `incomplete` unchanged;
 - `sitsmesh_pipeline_latency_seconds_count{pipeline="demo"}` grew by
   entries/3;
-- `sitsmesh_grpc_server_handled_total` for StreamAccessLogs with code OK grew
+- `grpc_server_handled_total` for StreamAccessLogs with code OK grew
   by the number of streams.
 
 The window is 5m, not 1m, because a count must not lose a 10 s slot between
@@ -509,9 +509,10 @@ def sitsmesh_target(workdir: Path, args: argparse.Namespace,
     admin_addr = proc.argv[proc.argv.index("--admin-addr") + 1]
     admin = Admin(admin_addr, Path(proc.argv[proc.argv.index("--state-dir") + 1]))
     born = [0.0]
-    handled = bl.sample_key("sitsmesh_grpc_server_handled_total", server="data",
+    handled = bl.sample_key("grpc_server_handled_total",
                             grpc_service="envoy.service.accesslog.v3.AccessLogService",
-                            grpc_method="StreamAccessLogs", grpc_code="OK")
+                            grpc_method="StreamAccessLogs", grpc_code="OK",
+                            grpc_type="client_stream")
     e2e_count = bl.sample_key("sitsmesh_pipeline_latency_seconds_count", pipeline=PIPELINE)
 
     def counters() -> dict[str, float]:

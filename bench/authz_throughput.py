@@ -32,7 +32,7 @@ a no-op. Every OK reply must have the same size.
 Each round must report requests == 2xx and exactly that OK reply's framed size
 in DATA bytes per response (a denial is larger; a gRPC error is a trailers-only
 response with no DATA), and sitsmesh's own
-`sitsmesh_grpc_server_handled_total{grpc_method="Check",grpc_code="OK"}` must
+`grpc_server_handled_total{grpc_method="Check",grpc_code="OK"}` must
 grow by exactly the number of requests. p50/p99 come from h2load's per-request
 `--log-file`, under the full load (`-c` x `-m` streams in flight).
 
@@ -192,8 +192,8 @@ def provision(proc: bl.Proc) -> str:
 
 def handled_ok(n: int) -> dict[str, float]:
     """Counter deltas of a sitsmesh that answered n Checks with gRPC OK."""
-    return {bl.sample_key("sitsmesh_grpc_server_handled_total", server="data",
-                          grpc_service=SERVICE, grpc_method="Check", grpc_code="OK"): n}
+    return {bl.sample_key("grpc_server_handled_total", grpc_service=SERVICE,
+                          grpc_method="Check", grpc_code="OK", grpc_type="unary"): n}
 
 
 def prepare_sitsmesh(proc: bl.Proc, data: str, workers: int, timeout: float) -> tuple[str, int]:

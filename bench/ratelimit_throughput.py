@@ -82,9 +82,10 @@ def sitsmesh_expectations(domain: str, key: str, requests: int) -> dict[str, flo
     """Counter deltas of a sitsmesh whose every ShouldRateLimit in a round was within limit."""
     stats_key = f"{domain}.{key}"
     return {
-        bl.sample_key("sitsmesh_grpc_server_handled_total", server="data",
+        bl.sample_key("grpc_server_handled_total",
                       grpc_service="envoy.service.ratelimit.v3.RateLimitService",
-                      grpc_method="ShouldRateLimit", grpc_code="OK"): requests,
+                      grpc_method="ShouldRateLimit", grpc_code="OK",
+                      grpc_type="unary"): requests,
         bl.sample_key("sitsmesh_ratelimit_hits_total", key=stats_key,
                       outcome="total_hits"): requests,
         bl.sample_key("sitsmesh_ratelimit_hits_total", key=stats_key,

@@ -81,7 +81,8 @@ class Settings:
     ratelimit_limit_header: str = "RateLimit-Limit"
     ratelimit_remaining_header: str = "RateLimit-Remaining"
     ratelimit_reset_header: str = "RateLimit-Reset"
-    ratelimit_metric_names: str = "sitsmesh"
+    # Both by default: dashboards built on envoyproxy/ratelimit keep working after a switch.
+    ratelimit_metric_names: str = "both"
     ratelimit_expiration_jitter_seconds: int = 0
     # --- shared runtime state: README "Replicas" ---
     shared_runtime: str = "off"

@@ -117,7 +117,7 @@ async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetric
                       ) -> tuple[aio.Server, str]:
     server = aio.server(**_server_options(settings, reuseport))
     # The hot path: handlers are instrumented as they register, not intercepted per call.
-    registrar: Any = metrics.registrar(server, "data")
+    registrar: Any = metrics.registrar(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, registrar)
     board.add_listener(_health_listener(health, "data"))
@@ -140,7 +140,7 @@ async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMe
                        auth: BearerTokenInterceptor) -> tuple[aio.Server, str]:
     # Auth runs first: the metrics interceptor caches handlers per method.
     server = aio.server(
-        interceptors=[auth, metrics.interceptor("admin")],
+        interceptors=[auth, metrics.interceptor()],
         options=[("grpc.so_reuseport", 0)],
     )
     registrar: Any = server

@@ -63,7 +63,7 @@ _FLAG_HELP = {
     "ratelimit_remaining_header": "name of the remaining header (LIMIT_REMAINING_HEADER)",
     "ratelimit_reset_header": "name of the reset header (LIMIT_RESET_HEADER)",
     "ratelimit_metric_names": "rate-limit metric names: sitsmesh, envoyproxy "
-                              "(ratelimit_service_rate_limit_*) or both",
+                              "(ratelimit_service_rate_limit_*) or both (default)",
     "shared_runtime": "redis: replicas and workers share latency-chain hops and admission-hold "
                       "releases through redis_url (off: each process keeps its own)",
     "admission": "who sheds on backpressure: calls (Check and ShouldRateLimit answer 429) or "

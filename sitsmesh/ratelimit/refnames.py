@@ -143,7 +143,7 @@ class ReferenceNames(Collector):
         if name == "sitsmesh_ratelimit_hits_total":
             found = self._hits(labels.get("key", ""), labels.get("outcome", ""))
             return (found,) if found is not None else ()
-        if (name == "sitsmesh_grpc_server_handled_total"
+        if (name == "grpc_server_handled_total"
                 and labels.get("grpc_service") == RLS_SERVICE
                 and labels.get("grpc_method") == "ShouldRateLimit"):
             # ShouldRateLimit only: the data server's other methods (ext_authz's Check,

@@ -143,7 +143,7 @@ def test_metric_names_setting(start_sitsmesh: Start, tmp_path: Path, names: str)
         assert _get(series, "ratelimit_service_config_load_success", {}) == 1
         assert own == (2 if names == "both" else None)
     # RPC and process series stay whatever the setting.
-    assert any(name == "sitsmesh_grpc_server_handled_total" for name, _ in series)
+    assert any(name == "grpc_server_handled_total" for name, _ in series)
     assert node.stop() == 0
 
 

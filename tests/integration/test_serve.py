@@ -106,9 +106,10 @@ def test_status_cli_table_json_and_failures(sitsmesh: harness.Sitsmesh) -> None:
 
 
 def test_metrics_expose_process_and_per_rpc_series(sitsmesh: harness.Sitsmesh) -> None:
-    check = {"grpc_service": "grpc.health.v1.Health", "grpc_method": "Check", "server": "data"}
+    check = {"grpc_service": "grpc.health.v1.Health", "grpc_method": "Check",
+             "grpc_type": "unary"}
     status = {"grpc_service": "sitsmesh.admin.v1.Admin", "grpc_method": "GetStatus",
-              "server": "admin"}
+              "grpc_type": "unary"}
     before = sitsmesh.metrics()
     for _ in range(3):
         assert harness.health_status(sitsmesh.data_addr) == health_pb2.HealthCheckResponse.SERVING
@@ -122,9 +123,9 @@ def test_metrics_expose_process_and_per_rpc_series(sitsmesh: harness.Sitsmesh) -
                 - harness.metric_value(before, name, **labels))
 
     assert harness.metric_value(after, "process_resident_memory_bytes") > 0
-    assert delta("sitsmesh_grpc_server_handled_total", grpc_code="OK", **check) == 3
-    assert delta("sitsmesh_grpc_server_handling_seconds_count", **check) == 3
-    assert delta("sitsmesh_grpc_server_handled_total", grpc_code="OK", **status) == 1
+    assert delta("grpc_server_handled_total", grpc_code="OK", **check) == 3
+    assert delta("grpc_server_handling_seconds_count", **check) == 3
+    assert delta("grpc_server_handled_total", grpc_code="OK", **status) == 1
     assert delta("sitsmesh_admin_auth_failures_total") == 1
 
 

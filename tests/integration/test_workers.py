@@ -51,8 +51,8 @@ def test_two_workers_share_the_port_and_a_killed_one_is_replaced(start_sitsmesh:
 
     # Per-RPC metrics from every worker are aggregated by the supervisor's /metrics.
     harness.wait_until(
-        lambda: harness.metric_value(node.metrics(), "sitsmesh_grpc_server_handled_total",
-                                     grpc_method="Check", server="data") >= 20,
+        lambda: harness.metric_value(node.metrics(), "grpc_server_handled_total",
+                                     grpc_method="Check") >= 20,
         5, "worker metrics aggregated")
     assert node.stop() == 0
 

@@ -156,7 +156,7 @@ def test_envoy_reaches_sitsmesh_over_mtls_and_only_the_allowlisted_one_is_answer
             for service in ("ratelimit", "metrics", "accesslog")), 10,
             "the intruder's stats and access logs to be refused")
     handled = harness.metric_value(
-        node.metrics(), "sitsmesh_grpc_server_handled_total", server="data",
+        node.metrics(), "grpc_server_handled_total",
         grpc_service="envoy.service.ratelimit.v3.RateLimitService", grpc_code="OK")
     assert handled >= 2  # the gateway's own calls
 

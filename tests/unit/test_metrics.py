@@ -43,6 +43,8 @@ METHODS: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
     "Collect": grpc.stream_unary_rpc_method_handler(_client_stream),
 }
 HANDLERS = grpc.method_handlers_generic_handler("test.Svc", METHODS)
+TYPES = {"Unary": "unary", "Gen": "server_stream", "Writer": "server_stream",
+         "Collect": "client_stream"}
 
 
 @pytest.fixture(params=["interceptor", "registrar-generic", "registrar-registered"])
@@ -51,11 +53,11 @@ async def served(request: pytest.FixtureRequest
     registry = CollectorRegistry()
     metrics = RpcMetrics(registry)
     if request.param == "interceptor":
-        server = aio.server(interceptors=[metrics.interceptor("data")])
+        server = aio.server(interceptors=[metrics.interceptor()])
         server.add_generic_rpc_handlers((HANDLERS,))
     else:
         server = aio.server()
-        registrar = metrics.registrar(server, "data")
+        registrar = metrics.registrar(server)
         if request.param == "registrar-generic":
             registrar.add_generic_rpc_handlers((HANDLERS,))
         else:
@@ -68,8 +70,9 @@ async def served(request: pytest.FixtureRequest
 
 
 def _count(registry: CollectorRegistry, method: str, code: str) -> float:
-    value = registry.get_sample_value("sitsmesh_grpc_server_handled_total", {
-        "server": "data", "grpc_service": "test.Svc", "grpc_method": method, "grpc_code": code})
+    value = registry.get_sample_value("grpc_server_handled_total", {
+        "grpc_service": "test.Svc", "grpc_method": method, "grpc_code": code,
+        "grpc_type": TYPES[method]})
     return value or 0.0
 
 
@@ -103,5 +106,5 @@ async def test_counts_codes_and_latency_for_every_handler_shape(
     assert _count(registry, "Gen", "OK") == 1
     assert _count(registry, "Writer", "OK") == 1
     assert _count(registry, "Collect", "OK") == 1
-    assert registry.get_sample_value("sitsmesh_grpc_server_handling_seconds_count", {
-        "server": "data", "grpc_service": "test.Svc", "grpc_method": "Unary"}) == 4
+    assert registry.get_sample_value("grpc_server_handling_seconds_count", {
+        "grpc_service": "test.Svc", "grpc_method": "Unary", "grpc_type": "unary"}) == 4

@@ -74,12 +74,13 @@ def _source() -> CollectorRegistry:
     metrics.flush()
     Counter("sitsmesh_ratelimit_config_loads_total", "loads", registry=registry).inc(2)
     Counter("sitsmesh_ratelimit_config_load_errors_total", "errors", registry=registry)
-    handled = Counter("sitsmesh_grpc_server_handled_total", "rpcs",
-                      ["server", "grpc_service", "grpc_method", "grpc_code"], registry=registry)
-    handled.labels("data", SERVICE_NAME, "ShouldRateLimit", "OK").inc(5)
-    handled.labels("data", SERVICE_NAME, "ShouldRateLimit", "INVALID_ARGUMENT").inc(2)
-    handled.labels("data", SERVICE_NAME, "ShouldRateLimit", "PERMISSION_DENIED").inc(7)
-    handled.labels("data", "envoy.service.auth.v3.Authorization", "Check", "OK").inc(3)
+    handled = Counter("grpc_server_handled_total", "rpcs",
+                      ["grpc_service", "grpc_method", "grpc_code", "grpc_type"],
+                      registry=registry)
+    handled.labels(SERVICE_NAME, "ShouldRateLimit", "OK", "unary").inc(5)
+    handled.labels(SERVICE_NAME, "ShouldRateLimit", "INVALID_ARGUMENT", "unary").inc(2)
+    handled.labels(SERVICE_NAME, "ShouldRateLimit", "PERMISSION_DENIED", "unary").inc(7)
+    handled.labels("envoy.service.auth.v3.Authorization", "Check", "OK", "unary").inc(3)
     return registry
 
 
@@ -118,7 +119,7 @@ def test_envoyproxy_replaces_the_families_it_renames() -> None:
     names = {name for name, _ in values}
     assert not names & {"sitsmesh_ratelimit_hits_total", "sitsmesh_ratelimit_config_loads_total",
                         "sitsmesh_ratelimit_global_shadow_mode_total"}
-    assert "sitsmesh_grpc_server_handled_total" in names  # not a rate-limit family
+    assert "grpc_server_handled_total" in names  # not a rate-limit family
     assert _get(values, "ratelimit_service_rate_limit_total_hits", domain="d", key1="k") == 12
 
 
