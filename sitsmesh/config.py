@@ -137,6 +137,13 @@ class Settings:
     # --- state backend: README "State backends" ---
     # sqlite:///ABS/PATH or postgresql://...; empty: SQLite at STATE_DIR/state.db.
     state_url: str = ""
+    # --- observability: README "Operations" ---
+    decision_log: str = "off"
+    decision_log_sample: float = 1.0
+    decision_log_max_per_s: int = 100
+    decision_log_headers: tuple[str, ...] = ()
+    decision_log_mask: tuple[str, ...] = ()
+    metrics_max_tenants: int = 100
     config_file: Path | None = None
 
     @property
@@ -274,6 +281,13 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "authz_jwt_metadata_key": values.string,
     # state backend: README "State backends"
     "state_url": values.state_url,
+    # observability: README "Operations"
+    "decision_log": values.choice(("off", "denials", "all")),
+    "decision_log_sample": values.fraction,
+    "decision_log_max_per_s": values.int_range(1, 100_000),
+    "decision_log_headers": lambda raw: values.header_names(raw) if raw else (),
+    "decision_log_mask": values.strings,
+    "metrics_max_tenants": values.int_range(1, 10_000),
 }
 FILE_KEYS = tuple(PARSERS)
 

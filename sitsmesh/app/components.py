@@ -7,17 +7,13 @@ and answers the admin API.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
 from envoy.service.accesslog.v3 import als_pb2_grpc
-from grpc import aio
 from prometheus_client import CollectorRegistry
 
+from sitsmesh.app.background import HOUSEKEEPING_S, Background, DataService
 from sitsmesh.app.tls import redis_url
 from sitsmesh.authz.admission import Admission, AdmissionPolicy
 from sitsmesh.authz.check import Authorizer, AuthzSettings, AuthzSnapshot
@@ -44,6 +40,7 @@ from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
 from sitsmesh.swap.manager import SwapManager
 from sitsmesh.swap.record import SwapHistory
+from sitsmesh.telemetry.decisions import Telemetry
 from sitsmesh.transport.accesslog import SERVICE_NAME as ACCESSLOG_SERVICE
 from sitsmesh.transport.accesslog import AccessLogServicer, HopSink
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
@@ -59,55 +56,16 @@ from sitsmesh.transport.ratelimit import add_to_server as add_ratelimit
 from sitsmesh.transport.streams import OpenStreams
 
 STORE_HEALTH = "sitsmesh.ratelimit.store"
-# Rule counters and expiry sweeps: once a second keeps scrapes and holds fresh enough
-# without a timer on the request path.
-HOUSEKEEPING_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class DataService:
-    """An Envoy-facing service on the data-plane server, with its own health status."""
-
-    name: str
-    add_to_server: Callable[[aio.Server], None]
-
-
-class Background:
-    """A component's background tasks: started on the running loop, stopped together."""
-
-    __slots__ = ("_tasks",)
-
-    def __init__(self) -> None:
-        self._tasks: list[asyncio.Task[None]] = []
-
-    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(work))
-
-    def every(self, seconds: float, tick: Callable[[], object]) -> None:
-        async def loop() -> None:
-            while True:
-                await asyncio.sleep(seconds)
-                tick()
-
-        self.spawn(loop())
-
-    async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
 class RateLimitComponent:
     """Config snapshots for every process; counting only where the data plane runs."""
 
     def __init__(self, settings: Settings, state: StateStore,
                  registry: CollectorRegistry | None, board: StatusBoard, *,
-                 serve: bool, gate: PressureGate | None = None) -> None:
+                 serve: bool, gate: PressureGate | None = None,
+                 telemetry: Telemetry | None = None) -> None:
         self._settings = settings
         self._board = board
+        self._telemetry = telemetry
         self._config_healthy: bool | None = None
         self.config = ConfigManager(settings.ratelimit_config, state, registry,
                                     merge=settings.ratelimit_merge_domain_config)
@@ -137,7 +95,8 @@ class RateLimitComponent:
                                          self._settings.ratelimit_response_dynamic_metadata),
                                      header_names=(self._settings.ratelimit_limit_header,
                                                    self._settings.ratelimit_remaining_header,
-                                                   self._settings.ratelimit_reset_header))
+                                                   self._settings.ratelimit_reset_header),
+                                     telemetry=self._telemetry)
         services = [DataService(RATELIMIT_SERVICE,
                                 lambda server: add_ratelimit(servicer, server))]
         if self._settings.ratelimit_store == "redis":
@@ -283,8 +242,9 @@ class AuthzComponent:
     """Tenants and keys for every process; the Check service where the data plane runs."""
 
     def __init__(self, settings: Settings, state: StateStore, *, serve: bool,
-                 gate: PressureGate | None = None) -> None:
+                 gate: PressureGate | None = None, telemetry: Telemetry | None = None) -> None:
         self._settings = settings
+        self._telemetry = telemetry
         self.directory = TenantDirectory(state)
         self.authorizer: Authorizer | None = None
         self.shared: SharedAdmission | None = None
@@ -322,7 +282,7 @@ class AuthzComponent:
             return []
         servicer = AuthorizationServicer(self.authorizer, CheckLimits(
             self._settings.max_check_message_bytes, self._settings.check_max_headers,
-            self._settings.check_max_header_bytes))
+            self._settings.check_max_header_bytes), self._telemetry)
         return [DataService(AUTHZ_SERVICE, lambda server: add_authz(servicer, server))]
 
     async def start(self) -> None:

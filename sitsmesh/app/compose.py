@@ -15,15 +15,16 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from sitsmesh import workerguard
+from sitsmesh.app.background import DataService
 from sitsmesh.app.components import (
     AuthzComponent,
     ChainsComponent,
-    DataService,
     PressureComponent,
     RateLimitComponent,
     SwapsComponent,
 )
 from sitsmesh.app.quota import QuotaComponent
+from sitsmesh.app.telemetry import TelemetryComponent
 from sitsmesh.config import Settings
 from sitsmesh.state import StateStore
 from sitsmesh.status import StatusBoard
@@ -53,14 +54,17 @@ class Graph:
     pressure: PressureComponent | None
     swaps: SwapsComponent | None
     quota: QuotaComponent
+    telemetry: TelemetryComponent
     # Envoy's access-log and stats streams, ended when the drain window closes.
     streams: OpenStreams = field(default_factory=OpenStreams)
 
     @property
     def parts(self) -> tuple[RateLimitComponent | AuthzComponent | ChainsComponent
-                             | PressureComponent | SwapsComponent | QuotaComponent, ...]:
+                             | PressureComponent | SwapsComponent | QuotaComponent
+                             | TelemetryComponent, ...]:
+        # Telemetry last: its final flush follows every decision.
         return tuple(p for p in (self.ratelimit, self.authz, self.chains, self.pressure,
-                                 self.swaps, self.quota) if p is not None)
+                                 self.swaps, self.quota, self.telemetry) if p is not None)
 
     def data_services(self) -> list[DataService]:
         """The Envoy-facing services this process serves (none in a supervisor)."""
@@ -88,8 +92,13 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     pressure = (PressureComponent(settings, store, registry, serve=serve or shared)
                 if role is not Role.WORKER or shared else None)
     gate = pressure.gate if pressure is not None and serve else None
-    ratelimit = RateLimitComponent(settings, store, registry, board, serve=serve, gate=gate)
-    authz = AuthzComponent(settings, store, serve=serve, gate=gate)
+    telemetry = TelemetryComponent(
+        settings, registry, serve=serve,
+        pipeline_of=lambda model: gate.pipeline_for("", model) if gate is not None else "")
+    ratelimit = RateLimitComponent(settings, store, registry, board, serve=serve, gate=gate,
+                                   telemetry=telemetry.telemetry)
+    authz = AuthzComponent(settings, store, serve=serve, gate=gate,
+                           telemetry=telemetry.telemetry)
     # An access-log entry marks the end of its request: it frees the admission hold.
     chains = ChainsComponent(settings, store, registry, serve=serve or shared,
                              release=authz.release)
@@ -101,7 +110,7 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     if pressure is not None and role is not Role.WORKER:
         swaps = SwapsComponent(settings, store, registry, pressure.runtime)
     quota = QuotaComponent(settings, ratelimit, pressure, serve=serve)
-    return Graph(ratelimit, authz, chains, pressure, swaps, quota)
+    return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry)
 
 
 async def check_workers(graph: Graph, settings: Settings) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -20,7 +20,10 @@ from prometheus_client import (
     ProcessCollector,
     multiprocess,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from sitsmesh.status import Serving, StatusBoard
 from sitsmesh.transport.handlers import behaviour
 
 # Sub-millisecond buckets: the request path answers in well under 1 ms.
@@ -51,6 +54,23 @@ def admin_auth_failures(registry: CollectorRegistry | None) -> Counter:
     return Counter("sitsmesh_admin_auth_failures_total",
                    "Admin calls rejected for a missing or wrong bearer token.",
                    registry=registry)
+
+
+class ServingStates(Collector):
+    """`sitsmesh_serving{server,service}`: 1 while a health service answers SERVING, 0
+    while NOT_SERVING or DRAINING (service "" is the whole server), read at scrape time."""
+
+    def __init__(self, board: StatusBoard) -> None:
+        self._board = board
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("sitsmesh_serving",
+                                   "1 while the health service answers SERVING, else 0.",
+                                   labels=["server", "service"])
+        for service in self._board.services():
+            family.add_metric([service.server, service.name],
+                              1.0 if service.state is Serving.SERVING else 0.0)
+        yield family
 
 
 class RpcMetrics:

@@ -11,7 +11,8 @@ from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
 from redis.asyncio import Redis
 
 from sitsmesh import logs
-from sitsmesh.app.components import Background, DataService, PressureComponent, RateLimitComponent
+from sitsmesh.app.background import Background, DataService
+from sitsmesh.app.components import PressureComponent, RateLimitComponent
 from sitsmesh.app.tls import redis_url
 from sitsmesh.config import Settings
 from sitsmesh.pressure.controller import Decision

@@ -23,9 +23,17 @@ from prometheus_client import CollectorRegistry, start_http_server
 from sitsmesh import __version__, logs
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.app import admintoken, compose, tls
-from sitsmesh.app.components import DataService, RateLimitComponent
-from sitsmesh.app.metrics import MULTIPROC_ENV, RpcMetrics, admin_auth_failures, new_registry
+from sitsmesh.app.background import DataService
+from sitsmesh.app.components import RateLimitComponent
+from sitsmesh.app.metrics import (
+    MULTIPROC_ENV,
+    RpcMetrics,
+    ServingStates,
+    admin_auth_failures,
+    new_registry,
+)
 from sitsmesh.app.workers import WorkerPool
+from sitsmesh.chains.metrics import StageSlas
 from sitsmesh.config import Address, Settings, describe
 from sitsmesh.errors import StartupError
 from sitsmesh.ratelimit import refnames
@@ -283,6 +291,14 @@ def _registries() -> tuple[CollectorRegistry, CollectorRegistry | None]:
     return registry, None if os.environ.get(MULTIPROC_ENV) else registry
 
 
+def _register_state_metrics(registry: CollectorRegistry, board: StatusBoard,
+                            graph: compose.Graph) -> None:
+    """Read at scrape time from this process's state, so registered where /metrics serves
+    (the supervisor's registry with workers)."""
+    registry.register(ServingStates(board))
+    registry.register(StageSlas(lambda: graph.chains.pipelines.pipelines))
+
+
 async def run(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; return the exit code. Preflight has already passed."""
     board = StatusBoard()
@@ -293,6 +309,7 @@ async def run(settings: Settings) -> int:
     store = await open_store(settings.state_url, settings.state_dir)
     role = compose.Role.SINGLE if settings.workers == 1 else compose.Role.SUPERVISOR
     graph = compose.build(settings, store, metric_registry, board, role)
+    _register_state_metrics(registry, board, graph)
     pools: list[WorkerPool] = []
     stop = _stop_event(_reload_everywhere(graph.ratelimit, pools))
     token = _admin_token(settings)

@@ -75,6 +75,9 @@ class Denied:
     message: str
     retry_after_s: float = 0.0
     grpc: bool = False  # the caller speaks gRPC: the answer carries a gRPC status too
+    # Who was refused, when known, for metrics and the decision log. Not part of the
+    # answer, so not of equality either: replies stay cached per answer.
+    tenant: str = field(default="", compare=False)
 
 
 _REFUSED = {
@@ -125,6 +128,13 @@ class Authorizer:
         if isinstance(tenant_or_denial, Denied):
             return tenant_or_denial
         tenant = tenant_or_denial
+        decision = self._authorize(request, tenant)
+        if type(decision) is Denied and not decision.tenant:
+            return dataclasses.replace(decision, tenant=tenant.name)
+        return decision
+
+    def _authorize(self, request: CheckInput, tenant: Tenant) -> Allowed | Denied:
+        """What an identified tenant may do with this request."""
         if not request.http:
             # A TCP ext_authz check: identity is all there is to decide on.
             return Allowed(tenant.name, tenant.priority, "", "tcp", (), ())
@@ -148,7 +158,8 @@ class Authorizer:
                 return _AS_GRPC[_NO_MODEL] if grpc else _NO_MODEL
         if model and not tenant.allows(model):
             return Denied(403, "model_not_allowed",
-                          f"tenant {tenant.name} may not call model {model}", grpc=grpc)
+                          f"tenant {tenant.name} may not call model {model}", grpc=grpc,
+                          tenant=tenant.name)
         priority = self._priority(request.headers, tenant)
         if request_class == "metadata":
             # Health and metadata calls are counted against the tenant's cap, but they
@@ -161,7 +172,7 @@ class Authorizer:
                                            request.request_id)
         if not verdict.admit:
             return Denied(429, verdict.code, verdict.reason, verdict.retry_after_s,
-                          grpc=grpc)
+                          grpc=grpc, tenant=tenant.name)
         set_headers = (("x-sits-tenant", tenant.name), ("x-sits-priority", str(priority)),
                        ("x-sits-model", model), ("x-sits-request-class", request_class))
         ours = {name for name, _ in set_headers}

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sitsmesh.chains.pipeline import Pipeline
 
 STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                  30.0, 60.0)
@@ -53,3 +58,23 @@ class ChainMetrics:
         if child is None:
             child = self._e2e_children[pipeline] = self._e2e.labels(pipeline)
         child.observe(total)
+
+
+class StageSlas(Collector):
+    """`sitsmesh_stage_sla_seconds{pipeline,stage}`: each stage's p99 SLA, read from the
+    live pipelines at scrape time, so an alert can compare a stage's p99 with its own
+    SLA and a deleted pipeline leaves no series behind."""
+
+    def __init__(self, pipelines: Callable[[], Mapping[str, Pipeline]]) -> None:
+        self._pipelines = pipelines
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("sitsmesh_stage_sla_seconds",
+                                   "A stage's p99 latency SLA (sla_p99_ms of its pipeline); "
+                                   "no series for a stage without one.",
+                                   labels=["pipeline", "stage"])
+        for pipeline in self._pipelines().values():
+            for stage in pipeline.stages:
+                if stage.sla_p99_ms is not None:
+                    family.add_metric([pipeline.name, stage.name], stage.sla_p99_ms / 1000)
+        yield family

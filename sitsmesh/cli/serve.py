@@ -62,6 +62,17 @@ _FLAG_HELP = {
     "ratelimit_limit_header": "name of the limit header (LIMIT_LIMIT_HEADER)",
     "ratelimit_remaining_header": "name of the remaining header (LIMIT_REMAINING_HEADER)",
     "ratelimit_reset_header": "name of the reset header (LIMIT_RESET_HEADER)",
+    "decision_log": "decision log of ext_authz and rate-limit decisions: off (default), "
+                    "denials, or all",
+    "decision_log_sample": "share of decisions the decision log keeps (0-1, default 1)",
+    "decision_log_max_per_s": "most decision-log records a second; the rest are counted "
+                              "and dropped (default 100)",
+    "decision_log_headers": "request headers the decision log shows (comma-separated; "
+                            "credentials among them are masked)",
+    "decision_log_mask": "more header names and descriptor keys whose values the decision "
+                         "log masks (comma-separated)",
+    "metrics_max_tenants": "tenants with their own label in sitsmesh_authz_decisions_total; "
+                           "the rest count as other (default 100)",
     "ratelimit_metric_names": "rate-limit metric names: sitsmesh, envoyproxy "
                               "(ratelimit_service_rate_limit_*) or both (default)",
     "shared_runtime": "redis: replicas and workers share latency-chain hops and admission-hold "

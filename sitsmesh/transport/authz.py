@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 from urllib.parse import quote
 
@@ -15,6 +16,7 @@ from google.rpc import code_pb2, status_pb2
 from grpc import aio
 
 from sitsmesh.authz.check import Allowed, Authorizer, CheckInput, Denied
+from sitsmesh.telemetry.decisions import Telemetry
 from sitsmesh.transport.checklimits import CheckLimits
 
 SERVICE_NAME = external_auth_pb2.DESCRIPTOR.services_by_name["Authorization"].full_name
@@ -86,8 +88,10 @@ MAX_CACHED_REPLIES = 10_000
 
 
 class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
-    def __init__(self, authorizer: Authorizer, limits: CheckLimits | None = None) -> None:
+    def __init__(self, authorizer: Authorizer, limits: CheckLimits | None = None,
+                 telemetry: Telemetry | None = None) -> None:
         self._authorizer = authorizer
+        self._telemetry = telemetry
         self._jwt_key = authorizer.settings.jwt_metadata_key
         self._jwt_claim = authorizer.settings.jwt_tenant_claim
         self.limits = limits or CheckLimits()
@@ -105,8 +109,11 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
         return reply
 
     async def Check(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        started = time.perf_counter()
         refused = self.limits.screen(request)
         if refused is not None:
+            if self._telemetry is not None:
+                self._telemetry.refused(self.limits.refusal(request), started)
             return refused
         attributes = request.attributes
         is_http = attributes.request.HasField("http")
@@ -118,9 +125,11 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
         body = http.raw_body or http.body.encode()
         jwt_tenant = _verified_claim(attributes.metadata_context, self._jwt_key,
                                      self._jwt_claim) if self._jwt_key else ""
-        decision = self._authorizer.check(CheckInput(
-            headers, http.path, body, attributes.source.principal,
-            headers.get("x-request-id") or http.id, is_http, jwt_tenant))
+        checked = CheckInput(headers, http.path, body, attributes.source.principal,
+                             headers.get("x-request-id") or http.id, is_http, jwt_tenant)
+        decision = self._authorizer.check(checked)
+        if self._telemetry is not None:
+            self._telemetry.check(checked, decision, started, context)
         return self._reply(decision)
 
 

@@ -25,7 +25,8 @@ DEFAULT_MAX_HEADER_BYTES = 64 << 10
 
 
 class _Refused:
-    """Stands in for a Check request refused in the deserializer; names the deny."""
+    """Stands in for a Check request refused in the deserializer; `reason` is the deny's
+    code."""
 
     __slots__ = ("reason",)
 
@@ -33,10 +34,10 @@ class _Refused:
         self.reason = reason
 
 
-_TOO_LARGE = _Refused("too_large")
-_MALFORMED = _Refused("malformed")
-_MANY = _Refused("many")
-_WIDE = _Refused("wide")
+_TOO_LARGE = _Refused("request_too_large")
+_MALFORMED = _Refused("malformed_check")
+_MANY = _Refused("too_many_headers")
+_WIDE = _Refused("headers_too_large")
 
 
 def _deny(status: int, code: str, message: str) -> Any:
@@ -64,11 +65,11 @@ class CheckLimits:
         self._max_header_bytes = max_header_bytes
         # Built once: a flood of refused requests costs no allocation per reply.
         self._replies = {
-            _TOO_LARGE: _deny(413, "request_too_large",
+            _TOO_LARGE: _deny(413, _TOO_LARGE.reason,
                               f"request (headers and body) over {max_message_bytes} bytes"),
-            _MALFORMED: _deny(400, "malformed_check", "the CheckRequest could not be parsed"),
-            _MANY: _deny(431, "too_many_headers", f"more than {max_headers} headers"),
-            _WIDE: _deny(431, "headers_too_large", f"headers over {max_header_bytes} bytes"),
+            _MALFORMED: _deny(400, _MALFORMED.reason, "the CheckRequest could not be parsed"),
+            _MANY: _deny(431, _MANY.reason, f"more than {max_headers} headers"),
+            _WIDE: _deny(431, _WIDE.reason, f"headers over {max_header_bytes} bytes"),
         }
 
     def deserializer(self) -> Callable[[bytes], Any]:
@@ -107,3 +108,8 @@ class CheckLimits:
         if type(request) is _Refused:
             return self._replies[request]
         return None
+
+    @staticmethod
+    def refusal(request: Any) -> str:
+        """The deny code of a request `screen` refused."""
+        return str(request.reason)

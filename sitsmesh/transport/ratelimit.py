@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -15,6 +16,7 @@ from sitsmesh import logs
 from sitsmesh.errors import Code, InvalidArgumentError, SitsmeshError
 from sitsmesh.ratelimit.config import Rule
 from sitsmesh.ratelimit.limiter import Decision, Descriptor, RateLimiter, Status
+from sitsmesh.telemetry.decisions import Telemetry
 from sitsmesh.transport.errors import abort
 
 SERVICE_NAME = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
@@ -139,8 +141,10 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
     def __init__(self, limiter: RateLimiter,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
                  limit_headers: bool = False, dynamic_metadata: bool = False,
-                 header_names: tuple[str, str, str] = LIMIT_HEADERS) -> None:
+                 header_names: tuple[str, str, str] = LIMIT_HEADERS,
+                 telemetry: Telemetry | None = None) -> None:
         self._limiter = limiter
+        self._telemetry = telemetry
         self.max_message_bytes = max_message_bytes
         # RateLimit-Limit/-Remaining/-Reset on every answer with a limit, as
         # envoyproxy/ratelimit's LIMIT_RESPONSE_HEADERS_ENABLED.
@@ -166,7 +170,12 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
         return cached[1]
 
     async def ShouldRateLimit(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        started = time.perf_counter()
+        telemetry = self._telemetry
         if type(request) is _Undecodable:
+            if telemetry is not None:
+                telemetry.ratelimit("", [], None, started, error=request.error.message,
+                                    context=context)
             await abort(context, request.error)
         descriptors = [
             Descriptor(tuple([(e.key, e.value) for e in d.entries]),
@@ -178,6 +187,9 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
             decision = await self._limiter.check(request.domain, descriptors,
                                                  request.hits_addend)
         except SitsmeshError as exc:
+            if telemetry is not None:
+                telemetry.ratelimit(request.domain, descriptors, None, started,
+                                    error=exc.message, context=context)
             await abort(context, exc)
         response = rls_pb2.RateLimitResponse(overall_code=_OVER if decision.over else _OK)
         for status in decision.statuses:
@@ -203,4 +215,6 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
             response.dynamic_metadata.CopyFrom(metadata)
         if decision.over:
             _log.debug("over limit", domain=request.domain)
+        if telemetry is not None:
+            telemetry.ratelimit(request.domain, descriptors, decision, started, context=context)
         return response

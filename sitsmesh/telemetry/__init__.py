@@ -1,0 +1,1 @@
+"""What an SRE sees of each decision: counts, a sampled decision log, and traces."""
