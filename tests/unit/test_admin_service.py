@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from sitsmesh.app.components import Background
+from sitsmesh.app.background import Background
 from sitsmesh.errors import (
     ConflictError,
     FailedPreconditionError,
