@@ -19,7 +19,15 @@ from sitsmesh.errors import Code, NotFoundError, SitsmeshError
 from sitsmesh.swap.contract import ModelServer, ServerError, VersionState
 from sitsmesh.swap.machine import Hooks, Swap, SwapEvent
 from sitsmesh.swap.override import InvalidSwapInput, SwapOptions
-from sitsmesh.swap.record import SwapHistory, SwapRecord, new_id
+from sitsmesh.swap.record import (
+    FAILED,
+    INTERRUPTED,
+    ROLLED_BACK,
+    SUCCEEDED,
+    SwapHistory,
+    SwapRecord,
+    new_id,
+)
 
 _log = logs.get("sitsmesh.swap")
 
@@ -74,6 +82,10 @@ class SwapMetrics:
                                registry=registry, buckets=FIRST_BUCKETS)
         self.outcomes = Counter("sitsmesh_swaps_total", "Swaps by how they ended.",
                                 ["outcome"], registry=registry)
+        # Every outcome shows from the start at 0, so the first failure is an increase
+        # an alert sees, not a series that appears already at 1.
+        for outcome in (SUCCEEDED, FAILED, ROLLED_BACK, INTERRUPTED):
+            self.outcomes.labels(outcome)
 
     def hooks(self) -> Hooks:
         return Hooks(phase_seconds=lambda phase, s: self.phase.labels(phase).observe(s),
@@ -101,7 +113,7 @@ class SwapManager:
         for record in await self.history.mark_interrupted(self._clock()):
             _log.warning("swap was interrupted by a restart", swap_id=record.id,
                          model=record.model, phase=record.phase)
-            self._metrics.outcomes.labels("interrupted").inc()
+            self._metrics.outcomes.labels(INTERRUPTED).inc()
 
     async def stop(self) -> None:
         tasks = [r.task for r in self._running.values() if r.task is not None]
