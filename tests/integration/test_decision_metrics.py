@@ -46,14 +46,15 @@ def test_decisions_rate_limits_and_rpcs_are_counted(
         def value(name: str, **labels: str) -> float:
             return harness.metric_value(node.metrics(), name, **labels)
 
-        harness.wait_until(lambda: value("sitsmesh_authz_decisions_total", decision="deny",
-                                         reason="model_not_allowed", tenant="acme") == 1,
+        # Counts reach /metrics once a second: wait for the last Check's.
+        harness.wait_until(lambda: value("sitsmesh_authz_decisions_total", decision="allow",
+                                         reason="ok", tenant="acme") >= 7,
                            5, "decisions to be flushed")
         text = node.metrics()
         assert harness.metric_value(text, "sitsmesh_authz_decisions_total", decision="deny",
                                     reason="unauthenticated", tenant="none") == 1
-        assert harness.metric_value(text, "sitsmesh_authz_decisions_total", decision="allow",
-                                    reason="ok", tenant="acme") >= 7
+        assert harness.metric_value(text, "sitsmesh_authz_decisions_total", decision="deny",
+                                    reason="model_not_allowed", tenant="acme") == 1
         assert harness.metric_value(text, "sitsmesh_authz_check_seconds_count",
                                     decision="deny") == 2
         assert harness.metric_value(text, "grpc_server_handled_total", grpc_service=AUTHZ,
