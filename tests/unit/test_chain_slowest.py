@@ -4,6 +4,7 @@ W3C traceparent headers, from an access-log entry through the hop bus to the rep
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
@@ -198,3 +199,16 @@ def test_the_trace_id_crosses_the_hop_bus_and_a_forged_one_is_refused() -> None:
     for forged in ("<script>", TRACE.upper(), "0" * 32, 5):
         with pytest.raises(ValueError):
             decode([*encode_hop(plain), forged])
+
+
+def test_envoy_and_istio_log_the_traceparent_header() -> None:
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    fragment = yaml.safe_load((root / "filters/fragments/access_log.yaml").read_text())
+    assert "traceparent" in fragment["access_log"]["typed_config"][
+        "additional_request_headers_to_log"]
+    istio = yaml.safe_load((root / "deploy/istio/extension-provider.yaml").read_text())
+    [provider] = [p for p in istio["spec"]["meshConfig"]["extensionProviders"]
+                  if "envoyHttpAls" in p]
+    assert "traceparent" in provider["envoyHttpAls"]["additionalRequestHeadersToLog"]
