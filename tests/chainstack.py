@@ -36,6 +36,7 @@ stages:
   - {name: model, match: {upstream_cluster: model}}
 """
 HCM = "envoy.filters.network.http_connection_manager"
+HEADER_DELAY = "x-envoy-fault-delay-request"  # ms, honoured on `header_delay_on`
 
 
 class _Server(ThreadingHTTPServer):
@@ -112,10 +113,11 @@ def _serve(handler: type[_Handler], next_port: int = 0) -> Iterator[int]:
 
 def bootstrap(sitsmesh_addr: str, listen: dict[str, int], upstream: dict[str, int],
               admin_port: int, fault_on: str | None = None,
-              fault_delay: str = "0.12s") -> dict[str, Any]:
+              fault_delay: str = "0.12s", header_delay_on: str | None = None) -> dict[str, Any]:
     """The Envoy bootstrap: filters/local/bootstrap.yaml with the access_log fragment,
     its listener copied three times (one per stage) and its upstream replaced by
-    the stage clusters. `fault_on` names the listener (L1/L2/L3) that delays every request."""
+    the stage clusters. `fault_on` names the listener (L1/L2/L3) that delays every request;
+    `header_delay_on` one that delays the requests that ask for it (HEADER_DELAY, in ms)."""
     base = envoyconf.render(
         harness.REPO / "filters" / "local" / "bootstrap.yaml",
         harness.envoy_values(sitsmesh_addr, upstream["pre"], listen["L1"], admin_port),
@@ -140,6 +142,8 @@ def bootstrap(sitsmesh_addr: str, listen: dict[str, int], upstream: dict[str, in
                 entry["route"].pop("rate_limits", None)
         if fault_on == name:
             hcm["http_filters"] = [_fault(fault_delay), *hcm["http_filters"]]
+        if header_delay_on == name:
+            hcm["http_filters"] = [_header_fault(), *hcm["http_filters"]]
         listeners.append(listener)
     resources["listeners"] = listeners
     clusters = [c for c in resources["clusters"] if c["name"] != "upstream"]
@@ -168,6 +172,13 @@ def _fault(delay: str) -> dict[str, Any]:
                   "percentage": {"numerator": 100, "denominator": "HUNDRED"}}}}
 
 
+def _header_fault() -> dict[str, Any]:
+    return {"name": "envoy.filters.http.fault", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault",
+        "delay": {"header_delay": {},
+                  "percentage": {"numerator": 100, "denominator": "HUNDRED"}}}}
+
+
 @dataclass
 class ChainStack:
     envoy: harness.Envoy
@@ -191,7 +202,8 @@ def _start_envoy(tmp: Path, config: dict[str, Any], listen: dict[str, int],
 
 
 @contextlib.contextmanager
-def chain_stack(tmp: Path, sitsmesh_addr: str, fault_on: str | None = None) -> Iterator[ChainStack]:
+def chain_stack(tmp: Path, sitsmesh_addr: str, fault_on: str | None = None,
+                header_delay_on: str | None = None) -> Iterator[ChainStack]:
     """Upstreams P, F, M and one Envoy with listeners L1-L3; all torn down on exit."""
     listen = {name: harness.free_port() for _, name in STAGES}
     with contextlib.ExitStack() as stack:
@@ -201,7 +213,8 @@ def chain_stack(tmp: Path, sitsmesh_addr: str, fault_on: str | None = None) -> I
             "pre": stack.enter_context(_serve(_Forward, listen["L2"])),
         }
         admin = harness.free_port()
-        envoy = _start_envoy(tmp, bootstrap(sitsmesh_addr, listen, upstream, admin, fault_on),
+        envoy = _start_envoy(tmp, bootstrap(sitsmesh_addr, listen, upstream, admin, fault_on,
+                                            header_delay_on=header_delay_on),
                              listen, admin)
         stack.callback(envoy.kill)
         yield ChainStack(envoy, listen)

@@ -4,7 +4,8 @@ Plain Python with an injected clock. Memory is bounded: open chains are
 capped in count and in estimated bytes (the oldest evicted first) and expire
 after a TTL, recently closed ids likewise, and finished chains only feed fixed-size
 histograms in time slots plus a small top-K of the slowest chains per slot
-(enough to attribute the slowest 1 %).
+(enough to attribute the slowest 1 %), and per pipeline the few slowest chains
+kept whole, with their request and trace ids, for a person to look up.
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ from dataclasses import dataclass, field
 
 from sitsmesh.chains.histogram import Histogram
 from sitsmesh.chains.pipeline import Pipeline, Stage
+from sitsmesh.chains.slowest import (
+    DEFAULT_SLOWEST,
+    SlowChain,
+    Slowest,
+    SlowStage,
+    checked_limit,
+    slowest_of,
+)
 
 EPSILON_S = 0.0005  # Envoy timestamps are microseconds; tolerate rounding at the edges
 DEFAULT_MAX_BYTES = 32 << 20
@@ -42,6 +51,7 @@ class Hop:
     pipeline: str = ""           # set by stage reports, which name their stage
     stage: str = ""
     failed: bool = False         # a 5xx answer, or Envoy response flags (reset, timeout...)
+    trace_id: str = ""           # 32 hex digits from a valid traceparent, else ""
 
     @property
     def end(self) -> float:
@@ -54,11 +64,12 @@ class _Chain:
     hops: dict[str, Hop]
     opened: float
     size: int = CHAIN_BYTES
+    trace_id: str = ""  # the first hop that carries one names the chain's trace
 
 
 def _hop_bytes(hop: Hop) -> int:
     return (HOP_BYTES + len(hop.request_id) + len(hop.upstream_cluster) + len(hop.route_name)
-            + len(hop.stage_header) + len(hop.pipeline) + len(hop.stage))
+            + len(hop.stage_header) + len(hop.pipeline) + len(hop.stage) + len(hop.trace_id))
 
 
 @dataclass(slots=True)
@@ -74,6 +85,8 @@ class _Slot:
     total: dict[str, Histogram] = field(default_factory=dict)
     # min-heap of (e2e, sequence, {stage: own seconds}): the slowest chains of the slot
     slowest: list[tuple[float, int, dict[str, float]]] = field(default_factory=list)
+    # per pipeline: its slowest chains kept whole (request id, trace id, waterfall)
+    kept: dict[str, Slowest] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +113,14 @@ class ChainReport:
     e2e_p99_ms: float
     stages: tuple[StageReport, ...]
     bottleneck: str
+    slowest: tuple[SlowChain, ...] = ()         # slowest first
+    histograms: tuple[StageHistogram, ...] = ()  # own time, in the pipeline's stage order
+
+
+@dataclass(frozen=True, slots=True)
+class StageHistogram:
+    name: str
+    buckets: tuple[tuple[float, int], ...]  # non-empty: (upper bound ms, count), ascending
 
 
 def own_times(hops: Mapping[str, Hop]) -> tuple[dict[str, float], float]:
@@ -122,6 +143,7 @@ class Assembler:
                  clock: Callable[[], float] = time.monotonic, ttl_s: float = 30.0,
                  slot_s: int = 10, slots: int = 30, max_open: int = 100_000,
                  top_k: int = 64, max_bytes: int = DEFAULT_MAX_BYTES,
+                 slowest: int = DEFAULT_SLOWEST,
                  on_chain: Callable[[str, dict[str, float], float], None] | None = None,
                  on_evict: Callable[[str], None] | None = None) -> None:
         self._clock = clock
@@ -130,6 +152,7 @@ class Assembler:
         self._slots: list[_Slot | None] = [None] * slots
         self._max_open = max_open
         self._top_k = top_k
+        self._keep = checked_limit(slowest)
         self._on_chain = on_chain
         self._on_evict = on_evict
         # Request ids and header values are the sender's: bound the bytes, not only the count.
@@ -186,6 +209,8 @@ class Assembler:
                 self._evict("max_open")
             chain = self._open[hop.request_id] = _Chain(pipeline, {}, self._clock())
             self._open_bytes += CHAIN_BYTES
+        if hop.trace_id and not chain.trace_id:
+            chain.trace_id = hop.trace_id
         if stage.name in chain.hops:
             self.duplicates += 1  # a retried hop or a resent entry: the first one stands
             return
@@ -252,7 +277,8 @@ class Assembler:
             return
         own, e2e = own_times(chain.hops)
         slot.chains += 1
-        if any(hop.failed for hop in chain.hops.values()):
+        failed = any(hop.failed for hop in chain.hops.values())
+        if failed:
             slot.failed += 1
         slot.e2e.add(e2e)
         for name, seconds in own.items():
@@ -269,6 +295,11 @@ class Assembler:
             heapq.heappush(slot.slowest, entry)
         elif e2e > slot.slowest[0][0]:
             heapq.heapreplace(slot.slowest, entry)
+        kept = slot.kept.get(chain.pipeline.name)
+        if kept is None:
+            kept = slot.kept[chain.pipeline.name] = Slowest(self._keep)
+        if kept.admits(e2e):  # built only when kept: most chains stop at this comparison
+            kept.push(e2e, self._sequence, _slow_chain(request_id, chain, own, e2e, failed))
         if self._on_chain is not None:
             self._on_chain(chain.pipeline.name, own, e2e)
 
@@ -315,9 +346,26 @@ class Assembler:
                 round(attributed * 1000, 3),
                 round(attributed / slow_e2e, 4) if slow_e2e else 0.0))
         bottleneck = max(stages, key=lambda s: s.attributed_ms).name if chains else ""
+        kept = slowest_of((s.kept[pipeline_name] for s in slots if pipeline_name in s.kept),
+                          self._keep)
+        histograms = tuple(
+            StageHistogram(stage.name, tuple((_ms(upper), n) for upper, n in hist.buckets()))
+            for stage in pipeline.stages
+            for hist in (own.get(stage.name, Histogram()),))
         return ChainReport(pipeline_name, window_s, chains, incomplete, failed,
                            _ms(e2e.quantile(0.5)),
-                           _ms(e2e.quantile(0.99)), tuple(stages), bottleneck)
+                           _ms(e2e.quantile(0.99)), tuple(stages), bottleneck,
+                           kept, histograms)
+
+
+def _slow_chain(request_id: str, chain: _Chain, own: Mapping[str, float], e2e: float,
+                failed: bool) -> SlowChain:
+    first = min(hop.start for hop in chain.hops.values())
+    stages = tuple(SlowStage(stage.name, _ms(hop.start - first), _ms(own.get(stage.name, 0.0)),
+                             _ms(hop.duration))
+                   for stage in chain.pipeline.stages
+                   for hop in (chain.hops.get(stage.name),) if hop is not None)
+    return SlowChain(request_id, chain.trace_id, _ms(e2e), stages, failed)
 
 
 def _hist(table: dict[str, Histogram], name: str) -> Histogram:

@@ -46,6 +46,11 @@ class Histogram:
         self.total += other.total
         self.sum += other.sum
 
+    def buckets(self) -> list[tuple[float, int]]:
+        """The non-empty buckets, ascending: (upper bound in seconds, count). A bucket holds
+        the samples above the bound below it (upper / RATIO) up to its upper bound."""
+        return [(_upper(i), n) for i, n in enumerate(self.counts) if n]
+
     def quantile(self, q: float) -> float:
         """The q-quantile in seconds (bucket upper bound); 0.0 when empty."""
         if not self.total:

@@ -43,7 +43,8 @@ def settings_from(args: argparse.Namespace, keys: Sequence[str]) -> Settings:
     return load_settings(flags)
 
 
-def add_common_admin(p: argparse.ArgumentParser) -> None:
+def add_common_admin(p: argparse.ArgumentParser,
+                     outputs: Sequence[str] = ("table", "json")) -> None:
     p.add_argument("--config", help="YAML config file (or SITSMESH_CONFIG)")
     p.add_argument("--admin", dest="admin_addr", metavar="HOST:PORT",
                    help="admin address (or SITSMESH_ADMIN_ADDR; default 127.0.0.1:50052)")
@@ -55,7 +56,7 @@ def add_common_admin(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", dest="state_dir", help="where to find admin-token")
     add_tls_flags(p, "admin API")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
-    p.add_argument("--output", "-o", choices=("table", "json"), default="table")
+    p.add_argument("--output", "-o", choices=tuple(outputs), default="table")
 
 
 # flag, environment variable, help: what the CLI needs to speak TLS / mTLS to `serve`.

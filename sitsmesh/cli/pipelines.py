@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from sitsmesh.admin.v1 import admin_pb2
+from sitsmesh.cli.chainhtml import render as render_html
 from sitsmesh.cli.common import (
     EXIT_FAILED,
     Subcommands,
@@ -41,7 +43,9 @@ def add_commands(sub: Subcommands) -> None:
     p = chain.add_parser("show", help="per-stage latency and the bottleneck of a pipeline")
     p.add_argument("pipeline")
     p.add_argument("--window", choices=("1m", "5m"), default="1m")
-    add_common_admin(p)
+    p.add_argument("--out", metavar="FILE",
+                   help="with --output html: write the page here instead of to stdout")
+    add_common_admin(p, outputs=("table", "json", "html"))
     p.set_defaults(func=cmd_chain_show)
 
 
@@ -75,7 +79,12 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
     return 0
 
 
+SLOWEST_SHOWN = 5  # rows of the table's "slowest" section; json and html have them all
+
+
 def cmd_chain_show(args: argparse.Namespace) -> int:
+    if args.out and args.output != "html":
+        raise UsageError("--out goes with --output html")
     reply = call_admin(args, "GetLatencyChain", admin_pb2.GetLatencyChainRequest(
         pipeline=args.pipeline, window=args.window))
     stages = []
@@ -93,10 +102,16 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
     doc = {"pipeline": reply.pipeline, "window": reply.window, "chains": reply.chains,
            "incomplete": reply.incomplete, "failed": reply.failed,
            "e2e_p50_ms": reply.e2e_p50_ms,
-           "e2e_p99_ms": reply.e2e_p99_ms, "bottleneck": reply.bottleneck, "stages": stages}
+           "e2e_p99_ms": reply.e2e_p99_ms, "bottleneck": reply.bottleneck, "stages": stages,
+           "slowest": [_slow_chain(c) for c in reply.slowest],
+           "histograms": [{"name": h.name, "buckets": [{"le_ms": b.le_ms, "count": b.count}
+                                                       for b in h.buckets]}
+                          for h in reply.histograms]}
     if args.output == "json":
         print(json.dumps(doc, indent=2))
         return 0
+    if args.output == "html":
+        return _write_html(render_html(doc), args.out)
     print(f"pipeline {reply.pipeline}, last {reply.window}: {reply.chains} chains "
           f"({reply.incomplete} incomplete); end to end p50 {reply.e2e_p50_ms:.1f} ms, "
           f"p99 {reply.e2e_p99_ms:.1f} ms; bottleneck: {reply.bottleneck or '-'}")
@@ -105,4 +120,34 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
         ttfb = f"{s['ttfb_p99_ms']:.1f}" if "ttfb_p99_ms" in s else "-"
         print(f"{s['name']:<16} {s['p50_ms']:>7.1f}  {s['p90_ms']:>7.1f}  {s['p99_ms']:>7.1f}  "
               f"{ttfb:>9}  {s['attributed_ms']:>13.1f}  {s['share_of_e2e_p99']:>5.0%}")
+    if doc["slowest"]:
+        print(f"\nSLOWEST (of {len(doc['slowest'])})  E2E ms  TRACE ID"
+              f"{' ' * 26}REQUEST ID")
+        for chain in doc["slowest"][:SLOWEST_SHOWN]:
+            print(f"{'':<14} {chain['e2e_ms']:>7.1f}  {_printable(chain['trace_id']) or '-':<32}"
+                  f"  {_printable(chain['request_id'])}")
+    return 0
+
+
+def _slow_chain(chain: admin_pb2.SlowChain) -> dict[str, Any]:
+    return {"request_id": chain.request_id, "trace_id": chain.trace_id,
+            "e2e_ms": chain.e2e_ms, "failed": chain.failed,
+            "stages": [{"name": s.name, "offset_ms": s.offset_ms, "own_ms": s.own_ms,
+                        "total_ms": s.total_ms} for s in chain.stages]}
+
+
+def _printable(text: str) -> str:
+    """Request ids are the sender's: escape what a terminal would act on (ESC, CR...)."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def _write_html(page: str, out: str | None) -> int:
+    if not out:
+        sys.stdout.write(page)
+        return 0
+    try:
+        Path(out).write_text(page, encoding="utf-8")
+    except OSError as exc:
+        return die(f"{out}: cannot write: {exc.strerror or exc}", EXIT_FAILED)
+    print(f"wrote {out}")
     return 0

@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 
 from sitsmesh import logs
 from sitsmesh.chains.assembler import Hop
+from sitsmesh.chains.trace import valid_trace_id
 
 DEFAULT_KEY = "sitsmesh:bus:hops"
 # Entries the stream keeps (approximately): minutes of hops at thousands a second, so a
@@ -43,9 +44,12 @@ _Event = list[Any]
 
 
 def encode_hop(hop: Hop) -> _Event:
-    return ["h", hop.request_id, hop.start, hop.duration, hop.ttfb, hop.queue,
-            hop.upstream_cluster, hop.route_name, hop.stage_header, hop.pipeline, hop.stage,
-            hop.failed]
+    event = ["h", hop.request_id, hop.start, hop.duration, hop.ttfb, hop.queue,
+             hop.upstream_cluster, hop.route_name, hop.stage_header, hop.pipeline, hop.stage,
+             hop.failed]
+    if hop.trace_id:  # only then: a replica not yet upgraded reads the other hops as before
+        event.append(hop.trace_id)
+    return event
 
 
 def _number(value: Any) -> float:
@@ -71,14 +75,18 @@ def decode(event: Any) -> Hop | tuple[str, float | None]:
         raise ValueError("an event is a non-empty list")
     if event[0] == "r" and len(event) == 3:
         return _text(event[1]), _optional(event[2])
-    if event[0] == "h" and len(event) == 12:
+    # 13 fields when the hop has a trace id, else 12 (as before trace ids).
+    if event[0] == "h" and len(event) in (12, 13):
         if not isinstance(event[11], bool):
             raise ValueError("failed must be a boolean")
+        trace = _text(event[12]) if len(event) == 13 else ""
+        if trace and not valid_trace_id(trace):
+            raise ValueError("trace_id must be 32 hex digits")
         return Hop(_text(event[1]), _number(event[2]), _number(event[3]),
                    ttfb=_optional(event[4]), queue=_optional(event[5]),
                    upstream_cluster=_text(event[6]), route_name=_text(event[7]),
                    stage_header=_text(event[8]), pipeline=_text(event[9]),
-                   stage=_text(event[10]), failed=event[11])
+                   stage=_text(event[10]), failed=event[11], trace_id=trace)
     raise ValueError(f"unknown event {str(event[0])[:20]!r}")
 
 

@@ -13,6 +13,8 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 
 from sitsmesh.chains.assembler import Hop
+from sitsmesh.chains.trace import HEADER as TRACEPARENT
+from sitsmesh.chains.trace import trace_id
 from sitsmesh.errors import InvalidArgumentError
 from sitsmesh.transport.errors import abort
 from sitsmesh.transport.streams import OpenStreams
@@ -47,11 +49,14 @@ def hop_from_entry(entry: Any) -> Hop | None:
     value = common.time_to_first_upstream_tx_byte
     queue = value.seconds + value.nanos * 1e-9
     request = entry.request
+    headers = request.request_headers
     code = entry.response.response_code.value
+    traceparent = headers.get(TRACEPARENT)
     return Hop(request.request_id, started.seconds + started.nanos * 1e-9, duration,
                ttfb or None, queue or None, common.upstream_cluster, common.route_name,
-               request.request_headers.get(STAGE_HEADER, ""),
-               failed=code >= 500 or common.response_flags.ByteSize() > 0)
+               headers.get(STAGE_HEADER, ""),
+               failed=code >= 500 or common.response_flags.ByteSize() > 0,
+               trace_id=trace_id(traceparent) if traceparent else "")
 
 
 class HopSink(Protocol):

@@ -412,7 +412,7 @@ class StageLatencyReport(_message.Message):
     def __init__(self, name: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., ttfb_p99_ms: _Optional[float] = ..., total_p99_ms: _Optional[float] = ..., attributed_ms: _Optional[float] = ..., share_of_e2e_p99: _Optional[float] = ..., queue_p99_ms: _Optional[float] = ...) -> None: ...
 
 class LatencyChain(_message.Message):
-    __slots__ = ("pipeline", "window", "chains", "incomplete", "e2e_p50_ms", "e2e_p99_ms", "stages", "bottleneck", "failed")
+    __slots__ = ("pipeline", "window", "chains", "incomplete", "e2e_p50_ms", "e2e_p99_ms", "stages", "bottleneck", "failed", "slowest", "histograms")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
@@ -422,6 +422,8 @@ class LatencyChain(_message.Message):
     STAGES_FIELD_NUMBER: _ClassVar[int]
     BOTTLENECK_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    SLOWEST_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAMS_FIELD_NUMBER: _ClassVar[int]
     pipeline: str
     window: str
     chains: int
@@ -431,7 +433,51 @@ class LatencyChain(_message.Message):
     stages: _containers.RepeatedCompositeFieldContainer[StageLatencyReport]
     bottleneck: str
     failed: int
-    def __init__(self, pipeline: _Optional[str] = ..., window: _Optional[str] = ..., chains: _Optional[int] = ..., incomplete: _Optional[int] = ..., e2e_p50_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLatencyReport, _Mapping]]] = ..., bottleneck: _Optional[str] = ..., failed: _Optional[int] = ...) -> None: ...
+    slowest: _containers.RepeatedCompositeFieldContainer[SlowChain]
+    histograms: _containers.RepeatedCompositeFieldContainer[StageHistogram]
+    def __init__(self, pipeline: _Optional[str] = ..., window: _Optional[str] = ..., chains: _Optional[int] = ..., incomplete: _Optional[int] = ..., e2e_p50_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLatencyReport, _Mapping]]] = ..., bottleneck: _Optional[str] = ..., failed: _Optional[int] = ..., slowest: _Optional[_Iterable[_Union[SlowChain, _Mapping]]] = ..., histograms: _Optional[_Iterable[_Union[StageHistogram, _Mapping]]] = ...) -> None: ...
+
+class SlowChain(_message.Message):
+    __slots__ = ("request_id", "trace_id", "e2e_ms", "stages", "failed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    E2E_MS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    trace_id: str
+    e2e_ms: float
+    stages: _containers.RepeatedCompositeFieldContainer[SlowChainStage]
+    failed: bool
+    def __init__(self, request_id: _Optional[str] = ..., trace_id: _Optional[str] = ..., e2e_ms: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[SlowChainStage, _Mapping]]] = ..., failed: _Optional[bool] = ...) -> None: ...
+
+class SlowChainStage(_message.Message):
+    __slots__ = ("name", "offset_ms", "own_ms", "total_ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_MS_FIELD_NUMBER: _ClassVar[int]
+    OWN_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset_ms: float
+    own_ms: float
+    total_ms: float
+    def __init__(self, name: _Optional[str] = ..., offset_ms: _Optional[float] = ..., own_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class StageHistogram(_message.Message):
+    __slots__ = ("name", "buckets")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    buckets: _containers.RepeatedCompositeFieldContainer[HistogramBucket]
+    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[HistogramBucket, _Mapping]]] = ...) -> None: ...
+
+class HistogramBucket(_message.Message):
+    __slots__ = ("le_ms", "count")
+    LE_MS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    le_ms: float
+    count: int
+    def __init__(self, le_ms: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StageLatency(_message.Message):
     __slots__ = ("request_id", "pipeline", "stage", "start", "end", "first_byte")

@@ -89,6 +89,15 @@ class ChainAdmin:
                 entry.total_p99_ms = stage.total_p99_ms
             if stage.queue_p99_ms is not None:
                 entry.queue_p99_ms = stage.queue_p99_ms
+        for chain in report.slowest:
+            reply.slowest.add(request_id=chain.request_id, trace_id=chain.trace_id,
+                              e2e_ms=chain.e2e_ms, failed=chain.failed, stages=[
+                                  admin_pb2.SlowChainStage(name=s.name, offset_ms=s.offset_ms,
+                                                           own_ms=s.own_ms, total_ms=s.total_ms)
+                                  for s in chain.stages])
+        for hist in report.histograms:
+            reply.histograms.add(name=hist.name, buckets=[
+                admin_pb2.HistogramBucket(le_ms=le, count=n) for le, n in hist.buckets])
         return reply
 
     async def ReportStageLatency(self, request_iterator: AsyncIterator[admin_pb2.StageLatency],
