@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from sitsmesh.dev import harness
+from sitsmesh.dev import envoyconf, harness
 from tests import otlpcollector
 from tests.otlpcollector import ReceivedSpan
 
@@ -181,3 +181,68 @@ def test_sigterm_flushes_spans_still_queued(tmp_path: Path, start_sitsmesh: Star
             envoy.kill()
         assert node.stop(signal.SIGTERM) == 0
         assert [s.name for s in collector.spans if s.trace_id == trace_id] == [CHECK]
+
+
+def _envoy_with_tracer(tmp_path: Path, node: harness.Sitsmesh, upstream: int,
+                       collector_port: int) -> harness.Envoy:
+    """Envoy whose own OpenTelemetry tracer reports to the same receiver and propagates
+    the trace to its ext_authz and ratelimit calls (in their gRPC metadata)."""
+    listen, admin = harness.free_port(), harness.free_port()
+    values = harness.envoy_values(node.data_addr, upstream, listen, admin, "0.02s")
+    bootstrap = envoyconf.render(harness.REPO / "filters" / "local" / "bootstrap.yaml",
+                                 values, ["ext_authz", "ratelimit"])
+    envoyconf.http_connection_manager(bootstrap)["tracing"] = {"provider": {
+        "name": "envoy.tracers.opentelemetry",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "otlp"}, "timeout": "1s"},
+            "service_name": "envoy"}}}
+    bootstrap["static_resources"]["clusters"].append({
+        "name": "otlp", "type": "STATIC", "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
+                         "HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}},
+        "load_assignment": {"cluster_name": "otlp", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {
+                "address": "127.0.0.1", "port_value": collector_port}}}}]}]}})
+    config = envoyconf.write(bootstrap, tmp_path / "envoy-traced.yaml")
+    return harness.launch_envoy(config, listen, admin, tmp_path / "envoy-traced.log")
+
+
+def test_envoys_tracer_parents_check_and_ratelimit_spans_in_the_clients_trace(
+        tmp_path: Path, start_sitsmesh: Start, upstream: int) -> None:
+    with otlpcollector.running() as (collector, endpoint):
+        node = start_sitsmesh("--otlp-endpoint", endpoint, "--ratelimit-config",
+                              str(RATELIMIT), "--reload-interval-seconds", "0.2",
+                              env=FAST_EXPORT)
+        key = _key(node)
+        envoy = _envoy_with_tracer(tmp_path, node, upstream, int(endpoint.rpartition(":")[2]))
+        try:
+            harness.wait_until(lambda: _post(envoy, "/v2/models/llama-3/infer",
+                                             {"x-api-key": key}) == 200, 10, "the key")
+            header, trace_id, client_parent = _traceparent()
+            assert _post(envoy, "/v2/models/llama-3/infer",
+                         {"x-api-key": key, "traceparent": header, "x-user": "bob"}) == 200
+            check = _one(collector, CHECK, trace_id)
+            limited = _one(collector, SHOULD_RATE_LIMIT, trace_id)
+
+            def envoys_spans() -> dict[str, ReceivedSpan]:
+                return {s.span_id: s for s in collector.spans
+                        if s.trace_id == trace_id and s.resource.get("service.name") == "envoy"}
+
+            # Envoy exports its spans of the trace too; each sitsmesh span's parent is one
+            # of them (Envoy's client span of that call), and they lead to the client's.
+            harness.wait_until(lambda: {check.parent_span_id, limited.parent_span_id}
+                               <= set(envoys_spans()), 15, "Envoy's spans")
+            spans = envoys_spans()
+            for ours in (check, limited):
+                assert ours.parent_span_id != client_parent
+                hop, seen = spans[ours.parent_span_id], 0
+                while hop.parent_span_id in spans and seen < 10:
+                    hop, seen = spans[hop.parent_span_id], seen + 1
+                assert hop.parent_span_id == client_parent
+            assert limited.attributes["sitsmesh.ratelimit.descriptors"] == ("user=bob",)
+        finally:
+            envoy.kill()
