@@ -12,6 +12,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
+from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
+
 from sitsmesh.dev import envoyconf, harness
 from tests import otlpcollector
 from tests.otlpcollector import ReceivedSpan
@@ -246,3 +249,27 @@ def test_envoys_tracer_parents_check_and_ratelimit_spans_in_the_clients_trace(
             assert limited.attributes["sitsmesh.ratelimit.descriptors"] == ("user=bob",)
         finally:
             envoy.kill()
+
+
+def test_each_worker_traces_its_checks_from_grpc_metadata(start_sitsmesh: Start) -> None:
+    """--workers 2: every worker process exports its own spans (resource role `worker`,
+    its own instance id); a traceparent in the call's gRPC metadata parents them."""
+    with otlpcollector.running() as (collector, endpoint):
+        node = start_sitsmesh("--workers", "2", "--otlp-endpoint", endpoint, env=FAST_EXPORT)
+        sent: dict[str, str] = {}
+        request = external_auth_pb2.CheckRequest()
+        request.attributes.request.http.path = "/v2/models/llama-3/infer"
+        for _ in range(20):  # new connections: the kernel spreads them over the workers
+            header, trace_id, parent = _traceparent()
+            sent[trace_id] = parent
+            with grpc.insecure_channel(node.data_addr) as channel:
+                external_auth_pb2_grpc.AuthorizationStub(channel).Check(
+                    request, metadata=(("traceparent", header),), timeout=5)
+        harness.wait_until(lambda: {s.trace_id for s in collector.named(CHECK)} >= set(sent),
+                           15, "every Check's span")
+        spans = [s for s in collector.named(CHECK) if s.trace_id in sent]
+        assert all(s.parent_span_id == sent[s.trace_id] for s in spans)
+        assert all(s.attributes["sitsmesh.reason"] == "unauthenticated" for s in spans)
+        assert {s.resource["sitsmesh.role"] for s in spans} == {"worker"}
+        assert len({s.resource["service.instance.id"] for s in spans}) == 2
+        assert node.stop() == 0
