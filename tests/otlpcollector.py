@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -69,15 +70,23 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 @contextmanager
-def running() -> Iterator[tuple[Collector, str]]:
-    """(the collector, its http://127.0.0.1:PORT endpoint) while the block runs."""
+def running(tls: tuple[Path, Path] | None = None) -> Iterator[tuple[Collector, str]]:
+    """(the collector, its endpoint) while the block runs: http://127.0.0.1:PORT, or
+    with `tls` (certificate chain, key PEM files) https://localhost:PORT."""
     collector = Collector()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(  # type: ignore[no-untyped-call]
         collector, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    if tls is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+        endpoint = f"http://127.0.0.1:{port}"
+    else:
+        chain, key = (path.read_bytes() for path in tls)
+        port = server.add_secure_port("127.0.0.1:0",
+                                      grpc.ssl_server_credentials([(key, chain)]))
+        endpoint = f"https://localhost:{port}"
     server.start()
     try:
-        yield collector, f"http://127.0.0.1:{port}"
+        yield collector, endpoint
     finally:
         server.stop(0).wait(5)
