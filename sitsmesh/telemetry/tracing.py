@@ -31,7 +31,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -56,7 +56,9 @@ CONTROLLER_DECISION = "sitsmesh.controller.decision"
 SHUTDOWN_S = 5.0     # the most a stop waits for the last batch to leave
 LOG_EVERY_S = 30.0   # one line per this about failed exports and dropped spans
 MAX_DESCRIPTORS = 16        # of a ShouldRateLimit, named on its span
-MAX_ATTRIBUTE_CHARS = 256   # of one descriptor's entries
+# Of any attribute value and of an error status: callers choose request ids, model names
+# and domains up to the message bounds, and up to 2048 spans wait in the export queue.
+MAX_ATTRIBUTE_CHARS = 256
 # The SDK's own loggers: one line per failed export attempt and per span dropped from a
 # full queue (so per request while a collector is down). The throttle below stands in.
 SDK_LOGGERS = ("opentelemetry.exporter.otlp.proto.grpc.exporter",
@@ -156,7 +158,7 @@ class Tracing:
             name, context=self.parent(traceparent, tracestate), kind=SpanKind.SERVER,
             attributes={**_RPC.get(name, {}), **attributes}, start_time=start_ns)
         if error:
-            span.set_status(Status(StatusCode.ERROR, error))
+            span.set_status(Status(StatusCode.ERROR, error[:MAX_ATTRIBUTE_CHARS]))
         span.end(end_time=end_ns)
 
     def check(self, request: CheckInput, decision: Allowed | Denied, seconds: float,
@@ -326,7 +328,8 @@ def build(settings: Settings, role: str, exporter: SpanExporter | None = None) -
                            "traces would leave in clear")
     provider = TracerProvider(
         sampler=ParentBased(TraceIdRatioBased(settings.trace_sample_ratio)),
-        resource=resource(role))
+        resource=resource(role), span_limits=SpanLimits(
+            max_span_attribute_length=MAX_ATTRIBUTE_CHARS))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:

@@ -108,6 +108,17 @@ def test_a_deny_is_an_answer_not_an_error(memory: InMemorySpanExporter) -> None:
                   "sitsmesh.request_id": "req-1"}
 
 
+def test_caller_chosen_values_are_bounded(memory: InMemorySpanExporter) -> None:
+    tracer = _tracing(memory)
+    tracer.check(CheckInput({"traceparent": SAMPLED}, request_id="r" * 60_000), ALLOWED,
+                 0.001)
+    tracer.ratelimit("d" * 60_000, [], None, 0.001, error="no domain " + "d" * 60_000)
+    check, limited = memory.get_finished_spans()
+    assert dict(check.attributes or {})["sitsmesh.request_id"] == "r" * 256
+    assert dict(limited.attributes or {})["sitsmesh.ratelimit.domain"] == "d" * 256
+    assert len(limited.status.description or "") == 256
+
+
 def test_grpc_metadata_wins_over_the_http_headers(memory: InMemorySpanExporter) -> None:
     other = f"00-{'1' * 32}-{'2' * 16}-01"
     assert tracing.carrier({"traceparent": SAMPLED}, (("traceparent", other),)) == (other, "")
