@@ -259,17 +259,26 @@ def test_each_worker_traces_its_checks_from_grpc_metadata(start_sitsmesh: Start)
         sent: dict[str, str] = {}
         request = external_auth_pb2.CheckRequest()
         request.attributes.request.http.path = "/v2/models/llama-3/infer"
-        for _ in range(20):  # new connections: the kernel spreads them over the workers
+
+        def check() -> None:
             header, trace_id, parent = _traceparent()
             sent[trace_id] = parent
-            with grpc.insecure_channel(node.data_addr) as channel:
+            # A connection of its own (no shared subchannel): the kernel spreads new
+            # connections over the workers by hash.
+            with grpc.insecure_channel(node.data_addr,
+                                       options=[("grpc.use_local_subchannel_pool", 1)]
+                                       ) as channel:
                 external_auth_pb2_grpc.AuthorizationStub(channel).Check(
                     request, metadata=(("traceparent", header),), timeout=5)
-        harness.wait_until(lambda: {s.trace_id for s in collector.named(CHECK)} >= set(sent),
-                           15, "every Check's span")
+
+        def from_both() -> bool:
+            check()
+            ours = [s for s in collector.named(CHECK) if s.trace_id in sent]
+            return len({s.resource["service.instance.id"] for s in ours}) == 2
+
+        harness.wait_until(from_both, 20, "spans from both workers", interval=0.1)
         spans = [s for s in collector.named(CHECK) if s.trace_id in sent]
         assert all(s.parent_span_id == sent[s.trace_id] for s in spans)
         assert all(s.attributes["sitsmesh.reason"] == "unauthenticated" for s in spans)
         assert {s.resource["sitsmesh.role"] for s in spans} == {"worker"}
-        assert len({s.resource["service.instance.id"] for s in spans}) == 2
         assert node.stop() == 0
