@@ -317,3 +317,14 @@ def test_tracing_off_loads_no_tracing_sdk() -> None:
                           timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_controller_hands_every_live_snapshot_to_its_hook() -> None:
+    from sitsmesh.pressure.runtime import PressureRuntime
+
+    runtime = PressureRuntime(None)
+    seen: list[Snapshot] = []
+    runtime.tick()  # no hook: nothing to call
+    runtime.on_decisions = seen.append
+    live = runtime.tick()
+    assert seen == [live]
