@@ -119,7 +119,7 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     if pressure is not None and role is not Role.WORKER:
         swaps = SwapsComponent(settings, store, registry, pressure.runtime)
     quota = QuotaComponent(settings, ratelimit, pressure, serve=serve)
-    tracing = _tracing(settings, role)
+    tracing = tracing_for(settings, role)
     if tracing is not None:
         tracing.pipeline_of = pipeline_of
         if telemetry.telemetry is not None:  # where Check and ShouldRateLimit are served
@@ -132,7 +132,7 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry, tracing=tracing)
 
 
-def _tracing(settings: Settings, role: Role) -> Tracing | None:
+def tracing_for(settings: Settings, role: Role) -> Tracing | None:
     if not settings.otlp_endpoint:
         return None  # tracing off: the SDK is not even imported
     from sitsmesh.telemetry import tracing

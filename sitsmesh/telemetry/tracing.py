@@ -1,9 +1,9 @@
 """OpenTelemetry tracing: spans for Check, ShouldRateLimit, swaps and controller decisions,
 exported in batches over OTLP/gRPC.
 
-Off by default. This module imports the SDK, so it is imported only where
-`otlp_endpoint` is set (see `enabled`): with tracing off no SDK object exists and a
-servicer pays one None check per request.
+Off by default. This module imports the SDK, so sitsmesh.app.compose imports it only
+where `otlp_endpoint` is set: with tracing off no SDK object exists and the decision
+hook (sitsmesh.telemetry.decisions) pays one None check per request.
 
 Request spans are made after the fact, from the wall-clock times the servicer took,
 with explicit start and end: the request path opens no context and attaches nothing.
@@ -71,10 +71,6 @@ _RPC = {CHECK: {"rpc.system": "grpc", "rpc.service": "envoy.service.auth.v3.Auth
                             "rpc.method": "ShouldRateLimit"}}
 
 
-def enabled(settings: Settings) -> bool:
-    return bool(settings.otlp_endpoint)
-
-
 def carrier(headers: Mapping[str, str] | None = None,
             metadata: Iterable[tuple[str, Any]] | None = None) -> tuple[str, str]:
     """(traceparent, tracestate) of a request: the gRPC call's metadata first (Envoy's
@@ -100,7 +96,7 @@ def wall_ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
-class _Throttle(logging.Filter):
+class Throttle(logging.Filter):
     """Keeps the SDK's loggers quiet but for one line per LOG_EVERY_S, with how many it
     held back. No lock: a miscount under a race costs nothing."""
 
@@ -124,7 +120,7 @@ class _Throttle(logging.Filter):
         return False
 
 
-THROTTLE = _Throttle(LOG_EVERY_S)
+THROTTLE = Throttle(LOG_EVERY_S)
 
 
 class Tracing:

@@ -257,7 +257,7 @@ def test_controller_decisions_make_a_span_only_when_they_change(
 
 def test_sdk_log_lines_are_throttled(caplog: pytest.LogCaptureFixture,
                                      capsys: pytest.CaptureFixture[str]) -> None:
-    throttle = tracing._Throttle(3600)
+    throttle = tracing.Throttle(3600)
     logger = logging.getLogger("test.tracing.throttle")
     logger.addFilter(throttle)
     try:
@@ -305,7 +305,7 @@ NO_SDK = """
 import sys
 from sitsmesh.app import compose, server  # everything serve imports
 from sitsmesh.config import Settings
-assert compose._tracing(Settings(), compose.Role.SINGLE) is None
+assert compose.tracing_for(Settings(), compose.Role.SINGLE) is None
 # (redis-py imports parts of the SDK for its own metrics: the tracing half must not load.)
 print(sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk.trace",
                                                      "opentelemetry.exporter"))))
