@@ -144,6 +144,12 @@ class Settings:
     decision_log_headers: tuple[str, ...] = ()
     decision_log_mask: tuple[str, ...] = ()
     metrics_max_tenants: int = 100
+    # --- tracing (OpenTelemetry): README "Tracing" ---
+    # http://HOST:PORT (plaintext) or https://HOST:PORT (TLS) of an OTLP/gRPC receiver;
+    # empty: tracing is off and no OpenTelemetry SDK object exists.
+    otlp_endpoint: str = ""
+    otlp_ca_file: Path | None = None  # CA bundle for an https:// endpoint (default: system)
+    trace_sample_ratio: float = 1.0   # of root traces; a traceparent's own flag wins
     config_file: Path | None = None
 
     @property
@@ -288,6 +294,10 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "decision_log_headers": lambda raw: values.header_names(raw) if raw else (),
     "decision_log_mask": values.strings,
     "metrics_max_tenants": values.int_range(1, 10_000),
+    # tracing (OpenTelemetry): README "Tracing"
+    "otlp_endpoint": values.otlp_endpoint,
+    "otlp_ca_file": values.path,
+    "trace_sample_ratio": values.fraction,
 }
 FILE_KEYS = tuple(PARSERS)
 

@@ -190,3 +190,28 @@ def redact_url(url: str) -> str:
         return url
     user = userinfo.split(":", 1)[0]
     return f"{scheme}://{user}:***@{host}{slash}{tail}"
+
+
+def otlp_endpoint(raw: Any) -> str:
+    """Empty (tracing off), or http://HOST:PORT / https://HOST:PORT of an OTLP/gRPC receiver.
+    The scheme is the only switch between plaintext and TLS, so it must be explicit, and
+    a path would be silently dropped by the gRPC exporter, so none is taken."""
+    if not isinstance(raw, str):
+        raise ValueError(f"expected http://HOST:PORT or https://HOST:PORT, got {raw!r}")
+    if raw == "":
+        return raw
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(raw)
+        port = parts.port
+    except ValueError:
+        port, parts = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname \
+            or port is None:
+        raise ValueError("expected http://HOST:PORT (plaintext) or https://HOST:PORT (TLS), "
+                         f"got {raw!r}")
+    if parts.username is not None or parts.path not in ("", "/") or parts.query \
+            or parts.fragment:
+        raise ValueError(f"expected only a scheme, host and port, got {raw!r}")
+    return raw.rstrip("/")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -37,6 +38,9 @@ from sitsmesh.transport.admin.swaps import SwapAdmin
 from sitsmesh.transport.admin.tenants import TenantAdmin
 from sitsmesh.transport.streams import OpenStreams
 
+if TYPE_CHECKING:
+    from sitsmesh.telemetry.tracing import Tracing
+
 
 class Role(enum.Enum):
     SINGLE = "single"
@@ -57,6 +61,8 @@ class Graph:
     telemetry: TelemetryComponent
     # Envoy's access-log and stats streams, ended when the drain window closes.
     streams: OpenStreams = field(default_factory=OpenStreams)
+    # OpenTelemetry, when otlp_endpoint is set: flushed after every part has stopped.
+    tracing: Tracing | None = None
 
     @property
     def parts(self) -> tuple[RateLimitComponent | AuthzComponent | ChainsComponent
@@ -80,6 +86,8 @@ class Graph:
     async def stop(self) -> None:
         for part in self.parts:
             await part.stop()
+        if self.tracing is not None:
+            await self.tracing.shutdown()
 
 
 def build(settings: Settings, store: StateStore, registry: CollectorRegistry | None,
@@ -92,9 +100,10 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     pressure = (PressureComponent(settings, store, registry, serve=serve or shared)
                 if role is not Role.WORKER or shared else None)
     gate = pressure.gate if pressure is not None and serve else None
-    telemetry = TelemetryComponent(
-        settings, registry, serve=serve,
-        pipeline_of=lambda model: gate.pipeline_for("", model) if gate is not None else "")
+    def pipeline_of(model: str) -> str:
+        return gate.pipeline_for("", model) if gate is not None else ""
+
+    telemetry = TelemetryComponent(settings, registry, serve=serve, pipeline_of=pipeline_of)
     ratelimit = RateLimitComponent(settings, store, registry, board, serve=serve, gate=gate,
                                    telemetry=telemetry.telemetry)
     authz = AuthzComponent(settings, store, serve=serve, gate=gate,
@@ -110,7 +119,25 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     if pressure is not None and role is not Role.WORKER:
         swaps = SwapsComponent(settings, store, registry, pressure.runtime)
     quota = QuotaComponent(settings, ratelimit, pressure, serve=serve)
-    return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry)
+    tracing = tracing_for(settings, role)
+    if tracing is not None:
+        tracing.pipeline_of = pipeline_of
+        if telemetry.telemetry is not None:  # where Check and ShouldRateLimit are served
+            telemetry.telemetry.tracer = tracing
+        # Swaps and the controller's decisions live where the admin API does.
+        if swaps is not None and role is not Role.WORKER:
+            swaps.manager.on_end = tracing.swap
+        if pressure is not None and pressure.runtime is not None and role is not Role.WORKER:
+            pressure.runtime.on_decisions = tracing.decisions
+    return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry, tracing=tracing)
+
+
+def tracing_for(settings: Settings, role: Role) -> Tracing | None:
+    if not settings.otlp_endpoint:
+        return None  # tracing off: the SDK is not even imported
+    from sitsmesh.telemetry import tracing
+
+    return tracing.build(settings, role.value)
 
 
 async def check_workers(graph: Graph, settings: Settings) -> None:

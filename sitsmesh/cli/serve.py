@@ -139,6 +139,13 @@ _FLAG_HELP = {
                       "(the token crosses the network in clear)",
     "redis_password_file": "file holding the Redis password (keeps it out of argv and "
                            "--redis-url)",
+    # tracing (OpenTelemetry): README "Tracing"
+    "otlp_endpoint": "OTLP/gRPC receiver for traces: http://HOST:PORT (plaintext) or "
+                     "https://HOST:PORT (TLS); empty (default): tracing off",
+    "otlp_ca_file": "PEM CA bundle that signed an https:// OTLP receiver's certificate "
+                    "(default: the system's)",
+    "trace_sample_ratio": "share of root traces (no sampled traceparent) recorded, 0..1 "
+                          "(default 1); a traceparent's sampled flag always wins",
 }
 
 

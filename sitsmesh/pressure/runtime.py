@@ -55,6 +55,8 @@ class PressureRuntime:
         self._clusters: dict[str, list[tuple[str, str]]] = {}  # envoy cluster -> stages
         self._instances: dict[str, int] = {}  # triton model -> instances, as Triton says
         self._watchers: set[asyncio.Queue[Snapshot]] = set()
+        # Sees every snapshot made live (tracing: a span when a pipeline's decision changes).
+        self.on_decisions: Callable[[Snapshot], None] | None = None
         self._logged: dict[tuple[str, str], float] = {}
         self._sheds = Counter("sitsmesh_shed_total",
                               "Requests shed at a pipeline's entry, by the stage that caused "
@@ -199,6 +201,8 @@ class PressureRuntime:
         when several share the traffic), reports and watchers see `snapshot`."""
         self.gate.snapshot = gate or snapshot
         self._flush(snapshot)
+        if self.on_decisions is not None:
+            self.on_decisions(snapshot)
         for queue in list(self._watchers):
             if queue.qsize() < 100:  # a slow watcher loses ticks, never blocks the loop
                 queue.put_nowait(snapshot)

@@ -56,6 +56,7 @@ class RunningSwap:
     swap: Swap
     events: asyncio.Queue[SwapEvent | None] = field(default_factory=asyncio.Queue)
     task: asyncio.Task[SwapRecord] | None = None
+    traceparent: str = ""  # of the admin call that started it ("": none)
 
     async def stream(self) -> AsyncIterator[SwapEvent]:
         """Progress events until the swap ends."""
@@ -108,6 +109,9 @@ class SwapManager:
         self._metrics = SwapMetrics(registry)
         self._clock = clock
         self._running: dict[str, RunningSwap] = {}
+        # Called with each swap's record (and its caller's traceparent) once it ended,
+        # rolled back or was interrupted: tracing turns it into spans.
+        self.on_end: Callable[[SwapRecord, str], None] | None = None
 
     async def start(self) -> None:
         for record in await self.history.mark_interrupted(self._clock()):
@@ -156,7 +160,7 @@ class SwapManager:
         return result
 
     def begin(self, model: str, target: int, endpoint: str,
-              options: SwapOptions) -> RunningSwap:
+              options: SwapOptions, traceparent: str = "") -> RunningSwap:
         """Start a swap in the background; raises before anything runs if it may not."""
         if not model:
             raise SwapInvalid("model is required")
@@ -178,7 +182,7 @@ class SwapManager:
         swap = Swap(record, chosen.server, chosen.preflight, options, self.history,
                     emit=queue.put_nowait, clock=self._clock, hooks=self._metrics.hooks(),
                     pressure=self._pressure)
-        handle = RunningSwap(swap, queue)
+        handle = RunningSwap(swap, queue, traceparent=traceparent)
         self._running[model] = handle
         handle.task = asyncio.get_running_loop().create_task(self._run(model, handle))
         _log.info("swap started", swap_id=record.id, model=model, endpoint=chosen.config.name,
@@ -193,6 +197,8 @@ class SwapManager:
         finally:
             self._running.pop(model, None)
             handle.events.put_nowait(None)
+            if self.on_end is not None:
+                self.on_end(handle.swap.record, handle.traceparent)
 
     async def get(self, swap_id: str) -> SwapRecord:
         return await self.history.get(swap_id)

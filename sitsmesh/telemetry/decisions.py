@@ -9,13 +9,16 @@ the request path (prometheus-client takes a lock per increment, a log line is I/
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from sitsmesh.authz.check import Allowed, CheckInput, Denied
 from sitsmesh.ratelimit.limiter import Decision, Descriptor
 from sitsmesh.telemetry.decisionlog import DecisionLog
+
+if TYPE_CHECKING:
+    from sitsmesh.telemetry.tracing import Tracing
 
 CHECK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                  0.25, 0.5, 1.0)
@@ -75,11 +78,13 @@ class Telemetry:
     grpc context (tracing reads the caller's trace context from its metadata).
     """
 
-    __slots__ = ("_authz", "log")
+    __slots__ = ("_authz", "log", "tracer")
 
     def __init__(self, authz: AuthzMetrics | None, log: DecisionLog | None) -> None:
         self._authz = authz
         self.log = log
+        # OpenTelemetry spans, when tracing is on (sitsmesh.app.compose sets it).
+        self.tracer: Tracing | None = None
 
     def check(self, request: CheckInput, decision: Allowed | Denied, started: float,
               context: Any = None) -> None:
@@ -93,6 +98,8 @@ class Telemetry:
         log = self.log
         if log is not None and log.wants(denied):
             log.authz(request, decision, seconds)
+        if self.tracer is not None:
+            self.tracer.check(request, decision, seconds, context)
 
     def refused(self, code: str, started: float) -> None:
         """A Check refused before it was read (too large, malformed, too many headers)."""
@@ -106,6 +113,9 @@ class Telemetry:
         log = self.log
         if log is not None and log.wants(decision is None or decision.over):
             log.ratelimit(domain, descriptors, decision, time.perf_counter() - started, error)
+        if self.tracer is not None:
+            self.tracer.ratelimit(domain, descriptors, decision, time.perf_counter() - started,
+                                  error=error, context=context)
 
     def flush(self) -> None:
         if self._authz is not None:

@@ -80,8 +80,11 @@ class SwapAdmin:
     async def SwapModel(self, request: admin_pb2.SwapModelRequest,
                         context: aio.ServicerContext[Any, Any]
                         ) -> AsyncIterator[admin_pb2.SwapEvent]:
+        # A caller's W3C traceparent parents the swap's span (when tracing is on).
+        traceparent = next((str(v) for k, v in context.invocation_metadata() or ()
+                            if k == "traceparent"), "")
         handle = self._swaps.begin(request.model, request.target_version, request.endpoint,
-                                   options_from(request.options))
+                                   options_from(request.options), traceparent)
         last: admin_pb2.SwapEvent | None = None
         async for event in handle.stream():
             if last is not None:
