@@ -73,8 +73,11 @@ def _hop_bytes(hop: Hop) -> int:
 
 
 @dataclass(slots=True)
-class _Slot:
-    index: int
+class _Tally:
+    """One pipeline's finished chains in one time slot."""
+
+    # its slowest chains kept whole (request id, trace id, waterfall)
+    kept: Slowest
     chains: int = 0
     incomplete: int = 0
     failed: int = 0
@@ -85,8 +88,13 @@ class _Slot:
     total: dict[str, Histogram] = field(default_factory=dict)
     # min-heap of (e2e, sequence, {stage: own seconds}): the slowest chains of the slot
     slowest: list[tuple[float, int, dict[str, float]]] = field(default_factory=list)
-    # per pipeline: its slowest chains kept whole (request id, trace id, waterfall)
-    kept: dict[str, Slowest] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Slot:
+    index: int
+    # Per pipeline: two pipelines may name stages alike, and each reports only its own.
+    pipelines: dict[str, _Tally] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,33 +279,34 @@ class Assembler:
             self._closed_bytes -= CLOSED_BYTES + len(self._closed.popitem(last=False)[0])
         self._closed[request_id] = None
         self._closed_bytes += cost
-        slot = self._slot()
+        pipelines = self._slot().pipelines
+        tally = pipelines.get(chain.pipeline.name)
+        if tally is None:
+            tally = pipelines[chain.pipeline.name] = _Tally(Slowest(self._keep))
         if not complete:
-            slot.incomplete += 1
+            tally.incomplete += 1
             return
         own, e2e = own_times(chain.hops)
-        slot.chains += 1
+        tally.chains += 1
         failed = any(hop.failed for hop in chain.hops.values())
         if failed:
-            slot.failed += 1
-        slot.e2e.add(e2e)
+            tally.failed += 1
+        tally.e2e.add(e2e)
         for name, seconds in own.items():
             hop = chain.hops[name]
-            _hist(slot.own, name).add(seconds)
-            _hist(slot.total, name).add(hop.duration)
+            _hist(tally.own, name).add(seconds)
+            _hist(tally.total, name).add(hop.duration)
             if hop.ttfb is not None:
-                _hist(slot.ttfb, name).add(hop.ttfb)
+                _hist(tally.ttfb, name).add(hop.ttfb)
             if hop.queue is not None:
-                _hist(slot.queue, name).add(hop.queue)
+                _hist(tally.queue, name).add(hop.queue)
         self._sequence += 1
         entry = (e2e, self._sequence, own)
-        if len(slot.slowest) < self._top_k:
-            heapq.heappush(slot.slowest, entry)
-        elif e2e > slot.slowest[0][0]:
-            heapq.heapreplace(slot.slowest, entry)
-        kept = slot.kept.get(chain.pipeline.name)
-        if kept is None:
-            kept = slot.kept[chain.pipeline.name] = Slowest(self._keep)
+        if len(tally.slowest) < self._top_k:
+            heapq.heappush(tally.slowest, entry)
+        elif e2e > tally.slowest[0][0]:
+            heapq.heapreplace(tally.slowest, entry)
+        kept = tally.kept
         if kept.admits(e2e):  # built only when kept: most chains stop at this comparison
             kept.push(e2e, self._sequence, _slow_chain(request_id, chain, own, e2e, failed))
         if self._on_chain is not None:
@@ -309,7 +318,8 @@ class Assembler:
             return None
         newest = int(self._clock() // self._slot_s)
         oldest = newest - max(1, window_s // self._slot_s) + 1
-        slots = [s for s in self._slots if s is not None and oldest <= s.index <= newest]
+        slots = [tally for s in self._slots if s is not None and oldest <= s.index <= newest
+                 for tally in (s.pipelines.get(pipeline_name),) if tally is not None]
         e2e = Histogram()
         chains = incomplete = failed = 0
         own: dict[str, Histogram] = {}
@@ -346,8 +356,7 @@ class Assembler:
                 round(attributed * 1000, 3),
                 round(attributed / slow_e2e, 4) if slow_e2e else 0.0))
         bottleneck = max(stages, key=lambda s: s.attributed_ms).name if chains else ""
-        kept = slowest_of((s.kept[pipeline_name] for s in slots if pipeline_name in s.kept),
-                          self._keep)
+        kept = slowest_of((s.kept for s in slots), self._keep)
         histograms = tuple(
             StageHistogram(stage.name, tuple((_ms(upper), n) for upper, n in hist.buckets()))
             for stage in pipeline.stages

@@ -229,3 +229,24 @@ def test_closed_ids_are_bounded_in_bytes() -> None:
     assert asm.open_bytes() == 0
     # 2000 closed 2 KB ids would be 4 MB; a quarter of the 1 MiB budget holds them.
     assert asm.closed_bytes() <= (1 << 20) // 4
+
+
+def test_each_pipeline_reports_only_its_own_chains_even_with_stage_names_alike() -> None:
+    other = pipeline_from("other", {"stages": [
+        {"name": "pre", "match": {"upstream_cluster": "pre2"}},
+        {"name": "model", "match": {"upstream_cluster": "model2"}},
+    ]})
+    asm = Assembler({"demo": DEMO, "other": other}, clock=Clock())
+    for i in range(5):
+        for hop in _hops(f"d{i}", 0.0, 0.030, 0.020, 0.010):
+            asm.add(hop)
+    for i in range(3):
+        asm.add(Hop(f"o{i}", 0.0, 0.900, upstream_cluster="pre2"))
+        asm.add(Hop(f"o{i}", 0.1, 0.700, upstream_cluster="model2"))
+    demo, theirs = asm.report("demo", 60), asm.report("other", 60)
+    assert demo is not None and theirs is not None
+    assert (demo.chains, theirs.chains) == (5, 3)
+    assert {s.name: s.p50_ms for s in demo.stages}["model"] == pytest.approx(10, rel=0.05)
+    assert {s.name: s.p50_ms for s in theirs.stages}["model"] == pytest.approx(700, rel=0.05)
+    assert demo.e2e_p99_ms == pytest.approx(30, rel=0.05)
+    assert [c.request_id[0] for c in theirs.slowest] == ["o", "o", "o"]
