@@ -55,8 +55,15 @@ def hop_from_entry(entry: Any) -> Hop | None:
     return Hop(request.request_id, started.seconds + started.nanos * 1e-9, duration,
                ttfb or None, queue or None, common.upstream_cluster, common.route_name,
                headers.get(STAGE_HEADER, ""),
-               failed=code >= 500 or common.response_flags.ByteSize() > 0,
+               failed=code >= 500 or _failure_flagged(common.response_flags),
                trace_id=trace_id(traceparent) if traceparent else "")
+
+
+def _failure_flagged(flags: Any) -> bool:
+    """Any response flag but an injected delay (DI), which slows a request without
+    failing it; the common case, no flag, costs one size check."""
+    return flags.ByteSize() > 0 and any(
+        field.name != "delay_injected" for field, _ in flags.ListFields())
 
 
 class HopSink(Protocol):

@@ -189,6 +189,20 @@ def test_the_access_log_entry_gives_the_hop_its_trace_id(header: str | None,
     assert hop is not None and hop.trace_id == expected and hop.duration == 0.005
 
 
+@pytest.mark.parametrize(("flags", "code", "failed"), [
+    ((), 200, False), (("delay_injected",), 200, False), ((), 503, True),
+    (("upstream_request_timeout",), 504, True), (("upstream_connection_failure",), 200, True),
+    (("delay_injected", "fault_injected"), 200, True)])
+def test_a_hop_fails_on_a_5xx_or_a_failure_flag_but_not_on_an_injected_delay(
+        flags: tuple[str, ...], code: int, failed: bool) -> None:
+    entry = _entry(None)
+    entry.response.response_code.value = code
+    for flag in flags:
+        setattr(entry.common_properties.response_flags, flag, True)
+    hop = hop_from_entry(entry)
+    assert hop is not None and hop.failed is failed
+
+
 def test_the_trace_id_crosses_the_hop_bus_and_a_forged_one_is_refused() -> None:
     hop = Hop("r1", 1.5, 0.1, upstream_cluster="pre", trace_id=TRACE)
     event = json.loads(json.dumps(encode_hop(hop)))
