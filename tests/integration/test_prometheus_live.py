@@ -69,6 +69,13 @@ class Stack:
         return self.request("/v2/models/lazy/infer",
                             {"x-api-key": key, "x-priority": str(priority)}, INFER_BODY)
 
+    def calm(self) -> bool:
+        """No stage of the lazy pipeline is overloaded, as the controller sees it now."""
+        snapshot = json.loads(self.cli("pressure", "watch", "lazy", "--count", "1",
+                                       "--output", "json"))
+        levels = [s["level"] for p in snapshot["pipelines"] for s in p["stages"]]
+        return bool(levels) and "overloaded" not in levels
+
     def cli(self, *args: str, timeout: float = 60) -> str:
         result = harness.run_cli(*args, "--admin", self.admin, "--state-dir", str(self.state),
                                  timeout=timeout)
@@ -169,20 +176,25 @@ def drive(stack: Stack, prom: Prometheus) -> None:
         shadow = [stack.request(demo, {"x-api-key": stack.key, "x-user": "shadow"})
                   for _ in range(3)]
         assert shadow == [200] * 3, shadow
-        assert [stack.infer(9) for _ in range(5)] == [200] * 5
         # A health check of a service nobody registered: NOT_FOUND, a gRPC error.
         assert harness.health_status(stack.data, "no.such.Service") is None
-        # Before any burst: a swap's precheck refuses while the stage is overloaded. The
-        # latency bound is loose: this test is about metrics, and the machine is shared.
+        # A swap's precheck refuses (and counts a failed swap) while the stage is
+        # overloaded, as it is for a while after v1's cold first request (0.4 s against
+        # a 250 ms SLA): swap first, which warms the new version, then send requests.
+        # The latency bound is loose: this test is about metrics, on a shared machine.
+        harness.wait_until(stack.calm, 30, "the lazy stage to be calm", interval=0.5)
         out = stack.cli("models", "swap", "lazy", "--to", str(version),
                         "--max-latency-ratio", "50", timeout=60)
         assert f"lazy v{version - 1} -> v{version} on default: SUCCEEDED" in out
+        assert [stack.infer(9) for _ in range(5)] == [200] * 5
         scraped(prom)
     for _ in range(2):
         # Priority 0 (demo's) at many times what the lazy model's one instance serves.
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
             codes = list(pool.map(lambda _: stack.infer(0), range(300)))
-        assert 429 in codes and set(codes) <= {200, 429}, sorted(set(codes))
+        # 403: a Check past ext_authz's 0.25 s timeout fails closed (status_on_error), as
+        # happens now and then to a 32-way burst on a shared 2-core machine.
+        assert 429 in codes and set(codes) <= {200, 403, 429}, sorted(set(codes))
         scraped(prom)
 
 
