@@ -5,7 +5,8 @@ The stack is what `make run` starts (Envoy, sitsmesh serve, Triton with the `laz
 pipeline), with the rate-limit counts in a real redis-server so the store's metrics
 exist. Traffic covers each panel: allowed requests, 401s, 429s over a limit, over-limit
 hits of a rule in shadow mode, the lazy model through Triton (stage latency), a burst of
-low-priority requests at it (sheds), a gRPC call that fails, and one model swap.
+low-priority requests at it (sheds), a gRPC call that fails, and two model swaps. Then a
+swap that cannot succeed must make SitsmeshSwapFailed fire in that Prometheus.
 """
 
 from __future__ import annotations
@@ -206,6 +207,12 @@ def scraped(prom: Prometheus) -> None:
         > after + SCRAPE_S, 5 * SCRAPE_S + 5, "two scrapes")
 
 
+def swap_failed_alert(prom: Prometheus, outcome: str) -> bool:
+    return any(a["labels"]["alertname"] == "SitsmeshSwapFailed" and a["state"] == "firing"
+               and a["labels"].get("outcome") == outcome
+               for a in prom.api("alerts")["alerts"])
+
+
 def variable_values(prom: Prometheus, definition: str) -> list[str]:
     match = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", definition)
     assert match, definition
@@ -258,6 +265,14 @@ def test_prometheus_answers_every_dashboard_query_and_loads_the_rules(
         # A healthy stack under light traffic: nothing pages.
         firing = [a for a in prom.api("alerts")["alerts"] if a["state"] == "firing"]
         assert not firing, firing
+        # And one that should: a swap to a version Triton does not have is rolled back,
+        # and SitsmeshSwapFailed (no `for`) fires on the next evaluations.
+        refused = harness.run_cli("models", "swap", "lazy", "--to", "9", "--admin",
+                                  stack.admin, "--state-dir", str(stack.state), timeout=60)
+        assert refused.returncode != 0, refused.stdout
+        outcome = "rolled_back" if "ROLLED_BACK" in refused.stdout else "failed"
+        harness.wait_until(lambda: swap_failed_alert(prom, outcome), 10 * SCRAPE_S,
+                           f"SitsmeshSwapFailed to fire for {outcome}", interval=0.5)
     finally:
         prom.proc.stop(signal.SIGTERM, 20)
     assert time.monotonic() - started < 90
