@@ -146,6 +146,14 @@ def test_the_unit_tests_catch_a_wrong_expression(tmp_path: Path, alert: str,
     assert f"alertname: {alert}" in result.stdout + result.stderr
 
 
+@needs_promtool
+@pytest.mark.parametrize("alert", sorted(alerts()))
+@pytest.mark.parametrize("expr", ["vector(1) < 0", "vector(1)"], ids=["never", "always"])
+def test_each_alert_has_a_case_that_fails_when_it_never_or_always_fires(
+        tmp_path: Path, alert: str, expr: str) -> None:
+    test_the_unit_tests_catch_a_wrong_expression(tmp_path, alert, expr)
+
+
 @pytest.mark.parametrize("name", sorted(alerts()))
 def test_alert_says_how_bad_what_and_what_to_do(name: str) -> None:
     rule = alerts()[name]
