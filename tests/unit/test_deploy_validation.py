@@ -19,6 +19,8 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from tests.unit.monitoring_crds import MONITORING_SCHEMAS
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBE = DEPLOY / "kubernetes"
@@ -195,6 +197,7 @@ SCHEMAS: dict[tuple[str, str], Schema] = {
     ("networking.istio.io/v1alpha3", "EnvoyFilter"): ENVOY_FILTER,
     ("networking.istio.io/v1", "DestinationRule"): DESTINATION_RULE,
     ("kustomize.config.k8s.io/v1beta1", "Kustomization"): KUSTOMIZATION,
+    **MONITORING_SCHEMAS,  # deploy/observability
 }
 
 
