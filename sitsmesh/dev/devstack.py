@@ -147,11 +147,20 @@ def _demo_pipeline(bin_dir: Path, run_dir: Path, serve_args: list[str]) -> None:
 
 
 def _demo_key(bin_dir: Path, serve_args: list[str]) -> str:
-    """A 'demo' tenant allowed every model, and a fresh key for it (state persists)."""
+    """A 'demo' tenant allowed every model and priority, and a fresh key for it (state
+    persists: the tenant exists on later runs)."""
     admin = _admin_flags(serve_args)
     cli = str(bin_dir / "sitsmesh")
-    subprocess.run([cli, "tenants", "create", "demo", "--models", "*", *admin],
-                   capture_output=True, check=False)  # exists already on later runs
+    for _ in range(20):
+        created = subprocess.run([cli, "tenants", "create", "demo", "--models", "*",
+                                  "--max-priority", "9", *admin],
+                                 capture_output=True, text=True, check=False)
+        if created.returncode == 0 or "ALREADY_EXISTS" in created.stderr:
+            break
+        time.sleep(0.25)  # the admin API may still be settling: say why only if it stays
+    else:
+        raise SystemExit(f"sitsmesh dev: cannot create the demo tenant: "
+                         f"{created.stderr.strip()}")
     made = subprocess.run([cli, "apikeys", "create", "--tenant", "demo", "--name", "make-run",
                            "--output", "json", *admin], capture_output=True, text=True,
                           check=False)

@@ -71,6 +71,18 @@ class EndpointModels:
     error: str = ""
 
 
+# A swap its precheck turned down (under pressure, already serving, nothing to replace)
+# changed nothing: counted apart from failures, so an alert on failures stays quiet.
+REFUSED = "refused"
+
+
+def outcome_of(record: SwapRecord) -> str:
+    """The `outcome` label of a finished swap."""
+    if record.state == FAILED and record.phase == "precheck":
+        return REFUSED
+    return record.state
+
+
 class SwapMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.phase = Histogram("sitsmesh_swap_phase_seconds", "Duration of each swap phase.",
@@ -85,7 +97,7 @@ class SwapMetrics:
                                 ["outcome"], registry=registry)
         # Every outcome shows from the start at 0, so the first failure is an increase
         # an alert sees, not a series that appears already at 1.
-        for outcome in (SUCCEEDED, FAILED, ROLLED_BACK, INTERRUPTED):
+        for outcome in (SUCCEEDED, FAILED, ROLLED_BACK, INTERRUPTED, REFUSED):
             self.outcomes.labels(outcome)
 
     def hooks(self) -> Hooks:
@@ -192,7 +204,7 @@ class SwapManager:
     async def _run(self, model: str, handle: RunningSwap) -> SwapRecord:
         try:
             record = await handle.swap.run()
-            self._metrics.outcomes.labels(record.state).inc()
+            self._metrics.outcomes.labels(outcome_of(record)).inc()
             return record
         finally:
             self._running.pop(model, None)

@@ -20,7 +20,7 @@ from sitsmesh.config import TritonEndpoint
 from sitsmesh.state.sqlite import SqliteStore
 from sitsmesh.swap.contract import Answer, ServerError, Tensor, VersionState
 from sitsmesh.swap.machine import Swap, SwapEvent
-from sitsmesh.swap.manager import SwapManager, SwapRefused
+from sitsmesh.swap.manager import SwapManager, SwapRefused, outcome_of
 from sitsmesh.swap.override import (
     InvalidSwapInput,
     SwapOptions,
@@ -197,7 +197,7 @@ async def test_a_version_that_never_gets_ready_is_rolled_back(history: Any) -> N
     prod.ready = {1: True}
     prod.fail_load = {2}
     record, _ = await _swap(history, prod, 2)
-    assert record.state == "rolled_back"
+    assert record.state == "rolled_back" and outcome_of(record) == "rolled_back"
     assert "v2 did not become READY" in record.error
     assert _phases(record)[-2:] == [("load", "failed"), ("rollback", "ok")]
     assert sorted(prod.ready) == [1]
@@ -265,6 +265,8 @@ async def test_precheck_refusals_touch_nothing(history: Any) -> None:
     record, _ = await _swap(history, prod, 2)
     assert "100 requests are pending on m at fake (max_pending 64)" in record.error
     assert prod.loads == []
+    # Counted apart from failures: nothing changed, so the swap-failure alert stays quiet.
+    assert outcome_of(record) == "refused"
 
 
 async def test_a_swap_waits_while_the_controller_sees_the_model_overloaded(
@@ -280,6 +282,7 @@ async def test_a_swap_waits_while_the_controller_sees_the_model_overloaded(
     assert done.error == ("m is under pressure (stage demo/model is overloaded): a swap adds "
                           "load; retry when it drops")
     assert prod.loads == []
+    assert outcome_of(done) == "refused"
 
 
 async def test_server_gone_mid_swap_fails_with_the_reason(history: Any) -> None:
@@ -287,7 +290,7 @@ async def test_server_gone_mid_swap_fails_with_the_reason(history: Any) -> None:
     prod.ready = {1: True}
     prod.down_on_load = True
     record, _ = await _swap(history, prod, 2)
-    assert record.state == "failed"
+    assert record.state == "failed" and outcome_of(record) == "failed"
     assert record.error.startswith("load: fake unreachable during loading; rollback failed:")
 
 
