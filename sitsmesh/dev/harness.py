@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -203,6 +204,16 @@ class Envoy(Proc):
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.listen_port}{path}"
+
+    def post_status(self, path: str, headers: dict[str, str], body: bytes = b"{}") -> int:
+        """POST through the listener; the HTTP status, whatever it is."""
+        req = urllib.request.Request(self.url(path), data=body,  # noqa: S310 (http://)
+                                     headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310
+                return int(resp.status)
+        except urllib.error.HTTPError as err:
+            return err.code
 
     def admin_get(self, path: str) -> str:
         url = f"http://127.0.0.1:{self.admin_port}{path}"

@@ -6,8 +6,6 @@ names, and serving state."""
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,13 +15,6 @@ CONFIG = harness.REPO / "filters" / "local" / "ratelimit"
 AUTHZ = "envoy.service.auth.v3.Authorization"
 
 
-def _status(envoy: harness.Envoy, path: str, headers: dict[str, str]) -> int:
-    req = urllib.request.Request(envoy.url(path), data=b"{}", headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as err:
-        return err.code
 
 
 def test_decisions_rate_limits_and_rpcs_are_counted(
@@ -35,11 +26,11 @@ def test_decisions_rate_limits_and_rpcs_are_counted(
         assert node.cli("tenants", "create", "acme", "--models", "bert").returncode == 0
         key = json.loads(node.cli("apikeys", "create", "--tenant", "acme", "--output",
                                   "json").stdout)["key"]
-        harness.wait_until(lambda: _status(envoy, "/v2/models/bert/infer",
+        harness.wait_until(lambda: envoy.post_status("/v2/models/bert/infer",
                                            {"x-api-key": key}) == 200, 10, "the key")
-        assert _status(envoy, "/v2/models/bert/infer", {}) == 401
-        assert _status(envoy, "/v2/models/gpt/infer", {"x-api-key": key}) == 403
-        codes = [_status(envoy, "/v2/models/bert/infer", {"x-api-key": key, "x-user": "carol"})
+        assert envoy.post_status("/v2/models/bert/infer", {}) == 401
+        assert envoy.post_status("/v2/models/gpt/infer", {"x-api-key": key}) == 403
+        codes = [envoy.post_status("/v2/models/bert/infer", {"x-api-key": key, "x-user": "carol"})
                  for _ in range(6)]
         assert codes == [200] * 5 + [429]
 

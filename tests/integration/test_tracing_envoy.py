@@ -7,8 +7,6 @@ import json
 import secrets
 import signal
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,13 +27,6 @@ ERROR = 2   # Status.STATUS_CODE_ERROR
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
 
 
-def _post(envoy: harness.Envoy, path: str, headers: dict[str, str]) -> int:
-    req = urllib.request.Request(envoy.url(path), data=b"{}", headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as err:
-        return err.code
 
 
 def _key(node: harness.Sitsmesh) -> str:
@@ -70,19 +61,19 @@ def test_check_and_ratelimit_spans_reach_a_real_otlp_receiver_parented_by_tracep
         envoy = harness.start_envoy(tmp_path, node.data_addr, upstream,
                                     fragments=["ext_authz", "ratelimit"])
         try:
-            harness.wait_until(lambda: _post(envoy, "/v2/models/llama-3/infer",
+            harness.wait_until(lambda: envoy.post_status("/v2/models/llama-3/infer",
                                              {"x-api-key": key}) == 200, 10, "the key")
             allowed, allowed_trace, allowed_parent = _traceparent()
             sent_at = time.time_ns()
-            assert _post(envoy, "/v2/models/llama-3/infer",
+            assert envoy.post_status("/v2/models/llama-3/infer",
                          {"x-api-key": key, "traceparent": allowed, "x-user": "alice",
                           "x-request-id": "trace-req-1"}) == 200
             answered_at = time.time_ns()
             denied, denied_trace, denied_parent = _traceparent()
-            assert _post(envoy, "/v2/models/secret/infer",
+            assert envoy.post_status("/v2/models/secret/infer",
                          {"x-api-key": key, "traceparent": denied}) == 403
             unsampled, unsampled_trace, _ = _traceparent()
-            assert _post(envoy, "/v2/models/llama-3/infer",
+            assert envoy.post_status("/v2/models/llama-3/infer",
                          {"x-api-key": key, "traceparent": unsampled[:-2] + "00"}) == 200
 
             span = _one(collector, CHECK, allowed_trace)
@@ -135,17 +126,17 @@ def test_a_dead_collector_costs_no_answer_and_a_few_log_lines(
     key = _key(node)
     envoy = harness.start_envoy(tmp_path, node.data_addr, upstream, fragments=["ext_authz"])
     try:
-        harness.wait_until(lambda: _post(envoy, "/v2/models/llama-3/infer",
+        harness.wait_until(lambda: envoy.post_status("/v2/models/llama-3/infer",
                                          {"x-api-key": key}) == 200, 10, "the key")
         started = time.monotonic()
-        codes = [_post(envoy, "/v2/models/llama-3/infer",
+        codes = [envoy.post_status("/v2/models/llama-3/infer",
                        {"x-api-key": key, "traceparent": _traceparent()[0]})
                  for _ in range(200)]
         took = time.monotonic() - started
         assert codes == [200] * 200
         # Exports fail in the background for as long as the requests run, and past it.
         time.sleep(2)
-        assert _post(envoy, "/v2/models/llama-3/infer", {"x-api-key": key}) == 200
+        assert envoy.post_status("/v2/models/llama-3/infer", {"x-api-key": key}) == 200
     finally:
         envoy.kill()
     stopping = time.monotonic()
@@ -173,10 +164,10 @@ def test_sigterm_flushes_spans_still_queued(tmp_path: Path, start_sitsmesh: Star
         envoy = harness.start_envoy(tmp_path, node.data_addr, upstream,
                                     fragments=["ext_authz"])
         try:
-            harness.wait_until(lambda: _post(envoy, "/v2/models/llama-3/infer",
+            harness.wait_until(lambda: envoy.post_status("/v2/models/llama-3/infer",
                                              {"x-api-key": key}) == 200, 10, "the key")
             header, trace_id, _ = _traceparent()
-            assert _post(envoy, "/v2/models/llama-3/infer",
+            assert envoy.post_status("/v2/models/llama-3/infer",
                          {"x-api-key": key, "traceparent": header}) == 200
             time.sleep(0.5)
             assert not [s for s in collector.spans if s.trace_id == trace_id]
@@ -223,10 +214,10 @@ def test_envoys_tracer_parents_check_and_ratelimit_spans_in_the_clients_trace(
         key = _key(node)
         envoy = _envoy_with_tracer(tmp_path, node, upstream, int(endpoint.rpartition(":")[2]))
         try:
-            harness.wait_until(lambda: _post(envoy, "/v2/models/llama-3/infer",
+            harness.wait_until(lambda: envoy.post_status("/v2/models/llama-3/infer",
                                              {"x-api-key": key}) == 200, 10, "the key")
             header, trace_id, client_parent = _traceparent()
-            assert _post(envoy, "/v2/models/llama-3/infer",
+            assert envoy.post_status("/v2/models/llama-3/infer",
                          {"x-api-key": key, "traceparent": header, "x-user": "bob"}) == 200
             check = _one(collector, CHECK, trace_id)
             limited = _one(collector, SHOULD_RATE_LIMIT, trace_id)

@@ -5,8 +5,6 @@ Envoy (ext_authz and ratelimit) in front of a real `sitsmesh serve`."""
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +18,6 @@ JWT = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJhbGljZSJ9.c2lnbmF0dXJlLXNlY3JldA"
 ORG_SECRET = "org-credential-7f3a9c1e5b"
 
 
-def _get(envoy: harness.Envoy, path: str, headers: dict[str, str]) -> int:
-    req = urllib.request.Request(envoy.url(path), data=b"{}", headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as err:
-        return err.code
 
 
 def _decisions(output: str) -> list[dict[str, Any]]:
@@ -52,19 +43,19 @@ def test_no_secret_reaches_the_decision_log(tmp_path: Path) -> None:
             doc = json.loads(made.stdout)
             key, key_id = doc["key"], doc["id"]
             secret_part = key.rsplit("_", 1)[1]
-            harness.wait_until(lambda: _get(envoy, "/v2/models/m/infer",
+            harness.wait_until(lambda: envoy.post_status("/v2/models/m/infer",
                                             {"x-api-key": key}) == 200, 10,
                                "the key to be known")
             # Allowed with the key in x-api-key; a client sends a JWT and an operator
             # secret too, and the key again as its rate-limit user (an x-user header).
-            assert _get(envoy, "/v2/models/m/infer?token=" + secret_part,
+            assert envoy.post_status("/v2/models/m/infer?token=" + secret_part,
                         {"x-api-key": key, "x-org-credential": ORG_SECRET,
                          "x-jwt-payload": JWT, "x-user": key,
                          "x-trace-note": "plain-note"}) == 200
             # A Bearer key, then a wrong key (denied by ext_authz: no rate-limit call).
-            assert _get(envoy, "/v2/models/m/infer",
+            assert envoy.post_status("/v2/models/m/infer",
                         {"authorization": f"Bearer {key}", "x-user": "alice"}) == 200
-            assert _get(envoy, "/v2/models/m/infer",
+            assert envoy.post_status("/v2/models/m/infer",
                         {"x-api-key": key[:-3] + "zzz", "x-user": "alice"}) == 401
 
             def logged() -> bool:
