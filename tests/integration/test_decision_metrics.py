@@ -27,7 +27,7 @@ def test_decisions_rate_limits_and_rpcs_are_counted(
         key = json.loads(node.cli("apikeys", "create", "--tenant", "acme", "--output",
                                   "json").stdout)["key"]
         harness.wait_until(lambda: envoy.post_status("/v2/models/bert/infer",
-                                           {"x-api-key": key}) == 200, 10, "the key")
+                                                     {"x-api-key": key}) == 200, 10, "the key")
         assert envoy.post_status("/v2/models/bert/infer", {}) == 401
         assert envoy.post_status("/v2/models/gpt/infer", {"x-api-key": key}) == 403
         codes = [envoy.post_status("/v2/models/bert/infer", {"x-api-key": key, "x-user": "carol"})

@@ -62,19 +62,19 @@ def test_check_and_ratelimit_spans_reach_a_real_otlp_receiver_parented_by_tracep
                                     fragments=["ext_authz", "ratelimit"])
         try:
             harness.wait_until(lambda: envoy.post_status("/v2/models/llama-3/infer",
-                                             {"x-api-key": key}) == 200, 10, "the key")
+                                                         {"x-api-key": key}) == 200, 10, "the key")
             allowed, allowed_trace, allowed_parent = _traceparent()
             sent_at = time.time_ns()
-            assert envoy.post_status("/v2/models/llama-3/infer",
-                         {"x-api-key": key, "traceparent": allowed, "x-user": "alice",
-                          "x-request-id": "trace-req-1"}) == 200
+            assert envoy.post_status("/v2/models/llama-3/infer", {
+                "x-api-key": key, "traceparent": allowed, "x-user": "alice",
+                "x-request-id": "trace-req-1"}) == 200
             answered_at = time.time_ns()
             denied, denied_trace, denied_parent = _traceparent()
             assert envoy.post_status("/v2/models/secret/infer",
-                         {"x-api-key": key, "traceparent": denied}) == 403
+                                     {"x-api-key": key, "traceparent": denied}) == 403
             unsampled, unsampled_trace, _ = _traceparent()
-            assert envoy.post_status("/v2/models/llama-3/infer",
-                         {"x-api-key": key, "traceparent": unsampled[:-2] + "00"}) == 200
+            assert envoy.post_status("/v2/models/llama-3/infer", {
+                "x-api-key": key, "traceparent": unsampled[:-2] + "00"}) == 200
 
             span = _one(collector, CHECK, allowed_trace)
             assert span.parent_span_id == allowed_parent
@@ -127,10 +127,10 @@ def test_a_dead_collector_costs_no_answer_and_a_few_log_lines(
     envoy = harness.start_envoy(tmp_path, node.data_addr, upstream, fragments=["ext_authz"])
     try:
         harness.wait_until(lambda: envoy.post_status("/v2/models/llama-3/infer",
-                                         {"x-api-key": key}) == 200, 10, "the key")
+                                                     {"x-api-key": key}) == 200, 10, "the key")
         started = time.monotonic()
         codes = [envoy.post_status("/v2/models/llama-3/infer",
-                       {"x-api-key": key, "traceparent": _traceparent()[0]})
+                                   {"x-api-key": key, "traceparent": _traceparent()[0]})
                  for _ in range(200)]
         took = time.monotonic() - started
         assert codes == [200] * 200
@@ -165,10 +165,10 @@ def test_sigterm_flushes_spans_still_queued(tmp_path: Path, start_sitsmesh: Star
                                     fragments=["ext_authz"])
         try:
             harness.wait_until(lambda: envoy.post_status("/v2/models/llama-3/infer",
-                                             {"x-api-key": key}) == 200, 10, "the key")
+                                                         {"x-api-key": key}) == 200, 10, "the key")
             header, trace_id, _ = _traceparent()
             assert envoy.post_status("/v2/models/llama-3/infer",
-                         {"x-api-key": key, "traceparent": header}) == 200
+                                     {"x-api-key": key, "traceparent": header}) == 200
             time.sleep(0.5)
             assert not [s for s in collector.spans if s.trace_id == trace_id]
         finally:
@@ -215,10 +215,10 @@ def test_envoys_tracer_parents_check_and_ratelimit_spans_in_the_clients_trace(
         envoy = _envoy_with_tracer(tmp_path, node, upstream, int(endpoint.rpartition(":")[2]))
         try:
             harness.wait_until(lambda: envoy.post_status("/v2/models/llama-3/infer",
-                                             {"x-api-key": key}) == 200, 10, "the key")
+                                                         {"x-api-key": key}) == 200, 10, "the key")
             header, trace_id, client_parent = _traceparent()
-            assert envoy.post_status("/v2/models/llama-3/infer",
-                         {"x-api-key": key, "traceparent": header, "x-user": "bob"}) == 200
+            assert envoy.post_status("/v2/models/llama-3/infer", {
+                "x-api-key": key, "traceparent": header, "x-user": "bob"}) == 200
             check = _one(collector, CHECK, trace_id)
             limited = _one(collector, SHOULD_RATE_LIMIT, trace_id)
 

@@ -44,19 +44,19 @@ def test_no_secret_reaches_the_decision_log(tmp_path: Path) -> None:
             key, key_id = doc["key"], doc["id"]
             secret_part = key.rsplit("_", 1)[1]
             harness.wait_until(lambda: envoy.post_status("/v2/models/m/infer",
-                                            {"x-api-key": key}) == 200, 10,
+                                                         {"x-api-key": key}) == 200, 10,
                                "the key to be known")
             # Allowed with the key in x-api-key; a client sends a JWT and an operator
             # secret too, and the key again as its rate-limit user (an x-user header).
             assert envoy.post_status("/v2/models/m/infer?token=" + secret_part,
-                        {"x-api-key": key, "x-org-credential": ORG_SECRET,
-                         "x-jwt-payload": JWT, "x-user": key,
-                         "x-trace-note": "plain-note"}) == 200
+                                     {"x-api-key": key, "x-org-credential": ORG_SECRET,
+                                      "x-jwt-payload": JWT, "x-user": key,
+                                      "x-trace-note": "plain-note"}) == 200
             # A Bearer key, then a wrong key (denied by ext_authz: no rate-limit call).
             assert envoy.post_status("/v2/models/m/infer",
-                        {"authorization": f"Bearer {key}", "x-user": "alice"}) == 200
+                                     {"authorization": f"Bearer {key}", "x-user": "alice"}) == 200
             assert envoy.post_status("/v2/models/m/infer",
-                        {"x-api-key": key[:-3] + "zzz", "x-user": "alice"}) == 401
+                                     {"x-api-key": key[:-3] + "zzz", "x-user": "alice"}) == 401
 
             def logged() -> bool:
                 kinds = [str(r["kind"]) for r in _decisions(node.output())]
