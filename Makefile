@@ -32,8 +32,11 @@ BENCH_SYSDEPS := "command -v h2load=nghttp2-client"
 sysdeps:
 	@scripts/sysdeps.sh $(TEST_SYSDEPS)
 
+# Two passes: most tests spread over two workers, then the ones that judge timing under
+# their own load, alone (the `serial` list in tests/conftest.py).
 test: sysdeps $(STAMP) check-protos
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "not serial"
+	$(VENV)/bin/pytest -q -m serial
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit

@@ -109,7 +109,7 @@ def test_modes_sample_and_rate_bound(captured: list[dict[str, Any]]) -> None:
     ("x-custom", "x", MASK),                         # named in the mask setting
     ("x-session-id", "abc", MASK),                   # a credential-like name
     ("api_key", "abc", MASK),
-    ("x-user", f"{KEY}", MASK),                      # an sitsmesh key, by its shape
+    ("x-user", "smk_0123456789ab_" + "s" * 32, MASK),  # an sitsmesh key, by its shape
     ("x-user", "Bearer abc.def", MASK),
     ("x-user", "basic dXNlcjpwYXNz", MASK),
     ("x-user", "eyJhbGciOiJub25lIn0.eyJzdWIiOiJ4In0.", MASK),  # a JWT
