@@ -31,8 +31,12 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 
 # The wheels are bind-mounted, not copied, so they add no layer to this image.
+# xds-protos ships an old copy of opentelemetry/proto: opentelemetry-proto goes in last,
+# so the OTLP exporter (tracing) finds the modules it needs.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links=/wheels /wheels/sitsmesh-*.whl
+    pip install --no-cache-dir --no-index --find-links=/wheels /wheels/sitsmesh-*.whl \
+    && pip install --no-cache-dir --no-index --force-reinstall --no-deps \
+        /wheels/opentelemetry_proto-*.whl
 
 # Fixed UID/GID so Kubernetes runAsUser/fsGroup can match it.
 RUN groupadd --system --gid 10001 sitsmesh \

@@ -13,8 +13,14 @@ $(PY): | sysdeps
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
+# xds-protos ships an old copy of opentelemetry/proto; whichever installs last wins, so
+# opentelemetry-proto (what the OTLP exporter needs) is installed again, last.
+OTEL_PROTO = $(PIP) install --quiet --force-reinstall --no-deps \
+	"opentelemetry-proto==$$($(PY) -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
+
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet -e '.[test,dev]'
+	$(OTEL_PROTO)
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -57,6 +63,7 @@ check-protos: $(STAMP)
 bench: sysdeps $(STAMP)
 	@scripts/sysdeps.sh $(BENCH_SYSDEPS)
 	$(PIP) install --quiet -e '.[test,dev,bench]'
+	$(OTEL_PROTO)
 	$(PY) bench/health_throughput.py
 	$(PY) bench/ratelimit_throughput.py
 	$(PY) bench/ratelimit_envoy.py

@@ -27,6 +27,7 @@ from sitsmesh.app.components import (
 from sitsmesh.app.quota import QuotaComponent
 from sitsmesh.app.telemetry import TelemetryComponent
 from sitsmesh.config import Settings
+from sitsmesh.errors import StartupError
 from sitsmesh.state import StateStore
 from sitsmesh.status import StatusBoard
 from sitsmesh.transport.admin import AdminServicer
@@ -135,8 +136,15 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
 def tracing_for(settings: Settings, role: Role) -> Tracing | None:
     if not settings.otlp_endpoint:
         return None  # tracing off: the SDK is not even imported
-    from sitsmesh.telemetry import tracing
-
+    try:
+        from sitsmesh.telemetry import tracing
+    except ImportError as exc:
+        # xds-protos ships an old copy of opentelemetry/proto; installed after
+        # opentelemetry-proto, it replaces modules the OTLP exporter needs.
+        raise StartupError(
+            f"otlp_endpoint: OpenTelemetry's OTLP exporter does not load ({exc}); if "
+            "xds-protos overwrote opentelemetry-proto's modules, reinstall it last: pip "
+            "install --force-reinstall --no-deps opentelemetry-proto") from None
     return tracing.build(settings, role.value)
 
 

@@ -328,3 +328,17 @@ def test_the_controller_hands_every_live_snapshot_to_its_hook() -> None:
     runtime.on_decisions = seen.append
     live = runtime.tick()
     assert seen == [live]
+
+
+def test_an_exporter_that_does_not_load_is_a_startup_error_naming_the_fix(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # As when xds-protos' old opentelemetry/proto replaced opentelemetry-proto's modules.
+    from sitsmesh.app import compose
+
+    monkeypatch.setitem(sys.modules, "sitsmesh.telemetry.tracing", None)
+    monkeypatch.delattr("sitsmesh.telemetry.tracing", raising=False)
+    settings = Settings(otlp_endpoint="http://127.0.0.1:4317")
+    with pytest.raises(StartupError, match="reinstall it last: pip install --force-reinstall "
+                                           "--no-deps opentelemetry-proto"):
+        compose.tracing_for(settings, compose.Role.SINGLE)
+    assert compose.tracing_for(Settings(), compose.Role.SINGLE) is None
