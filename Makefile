@@ -32,19 +32,25 @@ TEST_SYSDEPS  := "$(PYTHON) -c 'import ensurepip, venv'=python3-venv" \
                  "ls /usr/lib/postgresql/*/bin/pg_ctl=postgresql" \
                  "command -v openssl=openssl" \
                  "command -v promtool=prometheus" \
-                 "command -v chromium=chromium"
+                 "command -v chromium=chromium" \
+                 "command -v npm=npm"
 BENCH_SYSDEPS := "command -v h2load=nghttp2-client"
 
 sysdeps:
 	@scripts/sysdeps.sh $(TEST_SYSDEPS)
 
+# Istio's CRD schemas, compiled by @kubernetes-models/istio (pinned in its lock file).
+ISTIO_SCHEMAS := tests/istio/node_modules/.package-lock.json
+$(ISTIO_SCHEMAS): tests/istio/package-lock.json | sysdeps
+	npm ci --prefix tests/istio --no-audit --no-fund --silent
+
 # Two passes: most tests spread over two workers, then the ones that judge timing under
 # their own load, alone (the `serial` list in tests/conftest.py).
-test: sysdeps $(STAMP) check-protos
+test: sysdeps $(STAMP) $(ISTIO_SCHEMAS) check-protos
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "not serial"
 	$(VENV)/bin/pytest -q -m serial
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) $(ISTIO_SCHEMAS)
 	$(VENV)/bin/pytest -q tests/unit
 
 test-integration: $(STAMP)
