@@ -10,50 +10,37 @@ The real-process proof of the filter itself is tests/integration/test_rlqs_envoy
 from __future__ import annotations
 
 import copy
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
 from sitsmesh.dev import envoyconf, harness
+from tests.istiofilters import (
+    AUTHZ,
+    DELETE,
+    HCM,
+    Doc,
+    break_at,
+    entry_policy,
+    istio_docs,
+    istio_like_bootstrap,
+    kube_docs,
+    sitsmesh_cluster,
+    validate,
+)
 
-DEPLOY = harness.REPO / "deploy"
 FRAGMENT = harness.REPO / "filters" / "fragments" / "rate_limit_quota.yaml"
 QUOTA = "envoy.filters.http.rate_limit_quota"
-AUTHZ = "envoy.filters.http.ext_authz"
-HCM = "envoy.filters.network.http_connection_manager"
 ALLOW_ALL = {"blanket_rule": "ALLOW_ALL"}
 # Where sitsmesh is and which rules apply: the only fields the two forms may differ in.
 SITE_FIELDS = ("rlqs_server", "domain")
-
-Doc = dict[str, Any]
-
-
-def _docs(path: Path) -> list[Doc]:
-    with path.open() as f:
-        return [d for d in yaml.safe_load_all(f) if d is not None]
-
-
-def _kube() -> list[Doc]:
-    return [d for p in sorted((DEPLOY / "kubernetes").glob("*.yaml")) for d in _docs(p)]
-
-
-def _istio() -> list[Doc]:
-    return [d for p in sorted((DEPLOY / "istio").glob("*.yaml")) for d in _docs(p)]
 
 
 def _fragment_filter() -> Doc:
     http_filter: Doc = yaml.safe_load(FRAGMENT.read_text(encoding="utf-8"))["http_filter"]
     return http_filter
-
-
-def _one(docs: Sequence[Doc], kind: str) -> Doc:
-    found = [d for d in docs if d.get("kind") == kind]
-    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
-    return found[0]
 
 
 def _quota_patches(istio: Sequence[Doc]) -> list[tuple[Doc, Doc]]:
@@ -72,11 +59,6 @@ def check_quota_filter(fragment: Doc, kube: Sequence[Doc], istio: Sequence[Doc])
     """One EnvoyFilter adds rate_limit_quota: right after ext_authz, on the workload the
     CUSTOM policy covers in full, with the fragment's config, pointed at the sitsmesh
     Service's data port, failing open."""
-    service = _one(kube, "Service")
-    namespace = _one(kube, "Kustomization").get("namespace") or "default"
-    host = f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
-    data_port = {p["name"]: p["port"] for p in service["spec"]["ports"]}["grpc-data"]
-
     patches = _quota_patches(istio)
     assert len(patches) == 1, f"one patch adds {QUOTA}, found {len(patches)}"
     [(envoy_filter, patch)] = patches
@@ -91,7 +73,7 @@ def check_quota_filter(fragment: Doc, kube: Sequence[Doc], istio: Sequence[Doc])
     value = patch["patch"]["value"]
     config = value["typed_config"]
     assert config["rlqs_server"] == {"envoy_grpc": {
-        "cluster_name": f"outbound|{data_port}||{host}"}}, "Istio's cluster for sitsmesh"
+        "cluster_name": sitsmesh_cluster(kube)}}, "Istio's cluster for sitsmesh"
     domain = config["domain"]
     assert isinstance(domain, str) and domain and "${" not in domain, domain
     for settings in _bucket_settings(config):
@@ -107,22 +89,13 @@ def check_quota_filter(fragment: Doc, kube: Sequence[Doc], istio: Sequence[Doc])
 
     # Only where every request went through ext_authz first: it strips client-sent
     # x-sits-* headers, and the buckets are keyed on the ones it sets.
-    labels = envoy_filter["spec"]["workloadSelector"]["labels"]
-    assert labels, "select the entry workload; no namespace-wide quota filter"
-    policies = [d for d in istio if d["kind"] == "AuthorizationPolicy"
-                and d["spec"].get("action") == "CUSTOM"
-                and d["metadata"]["namespace"] == envoy_filter["metadata"]["namespace"]
-                and d["spec"].get("selector", {}).get("matchLabels") == labels]
-    assert len(policies) == 1, "a CUSTOM ext_authz policy with the same workload selector"
-    assert policies[0]["spec"].get("rules") == [{}], \
-        "requests the policy skips keep client-sent x-sits-* headers"
+    entry_policy(istio, envoy_filter)
 
 
 def test_quota_filter_is_the_fragment_after_ext_authz_on_the_checked_workload() -> None:
-    check_quota_filter(_fragment_filter(), _kube(), _istio())
+    check_quota_filter(_fragment_filter(), kube_docs(), istio_docs())
 
 
-DELETE = object()
 _P = "spec.configPatches.0"
 _T = f"{_P}.patch.value.typed_config"
 _S = f"{_T}.bucket_matchers.matcher_list.matchers.0.on_match.action.typed_config"
@@ -158,25 +131,12 @@ QUOTA_BREAKS: list[tuple[str, str, object]] = [
 ]
 
 
-def _break(doc: Doc, path: str, value: object) -> None:
-    """Set `path` (dotted; digits index lists) in doc to value, or remove it if DELETE."""
-    node: Any = doc
-    *parents, last = path.split(".")
-    for step in parents:
-        node = node[int(step)] if isinstance(node, list) else node[step]
-    key: int | str = int(last) if isinstance(node, list) else last
-    if value is DELETE:
-        del node[key]
-    else:
-        node[key] = value
-
-
 @pytest.mark.parametrize(("where", "path", "value"), QUOTA_BREAKS,
                          ids=[f"{w}:{'.'.join(p.split('.')[-2:])}={'-' if v is DELETE else v}"
                               for w, p, v in QUOTA_BREAKS])
 def test_quota_check_rejects_a_drifted_or_misplaced_filter(where: str, path: str,
                                                            value: object) -> None:
-    fragment, kube, istio = _fragment_filter(), _kube(), _istio()
+    fragment, kube, istio = _fragment_filter(), kube_docs(), istio_docs()
     if where == "fragment":
         target = fragment
     elif where == "policy":
@@ -184,52 +144,29 @@ def test_quota_check_rejects_a_drifted_or_misplaced_filter(where: str, path: str
                       and d["spec"].get("action") == "CUSTOM")
     else:
         [(target, _)] = _quota_patches(istio)
-    _break(target, path, value)
+    break_at(target, path, value)
     with pytest.raises(AssertionError):
         check_quota_filter(fragment, kube, istio)
 
 
-def _istio_like_bootstrap(patch_value: Doc) -> Doc:
-    """The local bootstrap with ext_authz, the patch inserted after it as Istio's
-    INSERT_AFTER would, and a copy of the sitsmesh cluster under Istio's name."""
-    values = harness.envoy_values("127.0.0.1:50051", 18080, 10000, 9901)
-    config = envoyconf.render(harness.REPO / "filters" / "local" / "bootstrap.yaml", values,
-                              ["ext_authz"])
-    filters = envoyconf.http_connection_manager(config)["http_filters"]
-    at = [f["name"] for f in filters].index(AUTHZ) + 1
-    filters.insert(at, copy.deepcopy(patch_value))
-    name = patch_value["typed_config"]["rlqs_server"]["envoy_grpc"]["cluster_name"]
-    [cluster] = [c for c in config["static_resources"]["clusters"]
-                 if c["name"] == "sitsmesh_data"]
-    istio_cluster = copy.deepcopy(cluster)
-    istio_cluster["name"] = name
-    istio_cluster["load_assignment"]["cluster_name"] = name
-    config["static_resources"]["clusters"].append(istio_cluster)
-    return config
-
-
-def _validate(config: Doc, out: Path) -> subprocess.CompletedProcess[str]:
-    envoyconf.write(config, out)
-    return subprocess.run([harness.ENVOY, "--mode", "validate", "-c", str(out),
-                           "--disable-hot-restart"],
-                          capture_output=True, text=True, timeout=60, check=False)
-
-
 def test_the_envoy_filter_config_passes_the_real_envoy(tmp_path: Path) -> None:
-    [(_, patch)] = _quota_patches(_istio())
-    config = _istio_like_bootstrap(patch["patch"]["value"])
+    [(_, patch)] = _quota_patches(istio_docs())
+    value = patch["patch"]["value"]
+    config = istio_like_bootstrap(value, value["typed_config"]["rlqs_server"]["envoy_grpc"][
+        "cluster_name"])
     names = [f["name"] for f in envoyconf.http_connection_manager(config)["http_filters"]]
     assert names == [AUTHZ, QUOTA, "envoy.filters.http.router"]
-    result = _validate(config, tmp_path / "istio-quota.yaml")
+    result = validate(config, tmp_path / "istio-quota.yaml")
     assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_envoy_validation_reads_the_bucket_settings(tmp_path: Path) -> None:
     """The check above can fail: a bad value deep in the bucket settings is refused."""
-    [(_, patch)] = _quota_patches(_istio())
+    [(_, patch)] = _quota_patches(istio_docs())
     value = copy.deepcopy(patch["patch"]["value"])
     _bucket_settings(value["typed_config"])[0]["no_assignment_behavior"][
         "fallback_rate_limit"] = {"blanket_rule": "ALLOW_SOME"}
-    result = _validate(_istio_like_bootstrap(value), tmp_path / "broken.yaml")
+    cluster = value["typed_config"]["rlqs_server"]["envoy_grpc"]["cluster_name"]
+    result = validate(istio_like_bootstrap(value, cluster), tmp_path / "broken.yaml")
     assert result.returncode != 0
     assert "ALLOW_SOME" in result.stderr + result.stdout
