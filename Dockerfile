@@ -1,13 +1,24 @@
 # syntax=docker/dockerfile:1
 # sitsmesh control plane image.
 #
-#   docker build -t sitsmesh:0.1.0 .
+#   docker build -t sitsmesh:0.1.0 --build-arg VERSION=0.1.0 \
+#     --build-arg REVISION="$(git rev-parse HEAD)" .
 #   docker run --rm -p 50051:50051 -p 9464:9464 \
 #     -v sitsmesh-state:/var/lib/sitsmesh --stop-timeout 20 sitsmesh:0.1.0
 #
 # Shutdown takes up to SITSMESH_DRAIN_SECONDS + SITSMESH_GRACE_SECONDS (5 + 10 by
 # default), longer than `docker stop`'s 10 s default, hence --stop-timeout above.
 # The HEALTHCHECK probes 127.0.0.1:50051; change it if you move SITSMESH_DATA_ADDR.
+
+# The image's OCI labels. VERSION's default is pyproject's version (tests/unit/
+# test_version.py keeps every copy equal); REVISION is the commit the image is built from.
+# SOURCE is the repository's URL, left empty rather than guessed: pass it when you publish.
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG SOURCE=""
+
+# The base is pinned by tag, not digest: no registry was reachable to read the real
+# digest. Pin python:3.11-slim-bookworm@sha256:... in both stages when you publish.
 
 # ---- build: wheels for sitsmesh and every runtime dependency -------------------
 FROM python:3.11-slim-bookworm AS build
@@ -17,7 +28,8 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# LICENSE goes into the wheel (pyproject's license-files).
+COPY pyproject.toml README.md LICENSE ./
 COPY sitsmesh/ sitsmesh/
 # Every runtime dep has a CPython 3.11 wheel (manylinux or pure), so no compiler is needed.
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
@@ -25,6 +37,16 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 # ---- runtime: install from the wheels only ------------------------------------
 # Same base as the build stage, so the wheels match this interpreter and platform.
 FROM python:3.11-slim-bookworm AS runtime
+
+ARG VERSION
+ARG REVISION
+ARG SOURCE
+LABEL org.opencontainers.image.title="sitsmesh" \
+      org.opencontainers.image.description="Control plane for Envoy and Istio in front of AI inference pipelines" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="Apache-2.0"
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -138,3 +138,19 @@ def test_copied_sources_exist_and_are_not_dockerignored() -> None:
                 name = source.rstrip("/")
                 assert not any(fnmatch.fnmatch(name, pat) for pat in ignored), (
                     f"COPY source {source} is excluded by .dockerignore")
+
+
+def test_final_stage_carries_the_oci_labels_from_build_args() -> None:
+    final = _stages()[-1]
+    labels: dict[str, str] = {}
+    for args in _args(final, "LABEL"):
+        labels |= dict(item.split("=", 1) for item in shlex.split(args))
+    prefix = "org.opencontainers.image."
+    assert labels[prefix + "title"] == "sitsmesh"
+    assert labels[prefix + "description"]
+    assert labels[prefix + "licenses"] == "Apache-2.0"
+    # Set per build, so each must come from an ARG the final stage declares.
+    declared = {args.split("=")[0] for args in _args(final, "ARG")}
+    for key, arg in (("version", "VERSION"), ("revision", "REVISION"), ("source", "SOURCE")):
+        assert labels[prefix + key] == "${" + arg + "}", key
+        assert arg in declared, f"the final stage does not declare ARG {arg}"
