@@ -20,6 +20,7 @@ import yaml
 
 from sitsmesh import netsettings, ratelimitenv
 from sitsmesh import settingvalues as values
+from sitsmesh.authz import gie
 from sitsmesh.authz.extract import open_path
 from sitsmesh.errors import ConfigError
 from sitsmesh.limits import LIMIT_PARSERS
@@ -150,6 +151,12 @@ class Settings:
     otlp_endpoint: str = ""
     otlp_ca_file: Path | None = None  # CA bundle for an https:// endpoint (default: system)
     trace_sample_ratio: float = 1.0   # of root traces; a traceparent's own flag wins
+    # --- Gateway API Inference Extension headers: README "Inference Extension headers" ---
+    gie_headers: bool = True
+    gie_objective_header: str = gie.OBJECTIVE_HEADER
+    gie_fairness_header: str = gie.FAIRNESS_HEADER
+    gie_objective_label: str = gie.OBJECTIVE_LABEL
+    gie_priority_objectives: Mapping[int, str] = field(default_factory=dict)
     config_file: Path | None = None
 
     @property
@@ -298,6 +305,12 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "otlp_endpoint": values.otlp_endpoint,
     "otlp_ca_file": values.path,
     "trace_sample_ratio": values.fraction,
+    # Gateway API Inference Extension headers: README "Inference Extension headers"
+    "gie_headers": values.boolean,
+    "gie_objective_header": gie.header,
+    "gie_fairness_header": gie.header,
+    "gie_objective_label": values.string,
+    "gie_priority_objectives": gie.priority_objectives,
 }
 FILE_KEYS = tuple(PARSERS)
 
@@ -371,6 +384,9 @@ def load_settings(
     # (A Unix socket, also port 0, gets its own message from `serve`'s checks.)
     if settings.workers > 1 and settings.data_addr.port == 0 and not settings.data_addr.is_unix:
         raise ConfigError("data_addr: port 0 cannot be shared by several workers; pick a port")
+    if settings.gie_objective_header == settings.gie_fairness_header:
+        raise ConfigError("gie_objective_header and gie_fairness_header name the same "
+                          f"header {settings.gie_fairness_header}; give each its own")
     return settings
 
 

@@ -18,6 +18,7 @@ from sitsmesh.app.tls import redis_url
 from sitsmesh.authz.admission import Admission, AdmissionPolicy
 from sitsmesh.authz.check import Authorizer, AuthzSettings, AuthzSnapshot
 from sitsmesh.authz.directory import TenantDirectory
+from sitsmesh.authz.gie import GieSettings
 from sitsmesh.chains.assembler import Assembler, Hop
 from sitsmesh.chains.catalog import PipelineCatalog
 from sitsmesh.chains.metrics import ChainMetrics
@@ -261,7 +262,10 @@ class AuthzComponent:
                 jwt_trusted_principals=frozenset(settings.authz_jwt_trusted_principals),
                 trust_pipeline_hint=settings.authz_trust_pipeline_hint,
                 open_paths=frozenset(settings.authz_open_paths),
-                jwt_metadata_key=settings.authz_jwt_metadata_key), admission)
+                jwt_metadata_key=settings.authz_jwt_metadata_key,
+                gie=GieSettings(settings.gie_headers, settings.gie_objective_header,
+                                settings.gie_fairness_header, settings.gie_objective_label,
+                                dict(settings.gie_priority_objectives))), admission)
 
             def swap(snapshot: AuthzSnapshot, policy: AdmissionPolicy) -> None:
                 authorizer.snapshot = snapshot

@@ -13,6 +13,7 @@ from typing import Any
 
 from sitsmesh.authz import extract
 from sitsmesh.authz.admission import Admission
+from sitsmesh.authz.gie import GieHeaders, GieSettings
 from sitsmesh.authz.model import ApiKey, Tenant, key_id_of, matches
 
 HEADER_PREFIX = "x-sits-"
@@ -45,6 +46,8 @@ class AuthzSettings:
     # The `payload_in_metadata` name of Envoy's jwt_authn provider: the payload it
     # verified reaches Check as metadata, which no client can write ("" = unused).
     jwt_metadata_key: str = ""
+    # Gateway API Inference Extension headers for an endpoint picker upstream (gie.py).
+    gie: GieSettings = field(default_factory=GieSettings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +112,7 @@ def _deny_401(message: str) -> Denied:
 class Authorizer:
     """Reads `snapshot` (swapped whole on every state change); no I/O on the request path."""
 
-    __slots__ = ("_clock", "_settings", "admission", "snapshot")
+    __slots__ = ("_clock", "_gie", "_settings", "admission", "snapshot")
 
     def __init__(self, snapshot: AuthzSnapshot, settings: AuthzSettings, admission: Admission,
                  clock: Callable[[], float] = time.time) -> None:
@@ -117,6 +120,7 @@ class Authorizer:
         self._settings = settings
         self.admission = admission
         self._clock = clock
+        self._gie = GieHeaders(settings.gie) if settings.gie.enabled else None
 
     @property
     def settings(self) -> AuthzSettings:
@@ -173,11 +177,16 @@ class Authorizer:
         if not verdict.admit:
             return Denied(429, verdict.code, verdict.reason, verdict.retry_after_s,
                           grpc=grpc, tenant=tenant.name)
-        set_headers = (("x-sits-tenant", tenant.name), ("x-sits-priority", str(priority)),
-                       ("x-sits-model", model), ("x-sits-request-class", request_class))
+        set_headers: tuple[tuple[str, str], ...] = (
+            ("x-sits-tenant", tenant.name), ("x-sits-priority", str(priority)),
+            ("x-sits-model", model), ("x-sits-request-class", request_class))
         ours = {name for name, _ in set_headers}
         remove = tuple(name for name in request.headers
                        if name.startswith(HEADER_PREFIX) and name not in ours)
+        if self._gie is not None:
+            gie_set, gie_remove = self._gie.decide(tenant, priority, request.headers)
+            set_headers += gie_set
+            remove += gie_remove
         return Allowed(tenant.name, priority, model, request_class, set_headers, remove)
 
     def _identify(self, request: CheckInput, snapshot: AuthzSnapshot) -> Tenant | Denied:

@@ -146,6 +146,17 @@ _FLAG_HELP = {
                     "(default: the system's)",
     "trace_sample_ratio": "share of root traces (no sampled traceparent) recorded, 0..1 "
                           "(default 1); a traceparent's sampled flag always wins",
+    # Gateway API Inference Extension headers: README "Inference Extension headers"
+    "gie_headers": "false: neither set nor strip the inference extension's objective and "
+                   "fairness-id headers (default true: sitsmesh decides both)",
+    "gie_objective_header": "header naming the InferenceObjective "
+                            "(default x-gateway-inference-objective)",
+    "gie_fairness_header": "header carrying the tenant as fairness id "
+                           "(default x-gateway-inference-fairness-id)",
+    "gie_objective_label": "tenant label naming its InferenceObjective "
+                           "(default inference-objective; wins over the priority map)",
+    "gie_priority_objectives": "priority=objective pairs (comma-separated): a request gets "
+                               "the objective of the highest priority at or below its own",
 }
 
 
