@@ -7,10 +7,11 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
+import yaml
 from google.protobuf.json_format import MessageToDict
 
 from sitsmesh.config import Settings, load_settings
@@ -43,8 +44,11 @@ def settings_from(args: argparse.Namespace, keys: Sequence[str]) -> Settings:
     return load_settings(flags)
 
 
+OUTPUTS = ("table", "json", "yaml")
+
+
 def add_common_admin(p: argparse.ArgumentParser,
-                     outputs: Sequence[str] = ("table", "json")) -> None:
+                     outputs: Sequence[str] = OUTPUTS) -> None:
     p.add_argument("--config", help="YAML config file (or SITSMESH_CONFIG)")
     p.add_argument("--admin", dest="admin_addr", metavar="HOST:PORT",
                    help="admin address (or SITSMESH_ADMIN_ADDR; default 127.0.0.1:50052)")
@@ -56,7 +60,13 @@ def add_common_admin(p: argparse.ArgumentParser,
     p.add_argument("--state-dir", dest="state_dir", help="where to find admin-token")
     add_tls_flags(p, "admin API")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
-    p.add_argument("--output", "-o", choices=tuple(outputs), default="table")
+    add_output(p, outputs)
+
+
+def add_output(p: argparse.ArgumentParser, outputs: Sequence[str] = OUTPUTS) -> None:
+    p.add_argument("--output", "-o", choices=tuple(outputs), default="table",
+                   help=f"{', '.join(outputs)} (default table); json and yaml print the "
+                   "same document")
 
 
 # flag, environment variable, help: what the CLI needs to speak TLS / mTLS to `serve`.
@@ -150,7 +160,8 @@ def read_text(path: str | Path, what: str = "") -> str:
 
 
 def table(rows: Sequence[tuple[str, ...]]) -> str:
-    """Rows as left-aligned columns, two spaces apart."""
+    """Rows as left-aligned columns, two spaces apart, each as wide as its widest cell: the
+    one table layout of the CLI (no fixed widths: a long name widens its column)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
                      for row in rows)
@@ -165,3 +176,27 @@ def message_dict(message: Any, *, all_fields: bool = False) -> dict[str, Any]:
 
 def print_json(message: Any) -> None:
     print(json.dumps(message_dict(message), indent=2))
+
+
+def dump(doc: Any, output: str, *, sort_keys: bool = False) -> str:
+    """`doc` as --output json or yaml prints it: one document, two spellings."""
+    if output == "yaml":
+        # Through JSON first, so yaml holds exactly what json would (int keys become
+        # strings, tuples lists) and `yq` and `jq` read the same document.
+        text: str = yaml.safe_dump(json.loads(json.dumps(doc)), sort_keys=sort_keys,
+                                   allow_unicode=True, default_flow_style=False)
+        return text.rstrip("\n")
+    return json.dumps(doc, indent=2, sort_keys=sort_keys)
+
+
+def render(args: argparse.Namespace, doc: Any, text: Callable[[], str | None] | str | None,
+           *, sort_keys: bool = False) -> None:
+    """What a command prints: `doc` as json/yaml, else `text` (a callable is called only
+    for the table, so a command builds its rows only when they are shown)."""
+    output = getattr(args, "output", "table")
+    if output in ("json", "yaml"):
+        print(dump(doc, output, sort_keys=sort_keys))
+        return
+    shown = text() if callable(text) else text
+    if shown is not None:
+        print(shown)

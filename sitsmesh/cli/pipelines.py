@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,9 @@ from sitsmesh.cli.common import (
     add_common_admin,
     call_admin,
     die,
-    print_json,
+    message_dict,
     read_text,
+    render,
 )
 
 
@@ -45,7 +45,7 @@ def add_commands(sub: Subcommands) -> None:
     p.add_argument("--window", choices=("1m", "5m"), default="1m")
     p.add_argument("--out", metavar="FILE",
                    help="with --output html: write the page here instead of to stdout")
-    add_common_admin(p, outputs=("table", "json", "html"))
+    add_common_admin(p, outputs=("table", "json", "yaml", "html"))
     p.set_defaults(func=cmd_chain_show)
 
 
@@ -59,23 +59,16 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
             return die(str(exc), EXIT_FAILED)
         reply = call_admin(args, "ApplyPipeline",
                            admin_pb2.ApplyPipelineRequest(yaml=text, source=str(path)))
-        print(f"applied pipeline {reply.name}")
+        render(args, message_dict(reply), f"applied pipeline {reply.name}")
     elif action == "get":
         reply = call_admin(args, "GetPipeline", admin_pb2.GetPipelineRequest(name=args.name))
-        if args.output == "json":
-            print_json(reply)
-        else:
-            print(reply.yaml, end="")
+        render(args, message_dict(reply), reply.yaml.rstrip("\n"))
     elif action == "list":
         reply = call_admin(args, "ListPipelines", admin_pb2.ListPipelinesRequest())
-        if args.output == "json":
-            print_json(reply)
-        else:
-            for pipeline in reply.pipelines:
-                print(pipeline.name)
+        render(args, message_dict(reply), "\n".join(p.name for p in reply.pipelines) or None)
     else:
         call_admin(args, "DeletePipeline", admin_pb2.DeletePipelineRequest(name=args.name))
-        print(f"deleted pipeline {args.name}")
+        render(args, {"deleted": {"pipeline": args.name}}, f"deleted pipeline {args.name}")
     return 0
 
 
@@ -107,8 +100,8 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
            "histograms": [{"name": h.name, "buckets": [{"le_ms": b.le_ms, "count": b.count}
                                                        for b in h.buckets]}
                           for h in reply.histograms]}
-    if args.output == "json":
-        print(json.dumps(doc, indent=2))
+    if args.output in ("json", "yaml"):
+        render(args, doc, None)
         return 0
     if args.output == "html":
         return _write_html(render_html(doc), args.out)

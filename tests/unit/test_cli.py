@@ -270,8 +270,8 @@ def test_tenant_create_sends_what_the_flags_say(monkeypatch: pytest.MonkeyPatch,
     assert method == "CreateTenant"
     assert (list(tenant.models), tenant.priority, dict(tenant.labels)) == (
         ["a", "b*"], 2, {"team": "ml", "env": "dev"})
-    assert out == ("x  models=a,b*  priority=2  max_priority=0  max_concurrency=0  "
-                   "labels=env=dev,team=ml\n")
+    assert out == ("NAME  MODELS  PRIORITY  MAX_PRIORITY  MAX_CONCURRENCY  LABELS\n"
+                   "x     a,b*    2         0             0                env=dev,team=ml\n")
 
 
 def test_main_maps_failures_to_exit_codes(monkeypatch: pytest.MonkeyPatch,
