@@ -47,8 +47,8 @@ def add_commands(sub: Subcommands) -> None:
     p.add_argument("--max-latency-ratio", type=float, default=0.0)
     p.add_argument("--drain-timeout", type=float, default=0.0, help="seconds (default 30)")
     p.add_argument("--load-timeout", type=float, default=0.0, help="seconds (default 300)")
-    add_common_admin(p)
-    p.set_defaults(func=cmd_models_swap, timeout=SWAP_TIMEOUT_S)
+    add_common_admin(p, timeout=SWAP_TIMEOUT_S)
+    p.set_defaults(func=cmd_models_swap)
 
     swaps = sub.add_parser("swaps", help="the history of model swaps (admin API)"
                            ).add_subparsers(dest="swaps_command", required=True)

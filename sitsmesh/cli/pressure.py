@@ -55,8 +55,8 @@ def add_commands(sub: Subcommands) -> None:
     p.add_argument("pipeline", nargs="?", default="")
     p.add_argument("--interval-ms", type=int, default=500)
     p.add_argument("--count", type=int, default=0, help="stop after N snapshots")
-    add_common_admin(p)
-    p.set_defaults(func=cmd_pressure_watch, timeout=WATCH_TIMEOUT_S)
+    add_common_admin(p, timeout=WATCH_TIMEOUT_S)
+    p.set_defaults(func=cmd_pressure_watch)
 
     p = sub.add_parser("simulate", help="try thresholds offline against a queueing model")
     p.add_argument("--pipeline", required=True, metavar="FILE.yaml")

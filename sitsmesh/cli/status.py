@@ -14,6 +14,7 @@ from sitsmesh.cli.common import (
     admin_channel,
     call_admin,
     die,
+    env_argument,
     message_dict,
     render,
     table,
@@ -26,9 +27,11 @@ def add_commands(sub: Subcommands) -> None:
     status.set_defaults(func=cmd_status)
 
     health = sub.add_parser("health", help="gRPC health check; exit 0 only when SERVING")
-    health.add_argument("--addr", default="127.0.0.1:50051", help="data-plane HOST:PORT")
+    env_argument(health, "--addr", default="127.0.0.1:50051", metavar="HOST:PORT",
+                 env="SITSMESH_DATA_ADDR", help="data-plane address (default 127.0.0.1:50051)")
     health.add_argument("--service", default="", help="service name ('' = whole server)")
-    health.add_argument("--timeout", type=float, default=3.0)
+    env_argument(health, "--timeout", type=float, default=3.0, env="SITSMESH_TIMEOUT",
+                 help="seconds (default 3)")
     add_tls_flags(health, "data plane")
     add_output(health)
     health.set_defaults(func=cmd_health)

@@ -70,3 +70,23 @@ def test_tables_fit_long_names_and_yaml_matches_json(
     dry = node.cli("thresholds", "set", "demo", str(body), "--dry-run", "-o", "json")
     assert dry.returncode == 0, dry.stderr
     assert json.loads(dry.stdout) == {**doc, "dry_run": True}
+
+
+def test_health_and_admin_commands_find_sitsmesh_through_the_environment(
+        start_sitsmesh: Callable[..., harness.Sitsmesh]) -> None:
+    node = start_sitsmesh()
+    # Only the variable: before, health ignored it and checked 127.0.0.1:50051.
+    health = harness.run_cli("health", env={"SITSMESH_DATA_ADDR": node.data_addr})
+    assert (health.returncode, health.stdout) == (0, "SERVING\n"), health.stderr
+    as_yaml = harness.run_cli("health", "-o", "yaml", env={"SITSMESH_DATA_ADDR": node.data_addr})
+    assert yaml.safe_load(as_yaml.stdout) == {"addr": node.data_addr, "service": "",
+                                              "status": "SERVING"}
+
+    env = {"SITSMESH_ADMIN_ADDR": node.admin_addr, "SITSMESH_STATE_DIR": str(node.state_dir),
+           "SITSMESH_OUTPUT": "yaml", "SITSMESH_TIMEOUT": "4"}
+    status = harness.run_cli("status", env=env)
+    assert status.returncode == 0, status.stderr
+    assert yaml.safe_load(status.stdout)["data_addr"] == node.data_addr
+    # A flag beats its variable.
+    as_json = harness.run_cli("status", "-o", "json", env=env)
+    assert json.loads(as_json.stdout)["admin_addr"] == node.admin_addr
