@@ -103,6 +103,13 @@ def add_common_admin(p: argparse.ArgumentParser, outputs: Sequence[str] = OUTPUT
     add_output(p, outputs)
 
 
+def examples(*lines: str) -> dict[str, Any]:
+    """add_parser(**examples(...)): an epilog of real invocations under --help, kept as
+    written (tests/unit/test_cli_help.py parses every one)."""
+    return {"formatter_class": argparse.RawDescriptionHelpFormatter,
+            "epilog": "examples:\n" + "\n".join(f"  {line}" for line in lines)}
+
+
 def add_output(p: argparse.ArgumentParser, outputs: Sequence[str] = OUTPUTS) -> None:
     env_argument(p, "--output", "-o", choices=tuple(outputs), default="table",
                  env="SITSMESH_OUTPUT", help=f"{', '.join(outputs)} (default table); json "

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sitsmesh.cli.common import Subcommands, UsageError, env_argument
+from sitsmesh.cli.common import Subcommands, UsageError, env_argument, examples
 
 
 def add_commands(sub: Subcommands) -> None:
-    dev = sub.add_parser("dev", help="run sitsmesh with a local Envoy and demo upstream")
+    dev = sub.add_parser("dev", help="run sitsmesh with a local Envoy and demo upstream",
+                         **examples("sitsmesh dev",
+                                    "sitsmesh dev --admission rlqs --listen-port 10080",
+                                    "sitsmesh dev -- --log-level debug --decision-log all"))
     dev.add_argument("--run-dir", default=".run", help="state and logs (default .run)")
     dev.add_argument("--filters-dir", default="filters", help="Envoy configs (default filters)")
     dev.add_argument("--listen-port", type=int, default=10000, help="Envoy listener port")

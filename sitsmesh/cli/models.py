@@ -17,6 +17,7 @@ from sitsmesh.cli.common import (
     add_common_admin,
     admin_call,
     call_admin,
+    examples,
     message_dict,
     render,
     table,
@@ -27,7 +28,11 @@ BAR_WIDTH = 30
 
 
 def add_commands(sub: Subcommands) -> None:
-    models = sub.add_parser("models", help="Triton models and hot swaps (admin API)"
+    models = sub.add_parser("models", help="Triton models and hot swaps (admin API)",
+                            **examples("sitsmesh models list --endpoint gpu-a",
+                                       "sitsmesh models swap resnet --to 7 --warmup-count 2",
+                                       "sitsmesh models swap resnet --to 6 --probes 50 "
+                                       "--max-latency-ratio 1.5 -o json")
                             ).add_subparsers(dest="models_command", required=True)
     p = models.add_parser("list", help="every endpoint's models and version states")
     p.add_argument("--endpoint", default="", help="only this Triton endpoint")
@@ -50,7 +55,9 @@ def add_commands(sub: Subcommands) -> None:
     add_common_admin(p, timeout=SWAP_TIMEOUT_S)
     p.set_defaults(func=cmd_models_swap)
 
-    swaps = sub.add_parser("swaps", help="the history of model swaps (admin API)"
+    swaps = sub.add_parser("swaps", help="the history of model swaps (admin API)",
+                           **examples("sitsmesh swaps list --model resnet --limit 5",
+                                      "sitsmesh swaps get 3f2a9c -o yaml")
                            ).add_subparsers(dest="swaps_command", required=True)
     p = swaps.add_parser("list", help="recent swaps, newest first")
     p.add_argument("--model", default="")

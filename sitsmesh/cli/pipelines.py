@@ -16,6 +16,7 @@ from sitsmesh.cli.common import (
     add_common_admin,
     call_admin,
     die,
+    examples,
     message_dict,
     read_text,
     render,
@@ -23,7 +24,10 @@ from sitsmesh.cli.common import (
 
 
 def add_commands(sub: Subcommands) -> None:
-    pipelines = sub.add_parser("pipelines", help="manage pipelines (admin API)").add_subparsers(
+    pipelines = sub.add_parser("pipelines", help="manage pipelines (admin API)", **examples(
+        "sitsmesh pipelines apply demo.yaml",
+        "sitsmesh pipelines list -o json",
+        "sitsmesh pipelines get demo > demo.yaml")).add_subparsers(
         dest="pipelines_command", required=True)
     p = pipelines.add_parser("apply", help="store a pipeline from a YAML file")
     p.add_argument("file", metavar="FILE.yaml")
@@ -38,7 +42,10 @@ def add_commands(sub: Subcommands) -> None:
     add_common_admin(p)
     p.set_defaults(func=cmd_pipelines)
 
-    chain = sub.add_parser("chain", help="latency chains (admin API)").add_subparsers(
+    chain = sub.add_parser("chain", help="latency chains (admin API)", **examples(
+        "sitsmesh chain show demo",
+        "sitsmesh chain show demo --window 5m -o yaml",
+        "sitsmesh chain show demo -o html --out chain.html")).add_subparsers(
         dest="chain_command", required=True)
     p = chain.add_parser("show", help="per-stage latency and the bottleneck of a pipeline")
     p.add_argument("pipeline")

@@ -21,6 +21,7 @@ from sitsmesh.cli.common import (
     admin_call,
     call_admin,
     dump,
+    examples,
     message_dict,
     read_text,
     render,
@@ -31,7 +32,10 @@ WATCH_TIMEOUT_S = 24 * 3600.0
 
 
 def add_commands(sub: Subcommands) -> None:
-    thresholds = sub.add_parser("thresholds", help="backpressure thresholds (admin API)"
+    thresholds = sub.add_parser("thresholds", help="backpressure thresholds (admin API)",
+                                **examples("sitsmesh thresholds get demo",
+                                           "sitsmesh thresholds set demo t.yaml --dry-run",
+                                           "sitsmesh thresholds history demo -o yaml")
                                 ).add_subparsers(dest="thresholds_command", required=True)
     p = thresholds.add_parser("get", help="a pipeline's thresholds (defaults until set)")
     p.add_argument("pipeline")
@@ -49,7 +53,9 @@ def add_commands(sub: Subcommands) -> None:
     add_common_admin(p)
     p.set_defaults(func=cmd_thresholds_history)
 
-    pressure = sub.add_parser("pressure", help="live backpressure (admin API)"
+    pressure = sub.add_parser("pressure", help="live backpressure (admin API)",
+                              **examples("sitsmesh pressure watch demo",
+                                         "sitsmesh pressure watch --count 1 -o json | jq .")
                               ).add_subparsers(dest="pressure_command", required=True)
     p = pressure.add_parser("watch", help="a live table of the controller's decisions")
     p.add_argument("pipeline", nargs="?", default="")
@@ -58,7 +64,10 @@ def add_commands(sub: Subcommands) -> None:
     add_common_admin(p, timeout=WATCH_TIMEOUT_S)
     p.set_defaults(func=cmd_pressure_watch)
 
-    p = sub.add_parser("simulate", help="try thresholds offline against a queueing model")
+    p = sub.add_parser("simulate", help="try thresholds offline against a queueing model",
+                       **examples("sitsmesh simulate --pipeline demo.yaml --load load.yaml",
+                                  "sitsmesh simulate --pipeline demo.yaml --thresholds t.yaml "
+                                  "--load load.yaml --compare"))
     p.add_argument("--pipeline", required=True, metavar="FILE.yaml")
     p.add_argument("--thresholds", metavar="FILE.yaml", help="default thresholds if absent")
     p.add_argument("--load", required=True, metavar="PROFILE.yaml")

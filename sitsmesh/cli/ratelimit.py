@@ -14,6 +14,7 @@ from sitsmesh.cli.common import (
     add_common_admin,
     call_admin,
     die,
+    examples,
     message_dict,
     read_text,
     render,
@@ -21,7 +22,10 @@ from sitsmesh.cli.common import (
 
 
 def add_commands(sub: Subcommands) -> None:
-    rl = sub.add_parser("ratelimit", help="rate-limit configs").add_subparsers(
+    rl = sub.add_parser("ratelimit", help="rate-limit configs", **examples(
+        "sitsmesh ratelimit check config/ratelimit/",
+        "sitsmesh ratelimit apply --dry-run config/ratelimit/models.yaml",
+        "sitsmesh ratelimit get -o yaml")).add_subparsers(
         dest="ratelimit_command", required=True)
     check = rl.add_parser("check", help="validate config files offline; exit 1 if any is bad")
     check.add_argument("paths", nargs="+", metavar="PATH")

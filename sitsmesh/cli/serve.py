@@ -7,7 +7,7 @@ import asyncio
 import os
 import shutil
 
-from sitsmesh.cli.common import Subcommands, env_argument, settings_from
+from sitsmesh.cli.common import Subcommands, env_argument, examples, settings_from
 from sitsmesh.config import PARSERS, env_name, flag_name
 
 # sitsmesh.app.server (and prometheus_client with it) is imported by cmd_serve only, once
@@ -150,7 +150,10 @@ _FLAG_HELP = {
 
 
 def add_commands(sub: Subcommands) -> None:
-    serve = sub.add_parser("serve", help="run the control plane")
+    serve = sub.add_parser("serve", help="run the control plane", **examples(
+        "sitsmesh serve --config sitsmesh.yaml",
+        "sitsmesh serve --workers 4 --ratelimit-config config/ratelimit/",
+        "SITSMESH_LOG_LEVEL=debug sitsmesh serve --data-addr 0.0.0.0:50051"))
     env_argument(serve, "--config", env="SITSMESH_CONFIG", help="YAML config file")
     # Not env_argument: load_settings layers SITSMESH_* over the config file (and over
     # envoyproxy/ratelimit's names) itself, and names the variable in its errors.

@@ -15,6 +15,7 @@ from sitsmesh.cli.common import (
     call_admin,
     die,
     env_argument,
+    examples,
     message_dict,
     render,
     table,
@@ -22,11 +23,18 @@ from sitsmesh.cli.common import (
 
 
 def add_commands(sub: Subcommands) -> None:
-    status = sub.add_parser("status", help="show a running sitsmesh's status (admin API)")
+    status = sub.add_parser("status", help="show a running sitsmesh's status (admin API)",
+                            **examples("sitsmesh status",
+                                       "sitsmesh status --admin 10.0.0.7:50052 --token-file "
+                                       "admin-token -o yaml"))
     add_common_admin(status)
     status.set_defaults(func=cmd_status)
 
-    health = sub.add_parser("health", help="gRPC health check; exit 0 only when SERVING")
+    health = sub.add_parser("health", help="gRPC health check; exit 0 only when SERVING",
+                            **examples("sitsmesh health",
+                                       "SITSMESH_DATA_ADDR=10.0.0.7:50051 sitsmesh health",
+                                       "sitsmesh health --service envoy.service.auth.v3."
+                                       "Authorization"))
     env_argument(health, "--addr", default="127.0.0.1:50051", metavar="HOST:PORT",
                  env="SITSMESH_DATA_ADDR", help="data-plane address (default 127.0.0.1:50051)")
     health.add_argument("--service", default="", help="service name ('' = whole server)")

@@ -17,6 +17,7 @@ from sitsmesh.cli.common import (
     UsageError,
     add_common_admin,
     call_admin,
+    examples,
     message_dict,
     render,
     table,
@@ -24,7 +25,10 @@ from sitsmesh.cli.common import (
 
 
 def add_commands(sub: Subcommands) -> None:
-    tenants = sub.add_parser("tenants", help="manage tenants (admin API)").add_subparsers(
+    tenants = sub.add_parser("tenants", help="manage tenants (admin API)", **examples(
+        "sitsmesh tenants create acme --models 'llama-*,bert' --priority 2 --label team=ml",
+        "sitsmesh tenants update acme --max-concurrency 8",
+        "sitsmesh tenants list -o yaml")).add_subparsers(
         dest="tenants_command", required=True)
     for action in ("create", "update"):
         p = tenants.add_parser(action, help=f"{action} a tenant")
@@ -48,7 +52,10 @@ def add_commands(sub: Subcommands) -> None:
     add_common_admin(p)
     p.set_defaults(func=cmd_tenants)
 
-    keys = sub.add_parser("apikeys", help="manage API keys (admin API)").add_subparsers(
+    keys = sub.add_parser("apikeys", help="manage API keys (admin API)", **examples(
+        "sitsmesh apikeys create --tenant acme --name ci --expires 30d",
+        "sitsmesh apikeys list --tenant acme",
+        "sitsmesh apikeys revoke 8a4c6f1fa1d1")).add_subparsers(
         dest="apikeys_command", required=True)
     p = keys.add_parser("create", help="create a key; it is printed once")
     p.add_argument("--tenant", required=True)
