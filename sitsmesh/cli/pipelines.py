@@ -20,6 +20,7 @@ from sitsmesh.cli.common import (
     message_dict,
     read_text,
     render,
+    table,
 )
 
 
@@ -115,17 +116,17 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
     print(f"pipeline {reply.pipeline}, last {reply.window}: {reply.chains} chains "
           f"({reply.incomplete} incomplete); end to end p50 {reply.e2e_p50_ms:.1f} ms, "
           f"p99 {reply.e2e_p99_ms:.1f} ms; bottleneck: {reply.bottleneck or '-'}")
-    print("STAGE             P50 ms   P90 ms   P99 ms  TTFB99 ms  SLOWEST-1% ms  SHARE")
-    for s in stages:
-        ttfb = f"{s['ttfb_p99_ms']:.1f}" if "ttfb_p99_ms" in s else "-"
-        print(f"{s['name']:<16} {s['p50_ms']:>7.1f}  {s['p90_ms']:>7.1f}  {s['p99_ms']:>7.1f}  "
-              f"{ttfb:>9}  {s['attributed_ms']:>13.1f}  {s['share_of_e2e_p99']:>5.0%}")
+    rows = [("STAGE", "P50 ms", "P90 ms", "P99 ms", "TTFB99 ms", "SLOWEST-1% ms", "SHARE")]
+    rows += [(s["name"], f"{s['p50_ms']:.1f}", f"{s['p90_ms']:.1f}", f"{s['p99_ms']:.1f}",
+              f"{s['ttfb_p99_ms']:.1f}" if "ttfb_p99_ms" in s else "-",
+              f"{s['attributed_ms']:.1f}", f"{s['share_of_e2e_p99']:.0%}") for s in stages]
+    print(table(rows))
     if doc["slowest"]:
-        print(f"\nSLOWEST (of {len(doc['slowest'])})  E2E ms  TRACE ID"
-              f"{' ' * 26}REQUEST ID")
-        for chain in doc["slowest"][:SLOWEST_SHOWN]:
-            print(f"{'':<14} {chain['e2e_ms']:>7.1f}  {_printable(chain['trace_id']) or '-':<32}"
-                  f"  {_printable(chain['request_id'])}")
+        slow = [(f"SLOWEST (of {len(doc['slowest'])})", "E2E ms", "TRACE ID", "REQUEST ID")]
+        slow += [("", f"{c['e2e_ms']:.1f}", _printable(c["trace_id"]) or "-",
+                  _printable(c["request_id"])) for c in doc["slowest"][:SLOWEST_SHOWN]]
+        print()
+        print(table(slow))
     return 0
 
 
