@@ -54,48 +54,59 @@ def _required_argv(leaf: argparse.ArgumentParser) -> list[str]:
     return argv
 
 
-def _sample(action: argparse.Action) -> tuple[str, Any]:
-    """A value for the variable that differs from the flag's own default, and its parse."""
+def _sample(action: argparse.Action) -> tuple[str, Any, str]:
+    """For the variable: a value unlike the flag's own default, and what it parses to; and
+    another one for the command line."""
     if action.choices:
-        choice = [c for c in action.choices if c != action.default][-1]
-        return str(choice), choice
+        return "yaml", "yaml", "json"
     if action.type is float:
-        return "7.25", 7.25
-    return "/from/the/environment", "/from/the/environment"
+        return "7.25", 7.25, "2"
+    return "/from/the/environment", "/from/the/environment", "/from/argv"
+
+
+def _documented() -> dict[str, list[tuple[tuple[str, ...], argparse.Action]]]:
+    """Each variable --help names, with the (command, flag) pairs that name it."""
+    by_env: dict[str, list[tuple[tuple[str, ...], argparse.Action]]] = {}
+    for path, leaf in _leaves(build_parser()):
+        for action in leaf._actions:
+            documented = DOCUMENTED.search(action.help or "")
+            if documented is not None:
+                by_env.setdefault(documented.group(1), []).append((path, action))
+    return by_env
 
 
 def test_every_documented_variable_is_the_flags_default(monkeypatch: pytest.MonkeyPatch
                                                       ) -> None:
     checked: set[str] = set()
-    for path, leaf in _leaves(build_parser()):
-        for action in leaf._actions:
-            documented = DOCUMENTED.search(action.help or "")
-            if documented is None:
-                continue
-            env = documented.group(1)
-            if path == ("serve",) and action.dest in PARSERS:
-                # serve's settings reach load_settings, which layers the variables itself.
-                assert env == env_name(action.dest)
-                continue
-            text, expected = _sample(action)
-            with monkeypatch.context() as env_only:
-                env_only.setenv(env, text)
-                fresh = _leaf(path)
-                parsed = fresh.parse_args(_required_argv(fresh))
+    for env, named in _documented().items():
+        # serve's settings reach load_settings, which layers the variables itself.
+        settings = [a for path, a in named if path == ("serve",) and a.dest in PARSERS]
+        assert all(env == env_name(action.dest) for action in settings)
+        flags = [(path, a) for path, a in named if a not in settings]
+        if not flags:
+            continue
+        text, expected, given = _sample(flags[0][1])
+        with monkeypatch.context() as env_only:
+            env_only.setenv(env, text)
+            leaves = dict(_leaves(build_parser()))
+            for path, action in flags:
+                leaf = leaves[path]
+                parsed = leaf.parse_args(_required_argv(leaf))
                 assert getattr(parsed, action.dest) == expected, (path, action.dest, env)
                 # The command line still wins over the variable.
-                flag = action.option_strings[0]
-                given = "json" if action.choices else "2"
-                again = fresh.parse_args([*_required_argv(fresh), flag, given])
-                assert getattr(again, action.dest) == (float(given) if action.type
-                                                       is not None and not action.choices
-                                                       else given)
-                # An empty variable is unset, as in config.load_settings.
-                env_only.setenv(env, "")
-                assert getattr(_leaf(path).parse_args(_required_argv(fresh)), action.dest
+                again = leaf.parse_args([*_required_argv(leaf), action.option_strings[0],
+                                         given])
+                assert str(getattr(again, action.dest)) == str(
+                    float(given) if action.type is float else given)
+            # An empty variable is unset, as in config.load_settings.
+            env_only.setenv(env, "")
+            leaves = dict(_leaves(build_parser()))
+            for path, action in flags:
+                leaf = leaves[path]
+                assert getattr(leaf.parse_args(_required_argv(leaf)), action.dest
                                ) == action.default
-            checked.add(env)
-    assert checked >= {"SITSMESH_CONFIG", "SITSMESH_ADMIN_ADDR", "SITSMESH_ADMIN_TOKEN",
+        checked.add(env)
+    assert checked == {"SITSMESH_CONFIG", "SITSMESH_ADMIN_ADDR", "SITSMESH_ADMIN_TOKEN",
                        "SITSMESH_ADMIN_TOKEN_FILE", "SITSMESH_STATE_DIR", "SITSMESH_ADMIN_CA",
                        "SITSMESH_ADMIN_CERT", "SITSMESH_ADMIN_KEY",
                        "SITSMESH_ADMIN_SERVER_NAME", "SITSMESH_TIMEOUT", "SITSMESH_OUTPUT",
