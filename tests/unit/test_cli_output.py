@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -107,3 +109,22 @@ def test_apikeys_list_and_thresholds_set_honour_output(
     assert main(["thresholds", "set", "demo", str(body), "-o", output]) == 0
     assert load(capsys.readouterr().out) == {"pipeline": "demo", "dry_run": False,
                                              "thresholds": {"policy": "seed"}}
+
+
+@pytest.mark.parametrize("output", ["json", "yaml"])
+def test_pressure_watch_streams_one_document_per_snapshot(
+        output: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    snapshots = [admin_pb2.PressureSnapshot(pipelines=[admin_pb2.PipelinePressure(
+        pipeline=f"p{i}", level="ok")]) for i in range(2)]
+
+    @contextlib.contextmanager
+    def stream(*_: Any, **__: Any) -> Iterator[Any]:
+        yield lambda request: iter(snapshots)
+
+    monkeypatch.setattr(pressure, "admin_call", stream)
+    assert main(["pressure", "watch", "-o", output]) == 0
+    out = capsys.readouterr().out
+    docs = ([json.loads(line) for line in out.splitlines()] if output == "json"
+            else list(yaml.safe_load_all(out)))
+    assert [d["pipelines"][0]["pipeline"] for d in docs] == ["p0", "p1"]
