@@ -6,7 +6,17 @@ import argparse
 from collections.abc import Sequence
 
 from sitsmesh import __version__
-from sitsmesh.cli import dev, models, pipelines, pressure, ratelimit, serve, status, tenants
+from sitsmesh.cli import (
+    completion,
+    dev,
+    models,
+    pipelines,
+    pressure,
+    ratelimit,
+    serve,
+    status,
+    tenants,
+)
 from sitsmesh.cli.common import EXIT_FAILED, RpcFailed, UsageError, die
 from sitsmesh.errors import SitsmeshError
 
@@ -24,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_commands(sub)
     models.add_commands(sub)
     pressure.add_commands(sub)
+    completion.add_commands(sub, parser)
     return parser
 
 

@@ -7,10 +7,11 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
+import yaml
 from google.protobuf.json_format import MessageToDict
 
 from sitsmesh.config import Settings, load_settings
@@ -43,20 +44,76 @@ def settings_from(args: argparse.Namespace, keys: Sequence[str]) -> Settings:
     return load_settings(flags)
 
 
-def add_common_admin(p: argparse.ArgumentParser,
-                     outputs: Sequence[str] = ("table", "json")) -> None:
-    p.add_argument("--config", help="YAML config file (or SITSMESH_CONFIG)")
-    p.add_argument("--admin", dest="admin_addr", metavar="HOST:PORT",
-                   help="admin address (or SITSMESH_ADMIN_ADDR; default 127.0.0.1:50052)")
-    p.add_argument("--token", help="admin token (prefer SITSMESH_ADMIN_TOKEN or --token-file: "
-                   "argv is visible to every user of the machine)")
-    p.add_argument("--token-file", "--admin-token-file", dest="admin_token_file",
-                   help="file holding the admin token (or SITSMESH_ADMIN_TOKEN_FILE; "
-                   "default STATE_DIR/admin-token)")
-    p.add_argument("--state-dir", dest="state_dir", help="where to find admin-token")
+OUTPUTS = ("table", "json", "yaml")
+DEFAULT_TIMEOUT_S = 5.0
+
+
+def env_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup, *flags: str,
+                 env: str, help: str, **kwargs: Any) -> argparse.Action:
+    """A flag whose default is the variable `env` when it is set: the CLI's one way to honour
+    SITSMESH_* (a flag given on the command line still wins). An empty variable counts as
+    unset, as in config.load_settings. argparse runs `type` on a string default but checks
+    no `choices` there, so a bad value in the variable is refused here, naming it."""
+    raw = os.environ.get(env, "")
+    if raw:
+        convert = kwargs.get("type") or str
+        choices = kwargs.get("choices")
+
+        def parse(text: str) -> Any:
+            try:
+                value = convert(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"invalid value {text!r} (on the command line or in {env})") from None
+            if choices is not None and value not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"invalid choice {text!r} (on the command line or in {env}; choose from "
+                    f"{', '.join(map(str, choices))})")
+            return value
+
+        kwargs["type"] = parse
+        kwargs["default"] = raw
+    return p.add_argument(*flags, help=f"{help} (or {env})", **kwargs)
+
+
+def add_common_admin(p: argparse.ArgumentParser, outputs: Sequence[str] = OUTPUTS,
+                     timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """The flags every admin command takes. A command whose call lasts (a swap, a watch)
+    passes its own `timeout`; SITSMESH_TIMEOUT, sized for one-shot calls, leaves it alone."""
+    from sitsmesh.app.admintoken import TOKEN_ENV
+
+    env_argument(p, "--config", env="SITSMESH_CONFIG", help="YAML config file")
+    env_argument(p, "--admin", dest="admin_addr", metavar="HOST:PORT",
+                 env="SITSMESH_ADMIN_ADDR", help="admin address (default 127.0.0.1:50052)")
+    env_argument(p, "--token", env=TOKEN_ENV,
+                 help="admin token (prefer the variable or --token-file: argv is visible to "
+                 "every user of the machine)")
+    env_argument(p, "--token-file", "--admin-token-file", dest="admin_token_file",
+                 env="SITSMESH_ADMIN_TOKEN_FILE",
+                 help="file holding the admin token (default STATE_DIR/admin-token)")
+    env_argument(p, "--state-dir", dest="state_dir", env="SITSMESH_STATE_DIR",
+                 help="where to find admin-token")
     add_tls_flags(p, "admin API")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
-    p.add_argument("--output", "-o", choices=tuple(outputs), default="table")
+    if timeout == DEFAULT_TIMEOUT_S:
+        env_argument(p, "--timeout", type=float, default=timeout, env="SITSMESH_TIMEOUT",
+                     help=f"seconds (default {timeout:g})")
+    else:
+        p.add_argument("--timeout", type=float, default=timeout,
+                       help=f"seconds (default {timeout:g}; SITSMESH_TIMEOUT does not apply)")
+    add_output(p, outputs)
+
+
+def examples(*lines: str) -> dict[str, Any]:
+    """add_parser(**examples(...)): an epilog of real invocations under --help, kept as
+    written (tests/unit/test_cli_help.py parses every one)."""
+    return {"formatter_class": argparse.RawDescriptionHelpFormatter,
+            "epilog": "examples:\n" + "\n".join(f"  {line}" for line in lines)}
+
+
+def add_output(p: argparse.ArgumentParser, outputs: Sequence[str] = OUTPUTS) -> None:
+    env_argument(p, "--output", "-o", choices=tuple(outputs), default="table",
+                 env="SITSMESH_OUTPUT", help=f"{', '.join(outputs)} (default table); json "
+                 "and yaml print the same document")
 
 
 # flag, environment variable, help: what the CLI needs to speak TLS / mTLS to `serve`.
@@ -72,13 +129,12 @@ _TLS_FLAGS = (
 def add_tls_flags(p: argparse.ArgumentParser, what: str) -> None:
     tls = p.add_argument_group(f"TLS to the {what} (any of these turns TLS on)")
     for flag, env, meaning in _TLS_FLAGS:
-        tls.add_argument(flag, metavar="PEM" if flag != "--server-name" else "NAME",
-                         help=f"{meaning} (or {env})")
+        env_argument(tls, flag, metavar="PEM" if flag != "--server-name" else "NAME",
+                     env=env, help=meaning)
 
 
-def _tls_option(args: argparse.Namespace, flag: str, env: str) -> str:
-    value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
-    return str(value or os.environ.get(env, ""))
+def _tls_option(args: argparse.Namespace, flag: str) -> str:
+    return str(getattr(args, flag.lstrip("-").replace("-", "_"), None) or "")
 
 
 def admin_channel(args: argparse.Namespace, target: str) -> Any:
@@ -86,7 +142,7 @@ def admin_channel(args: argparse.Namespace, target: str) -> Any:
     --ca/--cert/--key (or their variables) say so."""
     import grpc
 
-    ca, cert, key, name = (_tls_option(args, flag, env) for flag, env, _ in _TLS_FLAGS)
+    ca, cert, key, name = (_tls_option(args, flag) for flag, _, _ in _TLS_FLAGS)
     if not (ca or cert or key):
         return grpc.insecure_channel(target)
     if bool(cert) != bool(key):
@@ -102,12 +158,10 @@ def admin_channel(args: argparse.Namespace, target: str) -> Any:
 
 
 def _admin_token(args: argparse.Namespace, settings: Settings) -> str:
-    from sitsmesh.app.admintoken import TOKEN_ENV, read_token
+    from sitsmesh.app.admintoken import read_token
 
-    if args.token:
+    if args.token:  # the flag, or SITSMESH_ADMIN_TOKEN through its default
         return str(args.token)
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
     return read_token(settings.token_path)
 
 
@@ -150,7 +204,8 @@ def read_text(path: str | Path, what: str = "") -> str:
 
 
 def table(rows: Sequence[tuple[str, ...]]) -> str:
-    """Rows as left-aligned columns, two spaces apart."""
+    """Rows as left-aligned columns, two spaces apart, each as wide as its widest cell: the
+    one table layout of the CLI (no fixed widths: a long name widens its column)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
                      for row in rows)
@@ -165,3 +220,27 @@ def message_dict(message: Any, *, all_fields: bool = False) -> dict[str, Any]:
 
 def print_json(message: Any) -> None:
     print(json.dumps(message_dict(message), indent=2))
+
+
+def dump(doc: Any, output: str, *, sort_keys: bool = False) -> str:
+    """`doc` as --output json or yaml prints it: one document, two spellings."""
+    if output == "yaml":
+        # Through JSON first, so yaml holds exactly what json would (int keys become
+        # strings, tuples lists) and `yq` and `jq` read the same document.
+        text: str = yaml.safe_dump(json.loads(json.dumps(doc)), sort_keys=sort_keys,
+                                   allow_unicode=True, default_flow_style=False)
+        return text.rstrip("\n")
+    return json.dumps(doc, indent=2, sort_keys=sort_keys)
+
+
+def render(args: argparse.Namespace, doc: Any, text: Callable[[], str | None] | str | None,
+           *, sort_keys: bool = False) -> None:
+    """What a command prints: `doc` as json/yaml, else `text` (a callable is called only
+    for the table, so a command builds its rows only when they are shown)."""
+    output = getattr(args, "output", "table")
+    if output in ("json", "yaml"):
+        print(dump(doc, output, sort_keys=sort_keys))
+        return
+    shown = text() if callable(text) else text
+    if shown is not None:
+        print(shown)

@@ -5,17 +5,21 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sitsmesh.cli.common import Subcommands, UsageError
+from sitsmesh.cli.common import Subcommands, UsageError, env_argument, examples
 
 
 def add_commands(sub: Subcommands) -> None:
-    dev = sub.add_parser("dev", help="run sitsmesh with a local Envoy and demo upstream")
+    dev = sub.add_parser("dev", help="run sitsmesh with a local Envoy and demo upstream",
+                         **examples("sitsmesh dev",
+                                    "sitsmesh dev --admission rlqs --listen-port 10080",
+                                    "sitsmesh dev -- --log-level debug --decision-log all"))
     dev.add_argument("--run-dir", default=".run", help="state and logs (default .run)")
     dev.add_argument("--filters-dir", default="filters", help="Envoy configs (default filters)")
     dev.add_argument("--listen-port", type=int, default=10000, help="Envoy listener port")
     dev.add_argument("--envoy-admin-port", type=int, default=9901, help="Envoy admin port")
     dev.add_argument("--upstream-port", type=int, default=18080, help="demo upstream port")
-    dev.add_argument("--data-addr", default="127.0.0.1:50051", help="sitsmesh data plane")
+    env_argument(dev, "--data-addr", default="127.0.0.1:50051", env="SITSMESH_DATA_ADDR",
+                 help="sitsmesh data plane")
     dev.add_argument("--triton-ports", default="18000,18001,18002", metavar="HTTP,GRPC,METRICS",
                      help="the demo Triton's ports")
     dev.add_argument("--admission", choices=("calls", "rlqs"), default="calls",

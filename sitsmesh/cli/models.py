@@ -17,7 +17,9 @@ from sitsmesh.cli.common import (
     add_common_admin,
     admin_call,
     call_admin,
-    print_json,
+    examples,
+    message_dict,
+    render,
     table,
 )
 
@@ -26,7 +28,11 @@ BAR_WIDTH = 30
 
 
 def add_commands(sub: Subcommands) -> None:
-    models = sub.add_parser("models", help="Triton models and hot swaps (admin API)"
+    models = sub.add_parser("models", help="Triton models and hot swaps (admin API)",
+                            **examples("sitsmesh models list --endpoint gpu-a",
+                                       "sitsmesh models swap resnet --to 7 --warmup-count 2",
+                                       "sitsmesh models swap resnet --to 6 --probes 50 "
+                                       "--max-latency-ratio 1.5 -o json")
                             ).add_subparsers(dest="models_command", required=True)
     p = models.add_parser("list", help="every endpoint's models and version states")
     p.add_argument("--endpoint", default="", help="only this Triton endpoint")
@@ -46,10 +52,12 @@ def add_commands(sub: Subcommands) -> None:
     p.add_argument("--max-latency-ratio", type=float, default=0.0)
     p.add_argument("--drain-timeout", type=float, default=0.0, help="seconds (default 30)")
     p.add_argument("--load-timeout", type=float, default=0.0, help="seconds (default 300)")
-    add_common_admin(p)
-    p.set_defaults(func=cmd_models_swap, timeout=SWAP_TIMEOUT_S)
+    add_common_admin(p, timeout=SWAP_TIMEOUT_S)
+    p.set_defaults(func=cmd_models_swap)
 
-    swaps = sub.add_parser("swaps", help="the history of model swaps (admin API)"
+    swaps = sub.add_parser("swaps", help="the history of model swaps (admin API)",
+                           **examples("sitsmesh swaps list --model resnet --limit 5",
+                                      "sitsmesh swaps get 3f2a9c -o yaml")
                            ).add_subparsers(dest="swaps_command", required=True)
     p = swaps.add_parser("list", help="recent swaps, newest first")
     p.add_argument("--model", default="")
@@ -64,13 +72,11 @@ def add_commands(sub: Subcommands) -> None:
 
 def cmd_models_list(args: argparse.Namespace) -> int:
     reply = call_admin(args, "ListModels", admin_pb2.ListModelsRequest(endpoint=args.endpoint))
-    if args.output == "json":
-        print_json(reply)
-    else:
-        rows = [("ENDPOINT", "MODEL", "VERSION", "STATE", "REASON")]
-        rows += [(v.endpoint, v.model, str(v.version or "-"), v.state, v.reason)
-                 for v in reply.versions]
-        print(table(rows))
+    rows = [("ENDPOINT", "MODEL", "VERSION", "STATE", "REASON")]
+    rows += [(v.endpoint, v.model, str(v.version or "-"), v.state, v.reason)
+             for v in reply.versions]
+    render(args, message_dict(reply), lambda: table(rows))
+    if args.output == "table":
         for error in reply.errors:
             print(f"endpoint {error.endpoint}: {error.error}", file=sys.stderr)
     return EXIT_FAILED if reply.errors else 0
@@ -110,10 +116,7 @@ def cmd_models_swap(args: argparse.Namespace) -> int:
         progress.close()
     if final is None:
         raise RpcFailed("SwapModel ended without the swap's record")
-    if args.output == "json":
-        print_json(final)
-    else:
-        _summary(final)
+    render(args, message_dict(final), lambda: _summary(final))
     return 0 if final.state == "succeeded" else EXIT_FAILED
 
 
@@ -147,34 +150,28 @@ def _seconds(step: Any) -> str:
     return f"{(step.ended_at.ToNanoseconds() - started) / 1e9:.2f}"
 
 
-def _summary(record: Any) -> None:
+def _summary(record: Any) -> str:
     source = f"v{record.from_version}" if record.HasField("from_version") else "?"
-    print(f"swap {record.id}: {record.model} {source} -> v{record.to_version} on "
-          f"{record.endpoint}: {record.state.upper()}")
+    lines = [f"swap {record.id}: {record.model} {source} -> v{record.to_version} on "
+             f"{record.endpoint}: {record.state.upper()}"]
     if record.error:
-        print(f"error: {record.error}")
+        lines.append(f"error: {record.error}")
     rows = [("PHASE", "RESULT", "SECONDS", "MESSAGE")]
     rows += [(s.phase, s.state, _seconds(s), s.message) for s in record.steps]
-    print(table(rows))
+    return "\n".join([*lines, table(rows)])
 
 
 def cmd_swaps_list(args: argparse.Namespace) -> int:
     reply = call_admin(args, "ListSwaps", admin_pb2.ListSwapsRequest(
         model=args.model, limit=max(0, args.limit)))
-    if args.output == "json":
-        print_json(reply)
-        return 0
     rows = [("ID", "MODEL", "FROM", "TO", "STATE", "PHASE", "ERROR")]
     rows += [(r.id, r.model, str(r.from_version) if r.HasField("from_version") else "-",
               str(r.to_version), r.state, r.phase, r.error) for r in reply.swaps]
-    print(table(rows))
+    render(args, message_dict(reply), lambda: table(rows))
     return 0
 
 
 def cmd_swaps_get(args: argparse.Namespace) -> int:
     record = call_admin(args, "GetSwap", admin_pb2.GetSwapRequest(id=args.id))
-    if args.output == "json":
-        print_json(record)
-    else:
-        _summary(record)
+    render(args, message_dict(record), lambda: _summary(record))
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,19 @@ from sitsmesh.cli.common import (
     add_common_admin,
     call_admin,
     die,
-    print_json,
+    examples,
+    message_dict,
     read_text,
+    render,
+    table,
 )
 
 
 def add_commands(sub: Subcommands) -> None:
-    pipelines = sub.add_parser("pipelines", help="manage pipelines (admin API)").add_subparsers(
+    pipelines = sub.add_parser("pipelines", help="manage pipelines (admin API)", **examples(
+        "sitsmesh pipelines apply demo.yaml",
+        "sitsmesh pipelines list -o json",
+        "sitsmesh pipelines get demo > demo.yaml")).add_subparsers(
         dest="pipelines_command", required=True)
     p = pipelines.add_parser("apply", help="store a pipeline from a YAML file")
     p.add_argument("file", metavar="FILE.yaml")
@@ -38,14 +43,17 @@ def add_commands(sub: Subcommands) -> None:
     add_common_admin(p)
     p.set_defaults(func=cmd_pipelines)
 
-    chain = sub.add_parser("chain", help="latency chains (admin API)").add_subparsers(
+    chain = sub.add_parser("chain", help="latency chains (admin API)", **examples(
+        "sitsmesh chain show demo",
+        "sitsmesh chain show demo --window 5m -o yaml",
+        "sitsmesh chain show demo -o html --out chain.html")).add_subparsers(
         dest="chain_command", required=True)
     p = chain.add_parser("show", help="per-stage latency and the bottleneck of a pipeline")
     p.add_argument("pipeline")
     p.add_argument("--window", choices=("1m", "5m"), default="1m")
     p.add_argument("--out", metavar="FILE",
                    help="with --output html: write the page here instead of to stdout")
-    add_common_admin(p, outputs=("table", "json", "html"))
+    add_common_admin(p, outputs=("table", "json", "yaml", "html"))
     p.set_defaults(func=cmd_chain_show)
 
 
@@ -59,23 +67,16 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
             return die(str(exc), EXIT_FAILED)
         reply = call_admin(args, "ApplyPipeline",
                            admin_pb2.ApplyPipelineRequest(yaml=text, source=str(path)))
-        print(f"applied pipeline {reply.name}")
+        render(args, message_dict(reply), f"applied pipeline {reply.name}")
     elif action == "get":
         reply = call_admin(args, "GetPipeline", admin_pb2.GetPipelineRequest(name=args.name))
-        if args.output == "json":
-            print_json(reply)
-        else:
-            print(reply.yaml, end="")
+        render(args, message_dict(reply), reply.yaml.rstrip("\n"))
     elif action == "list":
         reply = call_admin(args, "ListPipelines", admin_pb2.ListPipelinesRequest())
-        if args.output == "json":
-            print_json(reply)
-        else:
-            for pipeline in reply.pipelines:
-                print(pipeline.name)
+        render(args, message_dict(reply), "\n".join(p.name for p in reply.pipelines) or None)
     else:
         call_admin(args, "DeletePipeline", admin_pb2.DeletePipelineRequest(name=args.name))
-        print(f"deleted pipeline {args.name}")
+        render(args, {"deleted": {"pipeline": args.name}}, f"deleted pipeline {args.name}")
     return 0
 
 
@@ -107,25 +108,25 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
            "histograms": [{"name": h.name, "buckets": [{"le_ms": b.le_ms, "count": b.count}
                                                        for b in h.buckets]}
                           for h in reply.histograms]}
-    if args.output == "json":
-        print(json.dumps(doc, indent=2))
+    if args.output in ("json", "yaml"):
+        render(args, doc, None)
         return 0
     if args.output == "html":
         return _write_html(render_html(doc), args.out)
     print(f"pipeline {reply.pipeline}, last {reply.window}: {reply.chains} chains "
           f"({reply.incomplete} incomplete); end to end p50 {reply.e2e_p50_ms:.1f} ms, "
           f"p99 {reply.e2e_p99_ms:.1f} ms; bottleneck: {reply.bottleneck or '-'}")
-    print("STAGE             P50 ms   P90 ms   P99 ms  TTFB99 ms  SLOWEST-1% ms  SHARE")
-    for s in stages:
-        ttfb = f"{s['ttfb_p99_ms']:.1f}" if "ttfb_p99_ms" in s else "-"
-        print(f"{s['name']:<16} {s['p50_ms']:>7.1f}  {s['p90_ms']:>7.1f}  {s['p99_ms']:>7.1f}  "
-              f"{ttfb:>9}  {s['attributed_ms']:>13.1f}  {s['share_of_e2e_p99']:>5.0%}")
+    rows = [("STAGE", "P50 ms", "P90 ms", "P99 ms", "TTFB99 ms", "SLOWEST-1% ms", "SHARE")]
+    rows += [(s["name"], f"{s['p50_ms']:.1f}", f"{s['p90_ms']:.1f}", f"{s['p99_ms']:.1f}",
+              f"{s['ttfb_p99_ms']:.1f}" if "ttfb_p99_ms" in s else "-",
+              f"{s['attributed_ms']:.1f}", f"{s['share_of_e2e_p99']:.0%}") for s in stages]
+    print(table(rows))
     if doc["slowest"]:
-        print(f"\nSLOWEST (of {len(doc['slowest'])})  E2E ms  TRACE ID"
-              f"{' ' * 26}REQUEST ID")
-        for chain in doc["slowest"][:SLOWEST_SHOWN]:
-            print(f"{'':<14} {chain['e2e_ms']:>7.1f}  {_printable(chain['trace_id']) or '-':<32}"
-                  f"  {_printable(chain['request_id'])}")
+        slow = [(f"SLOWEST (of {len(doc['slowest'])})", "E2E ms", "TRACE ID", "REQUEST ID")]
+        slow += [("", f"{c['e2e_ms']:.1f}", _printable(c["trace_id"]) or "-",
+                  _printable(c["request_id"])) for c in doc["slowest"][:SLOWEST_SHOWN]]
+        print()
+        print(table(slow))
     return 0
 
 

@@ -17,10 +17,14 @@ from sitsmesh.cli.common import (
     Subcommands,
     UsageError,
     add_common_admin,
+    add_output,
     admin_call,
     call_admin,
+    dump,
+    examples,
     message_dict,
     read_text,
+    render,
     table,
 )
 
@@ -28,7 +32,10 @@ WATCH_TIMEOUT_S = 24 * 3600.0
 
 
 def add_commands(sub: Subcommands) -> None:
-    thresholds = sub.add_parser("thresholds", help="backpressure thresholds (admin API)"
+    thresholds = sub.add_parser("thresholds", help="backpressure thresholds (admin API)",
+                                **examples("sitsmesh thresholds get demo",
+                                           "sitsmesh thresholds set demo t.yaml --dry-run",
+                                           "sitsmesh thresholds history demo -o yaml")
                                 ).add_subparsers(dest="thresholds_command", required=True)
     p = thresholds.add_parser("get", help="a pipeline's thresholds (defaults until set)")
     p.add_argument("pipeline")
@@ -46,22 +53,27 @@ def add_commands(sub: Subcommands) -> None:
     add_common_admin(p)
     p.set_defaults(func=cmd_thresholds_history)
 
-    pressure = sub.add_parser("pressure", help="live backpressure (admin API)"
+    pressure = sub.add_parser("pressure", help="live backpressure (admin API)",
+                              **examples("sitsmesh pressure watch demo",
+                                         "sitsmesh pressure watch --count 1 -o json | jq .")
                               ).add_subparsers(dest="pressure_command", required=True)
     p = pressure.add_parser("watch", help="a live table of the controller's decisions")
     p.add_argument("pipeline", nargs="?", default="")
     p.add_argument("--interval-ms", type=int, default=500)
     p.add_argument("--count", type=int, default=0, help="stop after N snapshots")
-    add_common_admin(p)
-    p.set_defaults(func=cmd_pressure_watch, timeout=WATCH_TIMEOUT_S)
+    add_common_admin(p, timeout=WATCH_TIMEOUT_S)
+    p.set_defaults(func=cmd_pressure_watch)
 
-    p = sub.add_parser("simulate", help="try thresholds offline against a queueing model")
+    p = sub.add_parser("simulate", help="try thresholds offline against a queueing model",
+                       **examples("sitsmesh simulate --pipeline demo.yaml --load load.yaml",
+                                  "sitsmesh simulate --pipeline demo.yaml --thresholds t.yaml "
+                                  "--load load.yaml --compare"))
     p.add_argument("--pipeline", required=True, metavar="FILE.yaml")
     p.add_argument("--thresholds", metavar="FILE.yaml", help="default thresholds if absent")
     p.add_argument("--load", required=True, metavar="PROFILE.yaml")
     p.add_argument("--compare", action="store_true",
                    help="also run the seed and off policies, and print all three")
-    p.add_argument("--output", "-o", choices=("table", "json"), default="table")
+    add_output(p)
     p.set_defaults(func=cmd_simulate)
 
 
@@ -76,14 +88,15 @@ def _actor() -> tuple[tuple[str, str], ...]:
 def cmd_thresholds_get(args: argparse.Namespace) -> int:
     reply = call_admin(args, "GetThresholds",
                        admin_pb2.GetThresholdsRequest(pipeline=args.pipeline))
-    if args.output == "json":
-        print(json.dumps({"pipeline": reply.pipeline, "is_default": reply.is_default,
-                          "thresholds": yaml.safe_load(reply.yaml)}, indent=2))
-    else:
-        if reply.is_default:
-            print(f"# {reply.pipeline}: none set, these are the defaults")
-        print(reply.yaml, end="")
+    default = f"# {reply.pipeline}: none set, these are the defaults\n"
+    render(args, _thresholds_doc(reply),
+           (default if reply.is_default else "") + reply.yaml.rstrip("\n"))
     return 0
+
+
+def _thresholds_doc(reply: Any) -> dict[str, Any]:
+    return {"pipeline": reply.pipeline, "is_default": reply.is_default,
+            "thresholds": yaml.safe_load(reply.yaml)}
 
 
 def cmd_thresholds_set(args: argparse.Namespace) -> int:
@@ -95,22 +108,20 @@ def cmd_thresholds_set(args: argparse.Namespace) -> int:
         pipeline=args.pipeline, yaml=text, source=args.file, dry_run=args.dry_run), _actor())
     verb = "valid (dry run, nothing changed)" if args.dry_run else "applied"
     print(f"thresholds for {reply.pipeline} {verb}", file=sys.stderr)
-    print(reply.yaml, end="")
+    render(args, {"pipeline": reply.pipeline, "dry_run": args.dry_run,
+                  "thresholds": yaml.safe_load(reply.yaml)}, reply.yaml.rstrip("\n"))
     return 0
 
 
 def cmd_thresholds_history(args: argparse.Namespace) -> int:
     reply = call_admin(args, "ListThresholdChanges", admin_pb2.ListThresholdChangesRequest(
         pipeline=args.pipeline, limit=max(0, args.limit)))
-    if args.output == "json":
-        print(json.dumps([{"pipeline": c.pipeline, "actor": c.actor, "peer": c.peer,
-                           "at": c.at.ToJsonString(), "before": yaml.safe_load(c.before),
-                           "after": yaml.safe_load(c.after)} for c in reply.changes],
-                         indent=2))
-        return 0
-    for change in reply.changes:
-        print(f"{change.at.ToJsonString()}  {change.pipeline}  by {change.actor} "
-              f"from {change.peer}")
+    doc = [{"pipeline": c.pipeline, "actor": c.actor, "peer": c.peer,
+            "at": c.at.ToJsonString(), "before": yaml.safe_load(c.before),
+            "after": yaml.safe_load(c.after)} for c in reply.changes]
+    render(args, doc, lambda: table([("AT", "PIPELINE", "ACTOR", "PEER"),
+                                     *((c["at"], c["pipeline"], c["actor"], c["peer"])
+                                       for c in doc)]) if doc else None)
     return 0
 
 
@@ -150,8 +161,12 @@ def cmd_pressure_watch(args: argparse.Namespace) -> int:
                                              count=max(0, args.count))
     with admin_call(args, "WatchPressure") as call:
         for snapshot in call(request):
+            # A stream: one json line (NDJSON) or one yaml document per snapshot.
             if args.output == "json":
                 print(json.dumps(message_dict(snapshot)), flush=True)
+                continue
+            if args.output == "yaml":
+                print("---\n" + dump(message_dict(snapshot), "yaml"), flush=True)
                 continue
             rows = table(_pressure_rows(snapshot))
             # On a terminal the table is redrawn in place; otherwise appended.
@@ -188,11 +203,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         chosen = thresholds_from({**thresholds.to_body(), "policy": policy})
         seconds = simulate(pipeline, chosen, profile)
         runs[policy] = (seconds, summary(seconds))
-    if args.output == "json":
-        print(json.dumps({policy: {**result, "seconds": [
+    if args.output in ("json", "yaml"):
+        render(args, {policy: {**result, "seconds": [
             {"t": s.at, "offered": s.offered, "admitted": s.admitted, "shed": s.shed,
              "goodput": s.good, "p99_ms": round(s.p99_ms, 1), "fraction": s.fraction}
-            for s in seconds]} for policy, (seconds, result) in runs.items()}, indent=2))
+            for s in seconds]} for policy, (seconds, result) in runs.items()}, None)
         return 0
     seconds, _ = runs[policies[0]]
     print(f"policy {policies[0]}, per second:")

@@ -14,13 +14,18 @@ from sitsmesh.cli.common import (
     add_common_admin,
     call_admin,
     die,
-    print_json,
+    examples,
+    message_dict,
     read_text,
+    render,
 )
 
 
 def add_commands(sub: Subcommands) -> None:
-    rl = sub.add_parser("ratelimit", help="rate-limit configs").add_subparsers(
+    rl = sub.add_parser("ratelimit", help="rate-limit configs", **examples(
+        "sitsmesh ratelimit check config/ratelimit/",
+        "sitsmesh ratelimit apply --dry-run config/ratelimit/models.yaml",
+        "sitsmesh ratelimit get -o yaml")).add_subparsers(
         dest="ratelimit_command", required=True)
     check = rl.add_parser("check", help="validate config files offline; exit 1 if any is bad")
     check.add_argument("paths", nargs="+", metavar="PATH")
@@ -82,23 +87,22 @@ def cmd_ratelimit_apply(args: argparse.Namespace) -> int:
     reply = call_admin(args, "ApplyRateLimitConfig", admin_pb2.ApplyRateLimitConfigRequest(
         files=files, dry_run=args.dry_run))
     verb = "applied" if reply.applied else "valid (dry run, nothing changed)"
-    print(f"{verb}: {', '.join(reply.domains)}; config version {reply.config_version}")
+    render(args, message_dict(reply, all_fields=True),
+           f"{verb}: {', '.join(reply.domains)}; config version {reply.config_version}")
     return 0
 
 
 def cmd_ratelimit_get(args: argparse.Namespace) -> int:
     reply = call_admin(args, "GetRateLimitConfig", admin_pb2.GetRateLimitConfigRequest())
-    if args.output == "json":
-        print_json(reply)
-        return 0
-    print(f"# config version {reply.config_version}")
-    for domain in reply.domains:
-        print(f"---\n# domain {domain.domain} from {domain.source}\n{domain.yaml.rstrip()}")
+    render(args, message_dict(reply), lambda: "\n".join(
+        [f"# config version {reply.config_version}"]
+        + [f"---\n# domain {d.domain} from {d.source}\n{d.yaml.rstrip()}"
+           for d in reply.domains]))
     return 0
 
 
 def cmd_ratelimit_delete(args: argparse.Namespace) -> int:
     call_admin(args, "DeleteRateLimitConfig",
                admin_pb2.DeleteRateLimitConfigRequest(domain=args.domain))
-    print(f"deleted domain {args.domain}")
+    render(args, {"deleted": {"domain": args.domain}}, f"deleted domain {args.domain}")
     return 0

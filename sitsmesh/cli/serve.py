@@ -7,8 +7,8 @@ import asyncio
 import os
 import shutil
 
-from sitsmesh.cli.common import Subcommands, settings_from
-from sitsmesh.config import PARSERS, flag_name
+from sitsmesh.cli.common import Subcommands, env_argument, examples, settings_from
+from sitsmesh.config import PARSERS, env_name, flag_name
 
 # sitsmesh.app.server (and prometheus_client with it) is imported by cmd_serve only, once
 # PROMETHEUS_MULTIPROC_DIR is set: importing it here would be too early.
@@ -161,13 +161,17 @@ _FLAG_HELP = {
 
 
 def add_commands(sub: Subcommands) -> None:
-    serve = sub.add_parser("serve", help="run the control plane")
-    serve.add_argument("--config", help="YAML config file (or SITSMESH_CONFIG)")
+    serve = sub.add_parser("serve", help="run the control plane", **examples(
+        "sitsmesh serve --config sitsmesh.yaml",
+        "sitsmesh serve --workers 4 --ratelimit-config config/ratelimit/",
+        "SITSMESH_LOG_LEVEL=debug sitsmesh serve --data-addr 0.0.0.0:50051"))
+    env_argument(serve, "--config", env="SITSMESH_CONFIG", help="YAML config file")
+    # Not env_argument: load_settings layers SITSMESH_* over the config file (and over
+    # envoyproxy/ratelimit's names) itself, and names the variable in its errors.
     for key in PARSERS:
-        if key == "ratelimit_config":
-            serve.add_argument(flag_name(key), dest=key, action="append", help=_FLAG_HELP[key])
-        else:
-            serve.add_argument(flag_name(key), dest=key, help=_FLAG_HELP[key])
+        action = "append" if key == "ratelimit_config" else "store"
+        serve.add_argument(flag_name(key), dest=key, action=action,
+                           help=f"{_FLAG_HELP[key]} (or {env_name(key)})")
     serve.set_defaults(func=cmd_serve)
 
 

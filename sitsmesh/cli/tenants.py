@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -13,11 +12,23 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from sitsmesh.admin.v1 import admin_pb2
-from sitsmesh.cli.common import Subcommands, UsageError, add_common_admin, call_admin, print_json
+from sitsmesh.cli.common import (
+    Subcommands,
+    UsageError,
+    add_common_admin,
+    call_admin,
+    examples,
+    message_dict,
+    render,
+    table,
+)
 
 
 def add_commands(sub: Subcommands) -> None:
-    tenants = sub.add_parser("tenants", help="manage tenants (admin API)").add_subparsers(
+    tenants = sub.add_parser("tenants", help="manage tenants (admin API)", **examples(
+        "sitsmesh tenants create acme --models 'llama-*,bert' --priority 2 --label team=ml",
+        "sitsmesh tenants update acme --max-concurrency 8",
+        "sitsmesh tenants list -o yaml")).add_subparsers(
         dest="tenants_command", required=True)
     for action in ("create", "update"):
         p = tenants.add_parser(action, help=f"{action} a tenant")
@@ -41,7 +52,10 @@ def add_commands(sub: Subcommands) -> None:
     add_common_admin(p)
     p.set_defaults(func=cmd_tenants)
 
-    keys = sub.add_parser("apikeys", help="manage API keys (admin API)").add_subparsers(
+    keys = sub.add_parser("apikeys", help="manage API keys (admin API)", **examples(
+        "sitsmesh apikeys create --tenant acme --name ci --expires 30d",
+        "sitsmesh apikeys list --tenant acme",
+        "sitsmesh apikeys revoke 8a4c6f1fa1d1")).add_subparsers(
         dest="apikeys_command", required=True)
     p = keys.add_parser("create", help="create a key; it is printed once")
     p.add_argument("--tenant", required=True)
@@ -69,14 +83,19 @@ def parse_labels(pairs: Sequence[str] | None) -> dict[str, str]:
     return labels
 
 
+TENANT_COLUMNS = ("NAME", "MODELS", "PRIORITY", "MAX_PRIORITY", "MAX_CONCURRENCY", "LABELS")
+
+
+def tenant_table(tenants: Sequence[Any]) -> str:
+    rows = [TENANT_COLUMNS]
+    rows += [(t.name, ",".join(t.models), str(t.priority), str(t.max_priority),
+              str(t.max_concurrency), ",".join(f"{k}={v}" for k, v in sorted(t.labels.items())))
+             for t in tenants]
+    return table(rows)
+
+
 def _show_tenant(args: argparse.Namespace, tenant: Any) -> None:
-    if args.output == "json":
-        print_json(tenant)
-        return
-    labels = ",".join(f"{k}={v}" for k, v in sorted(tenant.labels.items()))
-    print(f"{tenant.name}  models={','.join(tenant.models)}  priority={tenant.priority}  "
-          f"max_priority={tenant.max_priority}  max_concurrency={tenant.max_concurrency}"
-          + (f"  labels={labels}" if labels else ""))
+    render(args, message_dict(tenant), lambda: tenant_table([tenant]))
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
@@ -100,13 +119,10 @@ def cmd_tenants(args: argparse.Namespace) -> int:
                                       admin_pb2.GetTenantRequest(name=args.name)))
     elif action == "list":
         reply = call_admin(args, "ListTenants", admin_pb2.ListTenantsRequest())
-        if args.output == "json":
-            print_json(reply)
-        for tenant in reply.tenants if args.output != "json" else []:
-            _show_tenant(args, tenant)
+        render(args, message_dict(reply), lambda: tenant_table(reply.tenants))
     else:
         call_admin(args, "DeleteTenant", admin_pb2.DeleteTenantRequest(name=args.name))
-        print(f"deleted tenant {args.name}")
+        render(args, {"deleted": {"tenant": args.name}}, f"deleted tenant {args.name}")
     return 0
 
 
@@ -134,24 +150,24 @@ def cmd_apikeys(args: argparse.Namespace) -> int:
             stamp.FromNanoseconds(int(parse_expiry(args.expires) * 1e9))
             request.expires_at.CopyFrom(stamp)
         reply = call_admin(args, "CreateApiKey", request)
-        if args.output == "json":
-            print(json.dumps({"key": reply.secret, "id": reply.key.id}))
-        else:
-            print(reply.secret)
+        # The secret alone on stdout (for $(...)); what it is goes to stderr.
+        render(args, {"key": reply.secret, "id": reply.key.id}, reply.secret)
+        if args.output == "table":
             print(f"(key id {reply.key.id} for tenant {reply.key.tenant}; the key is shown "
                   "only now)", file=sys.stderr)
     elif action == "list":
         reply = call_admin(args, "ListApiKeys", admin_pb2.ListApiKeysRequest(
             tenant=args.tenant or ""))
-        if args.output == "json":
-            print_json(reply)
-            return 0
-        print("ID            TENANT          STATE    EXPIRES               NAME")
-        for key in reply.keys:
-            expires = key.expires_at.ToJsonString() if key.HasField("expires_at") else "never"
-            state = "revoked" if key.revoked else "active"
-            print(f"{key.id:<12}  {key.tenant:<14}  {state:<7}  {expires:<20}  {key.name}")
+        render(args, message_dict(reply), lambda: apikey_table(reply.keys))
     else:
         key = call_admin(args, "RevokeApiKey", admin_pb2.RevokeApiKeyRequest(id=args.id))
-        print(f"revoked key {key.id} of tenant {key.tenant}")
+        render(args, message_dict(key), f"revoked key {key.id} of tenant {key.tenant}")
     return 0
+
+
+def apikey_table(keys: Sequence[Any]) -> str:
+    rows = [("ID", "TENANT", "STATE", "EXPIRES", "NAME")]
+    rows += [(k.id, k.tenant, "revoked" if k.revoked else "active",
+              k.expires_at.ToJsonString() if k.HasField("expires_at") else "never", k.name)
+             for k in keys]
+    return table(rows)

@@ -20,6 +20,7 @@ from sitsmesh import __version__
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.cli import (
     build_parser,
+    completion,
     dev,
     main,
     models,
@@ -42,7 +43,7 @@ from sitsmesh.cli.common import (
 )
 
 GROUPS = ["serve", "status", "health", "ratelimit", "tenants", "apikeys", "pipelines", "chain",
-          "dev", "models", "swaps", "thresholds", "pressure", "simulate"]
+          "dev", "models", "swaps", "thresholds", "pressure", "simulate", "completion"]
 
 # Every leaf command with the fewest arguments it parses with, and the function it runs.
 COMMANDS: list[tuple[list[str], Callable[[argparse.Namespace], int]]] = [
@@ -76,6 +77,7 @@ COMMANDS: list[tuple[list[str], Callable[[argparse.Namespace], int]]] = [
     (["thresholds", "history"], pressure.cmd_thresholds_history),
     (["pressure", "watch"], pressure.cmd_pressure_watch),
     (["simulate", "--pipeline", "p.yaml", "--load", "l.yaml"], pressure.cmd_simulate),
+    (["completion", "bash"], completion.cmd_completion),
 ]
 
 PIPELINE = """name: demo
@@ -129,7 +131,7 @@ def test_the_list_above_has_every_command() -> None:
     listed = {next(tuple(argv[:n]) for n in range(len(argv), 0, -1) if tuple(argv[:n]) in leaves)
               for argv, _ in COMMANDS}
     assert listed == leaves
-    assert len(leaves) == len(COMMANDS) == 30
+    assert len(leaves) == len(COMMANDS) == 31
 
 
 def test_help_lists_every_group_in_order(monkeypatch: pytest.MonkeyPatch,
@@ -270,8 +272,8 @@ def test_tenant_create_sends_what_the_flags_say(monkeypatch: pytest.MonkeyPatch,
     assert method == "CreateTenant"
     assert (list(tenant.models), tenant.priority, dict(tenant.labels)) == (
         ["a", "b*"], 2, {"team": "ml", "env": "dev"})
-    assert out == ("x  models=a,b*  priority=2  max_priority=0  max_concurrency=0  "
-                   "labels=env=dev,team=ml\n")
+    assert out == ("NAME  MODELS  PRIORITY  MAX_PRIORITY  MAX_CONCURRENCY  LABELS\n"
+                   "x     a,b*    2         0             0                env=dev,team=ml\n")
 
 
 def test_main_maps_failures_to_exit_codes(monkeypatch: pytest.MonkeyPatch,
