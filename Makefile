@@ -33,7 +33,8 @@ TEST_SYSDEPS  := "$(PYTHON) -c 'import ensurepip, venv'=python3-venv" \
                  "command -v openssl=openssl" \
                  "command -v promtool=prometheus" \
                  "command -v chromium=chromium" \
-                 "command -v npm=npm"
+                 "command -v npm=npm" \
+                 "command -v zsh=zsh"
 BENCH_SYSDEPS := "command -v h2load=nghttp2-client"
 
 sysdeps:
