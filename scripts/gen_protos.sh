@@ -14,6 +14,13 @@ mapfile -t files < <(find protos -name '*.proto' | sort)
 "$PY" -m grpc_tools.protoc -Iprotos \
   --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
   --mypy_grpc_out="$out" "${files[@]}"
+# The .proto files ship in the wheel beside their stubs, at their import paths, so
+# teams that call the admin API from another language compile the same contract.
+for f in "${files[@]}"; do
+  rel=${f#protos/}
+  mkdir -p "$out/$(dirname "$rel")"
+  cp "$f" "$out/$rel"
+done
 if [ "${1:-}" = "--check" ]; then
   status=0
   while IFS= read -r f; do
@@ -22,6 +29,6 @@ if [ "${1:-}" = "--check" ]; then
       echo "stale generated stub: $rel (run 'make protos')" >&2
       status=1
     fi
-  done < <(find "$out" -type f \( -name '*_pb2*.py' -o -name '*_pb2*.pyi' \))
+  done < <(find "$out" -type f \( -name '*_pb2*.py' -o -name '*_pb2*.pyi' -o -name '*.proto' \))
   exit $status
 fi

@@ -155,6 +155,10 @@ def test_wheel_ships_the_license(tmp_path: Path) -> None:
     info = f"sitsmesh-{version}.dist-info"
     with zipfile.ZipFile(wheel) as z:
         assert z.read(f"{info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+        # The admin API's contract, at its import path, for clients in other languages.
+        for proto in sorted((ROOT / "protos").rglob("*.proto")):
+            shipped = proto.relative_to(ROOT / "protos").as_posix()
+            assert z.read(shipped) == proto.read_bytes(), shipped
         metadata = z.read(f"{info}/METADATA").decode().splitlines()
     assert f"Version: {version}" in metadata
     assert "License-Expression: Apache-2.0" in metadata
