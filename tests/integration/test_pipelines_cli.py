@@ -58,8 +58,12 @@ def test_pipelines_apply_list_get_delete_and_chain_show(
             yield admin_pb2.StageLatency(request_id=rid, pipeline="demo", stage="model",
                                          start=_stamp(now + 0.010), end=_stamp(now + 0.090),
                                          first_byte=_stamp(now + 0.020))
+            # The entry stage passes on the request's traceparent (one of them malformed).
+            traceparent = (f"00-{i + 1:032x}-00f067aa0ba902b7-01" if i != 18
+                           else "00-not-a-trace-01")
             yield admin_pb2.StageLatency(request_id=rid, pipeline="demo", stage="preprocess",
-                                         start=_stamp(now), end=_stamp(now + 0.100))
+                                         start=_stamp(now), end=_stamp(now + 0.100 + i / 1000),
+                                         traceparent=traceparent)
         yield admin_pb2.StageLatency(request_id="", stage="model")  # rejected: no id
 
     with grpc.insecure_channel(node.admin_addr) as channel:
@@ -73,9 +77,14 @@ def test_pipelines_apply_list_get_delete_and_chain_show(
     assert doc["chains"] == 20 and doc["bottleneck"] == "model"
     stages = {s["name"]: s for s in doc["stages"]}
     assert abs(stages["model"]["p99_ms"] - 80) / 80 < 0.06
-    assert abs(stages["preprocess"]["p50_ms"] - 20) / 20 < 0.06
+    assert abs(stages["preprocess"]["p50_ms"] - 30) / 30 < 0.1
     assert abs(stages["model"]["ttfb_p99_ms"] - 10) / 10 < 0.06
-    assert abs(doc["e2e_p99_ms"] - 100) / 100 < 0.06
+    assert abs(doc["e2e_p99_ms"] - 119) / 119 < 0.06
+    # The slowest chains name their traces (req-19 took longest); a bad traceparent none.
+    traces = {c["request_id"]: c["trace_id"] for c in doc["slowest"]}
+    assert traces["req-19"] == f"{20:032x}" and traces["req-17"] == f"{18:032x}"
+    assert traces["req-18"] == ""
+    assert doc["slowest"][0]["request_id"] == "req-19"
     assert set(stages["model"]) >= {"name", "p50_ms", "p99_ms", "ttfb_p99_ms",
                                     "share_of_e2e_p99"}
     metrics = node.metrics()

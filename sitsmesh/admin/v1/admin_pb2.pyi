@@ -480,20 +480,22 @@ class HistogramBucket(_message.Message):
     def __init__(self, le_ms: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StageLatency(_message.Message):
-    __slots__ = ("request_id", "pipeline", "stage", "start", "end", "first_byte")
+    __slots__ = ("request_id", "pipeline", "stage", "start", "end", "first_byte", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     FIRST_BYTE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     pipeline: str
     stage: str
     start: _timestamp_pb2.Timestamp
     end: _timestamp_pb2.Timestamp
     first_byte: _timestamp_pb2.Timestamp
-    def __init__(self, request_id: _Optional[str] = ..., pipeline: _Optional[str] = ..., stage: _Optional[str] = ..., start: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_byte: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., pipeline: _Optional[str] = ..., stage: _Optional[str] = ..., start: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_byte: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ReportStageLatencyResponse(_message.Message):
     __slots__ = ("accepted", "rejected")

@@ -12,6 +12,7 @@ from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.chains.assembler import Assembler, Hop
 from sitsmesh.chains.catalog import PipelineCatalog
 from sitsmesh.chains.pipeline import Pipeline
+from sitsmesh.chains.trace import trace_id
 from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from sitsmesh.transport.admin.common import read_yaml, yaml_text
 
@@ -113,8 +114,10 @@ class ChainAdmin:
                 continue
             ttfb = (report.first_byte.ToNanoseconds() / 1e9 - start
                     if report.HasField("first_byte") else None)
+            traceparent = report.traceparent
             self._report(Hop(report.request_id, start, end - start, ttfb=ttfb,
-                             pipeline=report.pipeline, stage=report.stage))
+                             pipeline=report.pipeline, stage=report.stage,
+                             trace_id=trace_id(traceparent) if traceparent else ""))
             accepted += 1
         return admin_pb2.ReportStageLatencyResponse(accepted=accepted, rejected=rejected)
 
