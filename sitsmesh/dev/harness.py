@@ -42,6 +42,20 @@ ENVOY = str(BIN / "envoy")
 # port" can meanwhile become the source port of some process's outgoing connection
 # (Envoy's health checks, say) before the server meant for it binds.
 _PORTS = (20000, 32000)
+
+
+def port_range() -> tuple[int, int]:
+    """Under pytest-xdist each worker draws from its own slice: two workers that pick the
+    same free port before either binds it would collide, and neither could see it.
+    Processes a worker starts inherit its variables, and so its slice."""
+    low, high = _PORTS
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        size = (high - low) // int(count)
+        low += int(worker[2:]) % int(count) * size
+        return low, low + size
+    return low, high
 _issued: set[int] = set()
 
 
@@ -49,7 +63,7 @@ def free_port() -> int:
     """A loopback port nothing listens on, outside the ephemeral range, not handed out
     before by this process."""
     for _ in range(200):
-        port = random.randrange(*_PORTS)  # noqa: S311 - picking a port, not a secret
+        port = random.randrange(*port_range())  # noqa: S311 - a port, not a secret
         if port in _issued:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
