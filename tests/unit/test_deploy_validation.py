@@ -19,6 +19,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from tests.istiofilters import DELETE, break_at
 from tests.unit.monitoring_crds import MONITORING_SCHEMAS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -395,28 +396,12 @@ def test_access_logs_and_stats_reach_the_data_port() -> None:
 def test_signal_wiring_check_rejects_a_broken_setup(kind: str, path: str,
                                                     value: object) -> None:
     kube, istio = _kube_docs(), _istio_docs()
-    _break(_only(istio, kind), path, value)
+    break_at(_only(istio, kind), path, value)
     with pytest.raises(AssertionError):
         check_signal_wiring(kube, istio)
 
 
 # --- and broken copies of them --------------------------------------------------------
-
-DELETE = object()
-
-
-def _break(doc: Doc, path: str, value: object) -> None:
-    """Set `path` (dotted; digits index lists) in doc to value, or remove it if DELETE."""
-    node: Any = doc
-    *parents, last = path.split(".")
-    for step in parents:
-        node = node[int(step)] if isinstance(node, list) else node[step]
-    key: int | str = int(last) if isinstance(node, list) else last
-    if value is DELETE:
-        del node[key]
-    else:
-        node[key] = value
-
 
 _CONTAINER = "spec.template.spec.containers.0"
 _GRPC = "spec.meshConfig.extensionProviders.0.envoyExtAuthzGrpc"
@@ -469,7 +454,7 @@ def test_validation_rejects_a_broken_manifest(kind: str, path: str, value: objec
         validate_manifest(doc)
     except (jsonschema.ValidationError, kubernetes_validate.SchemaNotFoundError):
         pytest.skip(f"the {kind} is invalid as it is: see test_manifest_validates")
-    _break(doc, path, value)
+    break_at(doc, path, value)
     with pytest.raises((jsonschema.ValidationError, kubernetes_validate.SchemaNotFoundError)):
         validate_manifest(doc)
 
@@ -507,10 +492,10 @@ def test_wiring_check_rejects_a_broken_setup(kind: str, path: str, value: object
     except AssertionError:
         pytest.skip("the wiring is broken as it is: see test_ext_authz_wiring")
     doc = _only(kube + istio, kind)
-    _break(doc, path, value)
+    break_at(doc, path, value)
     if kind.startswith("AuthorizationPolicy") and path == "metadata.namespace":
         pod_labels = _only(kube, "Deployment")["spec"]["template"]["metadata"]["labels"]
-        _break(doc, "spec.selector.matchLabels", dict(pod_labels))
+        break_at(doc, "spec.selector.matchLabels", dict(pod_labels))
     with pytest.raises(AssertionError):
         check_ext_authz_wiring(kube, istio)
 
@@ -534,7 +519,7 @@ CALLER_BREAKS = [
                          ids=[f"{k}:{p}" for k, p, _ in CALLER_BREAKS])
 def test_callers_check_rejects_an_open_setup(kind: str, path: str, value: object) -> None:
     kube, istio = _kube_docs(), _istio_docs()
-    _break(_only(kube + istio, kind), path, value)
+    break_at(_only(kube + istio, kind), path, value)
     with pytest.raises(AssertionError):
         check_callers_are_limited(kube, istio)
 
@@ -617,6 +602,6 @@ RESILIENCE_BREAKS = [
 def test_resilience_check_rejects_a_weakened_setup(kind: str, path: str,
                                                    value: object) -> None:
     kube, istio = _kube_docs(), _istio_docs()
-    _break(_only(kube + istio, kind), path, value)
+    break_at(_only(kube + istio, kind), path, value)
     with pytest.raises((AssertionError, KeyError)):
         check_resilience_wiring(kube, istio)
