@@ -7,6 +7,8 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
+from sitsmesh.keyvalues import split_pairs
+
 # The data-plane services an allowlist can name, as `data_callers` keys.
 DATA_SERVICES = ("authz", "ratelimit", "accesslog", "metrics", "quota")
 _LOOPBACK_NAMES = ("localhost", "ip6-localhost")
@@ -90,13 +92,7 @@ def callers(raw: Any) -> dict[str, tuple[str, ...]]:
     if isinstance(raw, dict):
         items = list(raw.items())
     elif isinstance(raw, str):
-        items = []
-        for part in raw.split(","):
-            if part.strip():
-                key, sep, value = part.partition("=")
-                if not sep:
-                    raise ValueError(f"expected SERVICE=ID|ID, got {part!r}")
-                items.append((key.strip(), value.split("|")))
+        items = [(key, value.split("|")) for key, value in split_pairs(raw, "SERVICE=ID|ID")]
     else:
         raise ValueError(f"expected a mapping of service to identities, got {raw!r}")
     found: dict[str, tuple[str, ...]] = {}

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sitsmesh.keyvalues import split_pairs
 from sitsmesh.netsettings import parse_address
 
 
@@ -120,16 +121,7 @@ def string(raw: Any) -> str:
 
 def mapping(raw: Any) -> dict[str, str]:
     """A YAML mapping, or 'key=value,key=value' from the environment or a flag."""
-    if isinstance(raw, dict):
-        items = list(raw.items())
-    else:
-        items = []
-        for part in str(raw).split(","):
-            if part.strip():
-                key, sep, value = part.partition("=")
-                if not sep:
-                    raise ValueError(f"expected key=value, got {part!r}")
-                items.append((key.strip(), value.strip()))
+    items = list(raw.items()) if isinstance(raw, dict) else split_pairs(str(raw), "key=value")
     if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in items):
         raise ValueError("expected a mapping of non-empty strings")
     return dict(items)

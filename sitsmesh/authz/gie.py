@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sitsmesh.authz.model import MAX_PRIORITY, Tenant
+from sitsmesh.keyvalues import split_pairs
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
@@ -64,13 +65,7 @@ def priority_objectives(raw: Any) -> dict[int, str]:
     if isinstance(raw, dict):
         items = list(raw.items())
     elif isinstance(raw, str):
-        items = []
-        for part in raw.split(","):
-            if part.strip():
-                key, sep, value = part.partition("=")
-                if not sep:
-                    raise ValueError(f"expected priority=objective, got {part!r}")
-                items.append((key.strip(), value.strip()))
+        items = split_pairs(raw, "priority=objective")
     else:
         raise ValueError(f"expected a mapping of priority to objective, got {raw!r}")
     table: dict[int, str] = {}
