@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from grpc import aio
 
+from sitsmesh import logs
+
+_log = logs.get("sitsmesh.app.background")
+
 # Rule counters and expiry sweeps: once a second keeps scrapes and holds fresh enough
 # without a timer on the request path.
 HOUSEKEEPING_S = 1.0
+# How long a cancelled task gets before it is cancelled again.
+RECANCEL_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,5 +52,14 @@ class Background:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # A library may turn the cancellation into an error the loop catches and
+            # goes on (redis-py's pipeline did: a replica then never exited), so a
+            # task still running is cancelled again until it ends.
+            while not task.done():
+                await asyncio.wait((task,), timeout=RECANCEL_S)
+                if not task.done():
+                    task.cancel()
+            if not task.cancelled() and task.exception() is not None:
+                # It had failed on its own; stopping the rest matters more than raising.
+                _log.warning("background task had failed", task=task.get_name(),
+                             error=repr(task.exception()))

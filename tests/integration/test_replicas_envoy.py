@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -223,6 +224,14 @@ def test_replica_killed_under_load_fails_only_requests_in_flight_on_it(
     assert sum(o.started > killed_at + ejected_after for o in load.outcomes) >= 300
 
 
+def _exit_code(node: harness.Sitsmesh, timeout: float) -> int:
+    try:
+        return node.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{node.data_addr} still running {timeout} s after SIGTERM; its log:\n"
+                    f"{node.output()[-6000:]}")
+
+
 def test_rolling_restart_of_every_replica_fails_no_request(replicas: Replicas) -> None:
     timings = []
     with Load(replicas.envoy, replicas.key) as load:
@@ -230,7 +239,7 @@ def test_rolling_restart_of_every_replica_fails_no_request(replicas: Replicas) -
         for i, old in enumerate(list(replicas.nodes)):
             began = time.monotonic()
             old.proc.send_signal(signal.SIGTERM)
-            assert old.proc.wait(20) == 0, old.output()
+            assert _exit_code(old, 20) == 0, old.output()
             new = replicas.restart(old)  # same port: Envoy's static endpoint stays valid
             replicas.nodes[i] = new
             harness.wait_until(replicas.all_healthy, 15,
