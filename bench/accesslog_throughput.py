@@ -465,7 +465,7 @@ class Admin:
         if self.channel is None:
             self.connect()
         assert self.channel is not None
-        return admin_pb2_grpc.AdminStub(self.channel)
+        return admin_pb2_grpc.AdminServiceStub(self.channel)
 
     def chain(self) -> Any:
         from sitsmesh.admin.v1 import admin_pb2

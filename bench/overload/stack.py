@@ -37,6 +37,7 @@ import topology
 from prometheus_client.parser import text_string_to_metric_families
 from scenarios import Backend
 
+from sitsmesh.admin.enums import word
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.dev.redis import redis_server
@@ -194,7 +195,7 @@ class Recorder:
         self._threads: list[threading.Thread] = []
 
     def __enter__(self) -> Recorder:
-        stub = admin_pb2_grpc.AdminStub(self._channel)
+        stub = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._call = stub.WatchPressure(
             admin_pb2.WatchPressureRequest(pipeline=self.stack.backend.pipeline),
             metadata=self.stack.node.admin_metadata(), timeout=600)
@@ -224,13 +225,15 @@ class Recorder:
                     stage = next((s for s in p.stages if s.name == bottleneck), None)
                     self.pressure.append((now, {
                         "policy": p.policy, "fraction": p.fraction, "cutoff": p.cutoff,
-                        "concurrency": p.concurrency, "level": p.level,
+                        "concurrency": p.concurrency,
+                        "level": word(admin_pb2.PressureLevel, p.level),
                         "bottleneck": p.bottleneck, "lam": p.arrival_rate,
                         "in_flight": p.in_flight, "shed_total": p.shed_total,
                         "mu": stage.capacity if stage else 0.0,
                         "queue": stage.queue if stage else 0.0,
                         "rt99_ms": stage.rt99_ms if stage else 0.0,
-                        "stage_level": stage.level if stage else ""}))
+                        "stage_level": (word(admin_pb2.PressureLevel, stage.level)
+                                        if stage else "")}))
 
     def _poll_envoy(self) -> None:
         assert self.envoy is not None

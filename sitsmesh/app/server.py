@@ -50,7 +50,7 @@ from sitsmesh.transport.streams import OpenStreams
 
 _log = logs.get("sitsmesh.server")
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-ADMIN_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+ADMIN_NAME = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 _HEALTH = {Serving.SERVING: health_pb2.HealthCheckResponse.SERVING}
 
 

@@ -179,7 +179,7 @@ def admin_call(args: argparse.Namespace, method: str,
     metadata = (("authorization", f"Bearer {_admin_token(args, settings)}"),
                 *extra_metadata)
     with admin_channel(args, str(settings.admin_addr)) as channel:
-        bound = getattr(admin_pb2_grpc.AdminStub(channel), method)
+        bound = getattr(admin_pb2_grpc.AdminServiceStub(channel), method)
         try:
             yield lambda request: bound(request, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as exc:
@@ -213,9 +213,16 @@ def table(rows: Sequence[tuple[str, ...]]) -> str:
 
 def message_dict(message: Any, *, all_fields: bool = False) -> dict[str, Any]:
     """A protobuf message as JSON-ready data, keyed by the proto field names."""
+    from sitsmesh.admin.enums import words_in
+
     doc: dict[str, Any] = MessageToDict(message, preserving_proto_field_name=True,
                                         always_print_fields_with_no_presence=all_fields)
-    return doc
+    # Enums print as the words they were before they were enums; serving states as gRPC
+    # health spells its own.
+    return words_in(message, doc, upper=UPPER_ENUMS)
+
+
+UPPER_ENUMS = frozenset({"sitsmesh.admin.v1.ServingState"})
 
 
 def print_json(message: Any) -> None:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from sitsmesh.admin.enums import word
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.cli.common import (
     EXIT_FAILED,
@@ -117,7 +118,7 @@ def cmd_models_swap(args: argparse.Namespace) -> int:
     if final is None:
         raise RpcFailed("SwapModel ended without the swap's record")
     render(args, message_dict(final), lambda: _summary(final))
-    return 0 if final.state == "succeeded" else EXIT_FAILED
+    return 0 if final.state == admin_pb2.SWAP_STATE_SUCCEEDED else EXIT_FAILED
 
 
 class _Progress:
@@ -130,7 +131,9 @@ class _Progress:
     def show(self, event: Any) -> None:
         filled = round(event.progress * BAR_WIDTH)
         bar = "#" * filled + "." * (BAR_WIDTH - filled)
-        text = f"[{bar}] {event.progress:4.0%} {event.phase:<9} {event.state:<8} {event.message}"
+        phase = word(admin_pb2.SwapPhase, event.phase)
+        state = word(admin_pb2.StepState, event.state)
+        text = f"[{bar}] {event.progress:4.0%} {phase:<9} {state:<8} {event.message}"
         if self._live:
             self._out.write("\r\x1b[2K" + text[:160])
         else:
@@ -153,11 +156,12 @@ def _seconds(step: Any) -> str:
 def _summary(record: Any) -> str:
     source = f"v{record.from_version}" if record.HasField("from_version") else "?"
     lines = [f"swap {record.id}: {record.model} {source} -> v{record.to_version} on "
-             f"{record.endpoint}: {record.state.upper()}"]
+             f"{record.endpoint}: {word(admin_pb2.SwapState, record.state).upper()}"]
     if record.error:
         lines.append(f"error: {record.error}")
     rows = [("PHASE", "RESULT", "SECONDS", "MESSAGE")]
-    rows += [(s.phase, s.state, _seconds(s), s.message) for s in record.steps]
+    rows += [(word(admin_pb2.SwapPhase, s.phase), word(admin_pb2.StepState, s.state),
+              _seconds(s), s.message) for s in record.steps]
     return "\n".join([*lines, table(rows)])
 
 
@@ -166,12 +170,13 @@ def cmd_swaps_list(args: argparse.Namespace) -> int:
         model=args.model, limit=max(0, args.limit)))
     rows = [("ID", "MODEL", "FROM", "TO", "STATE", "PHASE", "ERROR")]
     rows += [(r.id, r.model, str(r.from_version) if r.HasField("from_version") else "-",
-              str(r.to_version), r.state, r.phase, r.error) for r in reply.swaps]
+              str(r.to_version), word(admin_pb2.SwapState, r.state),
+              word(admin_pb2.SwapPhase, r.phase), r.error) for r in reply.swaps]
     render(args, message_dict(reply), lambda: table(rows))
     return 0
 
 
 def cmd_swaps_get(args: argparse.Namespace) -> int:
-    record = call_admin(args, "GetSwap", admin_pb2.GetSwapRequest(id=args.id))
+    record = call_admin(args, "GetSwap", admin_pb2.GetSwapRequest(id=args.id)).swap
     render(args, message_dict(record), lambda: _summary(record))
     return 0

@@ -66,10 +66,11 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
         except UsageError as exc:  # an unreadable file fails `apply` (1), not usage (2)
             return die(str(exc), EXIT_FAILED)
         reply = call_admin(args, "ApplyPipeline",
-                           admin_pb2.ApplyPipelineRequest(yaml=text, source=str(path)))
+                           admin_pb2.ApplyPipelineRequest(yaml=text, source=str(path))).pipeline
         render(args, message_dict(reply), f"applied pipeline {reply.name}")
     elif action == "get":
-        reply = call_admin(args, "GetPipeline", admin_pb2.GetPipelineRequest(name=args.name))
+        reply = call_admin(args, "GetPipeline",
+                           admin_pb2.GetPipelineRequest(name=args.name)).pipeline
         render(args, message_dict(reply), reply.yaml.rstrip("\n"))
     elif action == "list":
         reply = call_admin(args, "ListPipelines", admin_pb2.ListPipelinesRequest())
@@ -87,7 +88,7 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
     if args.out and args.output != "html":
         raise UsageError("--out goes with --output html")
     reply = call_admin(args, "GetLatencyChain", admin_pb2.GetLatencyChainRequest(
-        pipeline=args.pipeline, window=args.window))
+        pipeline=args.pipeline, window=args.window)).chain
     stages = []
     for s in reply.stages:
         stage: dict[str, Any] = {"name": s.name, "p50_ms": s.p50_ms, "p90_ms": s.p90_ms,

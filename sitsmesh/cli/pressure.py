@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from sitsmesh.admin.enums import word
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.cli.common import (
     Subcommands,
@@ -87,7 +88,7 @@ def _actor() -> tuple[tuple[str, str], ...]:
 
 def cmd_thresholds_get(args: argparse.Namespace) -> int:
     reply = call_admin(args, "GetThresholds",
-                       admin_pb2.GetThresholdsRequest(pipeline=args.pipeline))
+                       admin_pb2.GetThresholdsRequest(pipeline=args.pipeline)).thresholds
     default = f"# {reply.pipeline}: none set, these are the defaults\n"
     render(args, _thresholds_doc(reply),
            (default if reply.is_default else "") + reply.yaml.rstrip("\n"))
@@ -104,8 +105,9 @@ def cmd_thresholds_set(args: argparse.Namespace) -> int:
         text = Path(args.file).read_text(encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"{args.file}: {exc.strerror or exc}") from None
-    reply = call_admin(args, "SetThresholds", admin_pb2.SetThresholdsRequest(
-        pipeline=args.pipeline, yaml=text, source=args.file, dry_run=args.dry_run), _actor())
+    request = admin_pb2.SetThresholdsRequest(pipeline=args.pipeline, yaml=text,
+                                             source=args.file, dry_run=args.dry_run)
+    reply = call_admin(args, "SetThresholds", request, _actor()).thresholds
     verb = "valid (dry run, nothing changed)" if args.dry_run else "applied"
     print(f"thresholds for {reply.pipeline} {verb}", file=sys.stderr)
     render(args, {"pipeline": reply.pipeline, "dry_run": args.dry_run,
@@ -130,11 +132,14 @@ def _pressure_rows(snapshot: Any) -> list[tuple[str, ...]]:
         ("PIPELINE", "STAGE", "LEVEL", "PRESSURE", "LAMBDA/S", "MU/S", "QUEUE", "RT99 MS",
          "ADMIT", "CUTOFF", "CONC", "SHED", "SIGNAL AGES")]
     for p in snapshot.pipelines:
-        rows.append((p.pipeline, f"[{p.bottleneck or '-'}]", p.level, "",
+        level = word(admin_pb2.PressureLevel, p.level)
+        rows.append((p.pipeline, f"[{p.bottleneck or '-'}]", level, "",
                      f"{p.arrival_rate:.1f}", "", str(p.in_flight), "", f"{p.fraction:.0%}",
                      f"{p.cutoff:.2f}", str(p.concurrency or "-"), str(p.shed_total), ""))
         for s in p.stages:
-            level = f"{s.level} ({s.reason})" if s.reason else s.level
+            level = word(admin_pb2.PressureLevel, s.level)
+            if s.reason:
+                level += f" ({word(admin_pb2.OverloadReason, s.reason)})"
             rows.append(("", s.name, level, f"{s.pressure:.2f}", f"{s.arrival_rate:.1f}",
                          f"{s.capacity:.1f}", f"{s.queue:.0f}", f"{s.rt99_ms:.1f}", "", "", "",
                          "", _ages(s.signals)))
@@ -149,7 +154,8 @@ def _ages(signals: Any) -> str:
     parts = []
     for age in signals:
         shown = "none" if age.age_s < 0 else f"{age.age_s:.2f}s"
-        parts.append(f"{SOURCES.get(age.source, age.source)} {shown}"
+        source = word(admin_pb2.SignalSource, age.source)
+        parts.append(f"{SOURCES.get(source, source)} {shown}"
                      + (" STALE" if age.stale else ""))
     return " ".join(parts) or "-"
 

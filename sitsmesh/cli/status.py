@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from sitsmesh.admin.enums import word
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.cli.common import (
     EXIT_FAILED,
@@ -53,12 +54,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _status_text(reply: admin_pb2.GetStatusResponse) -> str:
-    names = {v: k for k, v in admin_pb2.ServingState.items()}
     lines = [f"sitsmesh {reply.version}   uptime {reply.uptime_seconds:.1f}s   "
              f"config {reply.config_version}   state revision {reply.state_revision}",
              f"data {reply.data_addr}   admin {reply.admin_addr}   metrics {reply.metrics_addr}",
              "", table([("SERVICE", "SERVER", "STATE"),
-                        *((s.name or "(server)", s.server, names[s.state])
+                        *((s.name or "(server)", s.server,
+                           word(admin_pb2.ServingState, s.state).upper())
                           for s in reply.services)])]
     if reply.workers:
         lines += ["", table([("WORKER", "PID", "ALIVE", "RESTARTS"),

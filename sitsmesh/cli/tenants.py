@@ -103,7 +103,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     if action in ("create", "update"):
         tenant = admin_pb2.Tenant(name=args.name)
         if action == "update":
-            tenant = call_admin(args, "GetTenant", admin_pb2.GetTenantRequest(name=args.name))
+            tenant = call_admin(args, "GetTenant",
+                                admin_pb2.GetTenantRequest(name=args.name)).tenant
         if args.models is not None:
             del tenant.models[:]
             tenant.models.extend(m for m in args.models.split(",") if m)
@@ -112,11 +113,14 @@ def cmd_tenants(args: argparse.Namespace) -> int:
                 setattr(tenant, field, getattr(args, field))
         if args.label:
             tenant.labels.update(parse_labels(args.label))
-        rpc = "CreateTenant" if action == "create" else "UpdateTenant"
-        _show_tenant(args, call_admin(args, rpc, tenant))
+        if action == "create":
+            reply = call_admin(args, "CreateTenant", admin_pb2.CreateTenantRequest(tenant=tenant))
+        else:
+            reply = call_admin(args, "UpdateTenant", admin_pb2.UpdateTenantRequest(tenant=tenant))
+        _show_tenant(args, reply.tenant)
     elif action == "get":
         _show_tenant(args, call_admin(args, "GetTenant",
-                                      admin_pb2.GetTenantRequest(name=args.name)))
+                                      admin_pb2.GetTenantRequest(name=args.name)).tenant)
     elif action == "list":
         reply = call_admin(args, "ListTenants", admin_pb2.ListTenantsRequest())
         render(args, message_dict(reply), lambda: tenant_table(reply.tenants))
@@ -160,7 +164,7 @@ def cmd_apikeys(args: argparse.Namespace) -> int:
             tenant=args.tenant or ""))
         render(args, message_dict(reply), lambda: apikey_table(reply.keys))
     else:
-        key = call_admin(args, "RevokeApiKey", admin_pb2.RevokeApiKeyRequest(id=args.id))
+        key = call_admin(args, "RevokeApiKey", admin_pb2.RevokeApiKeyRequest(id=args.id)).key
         render(args, message_dict(key), f"revoked key {key.id} of tenant {key.tenant}")
     return 0
 

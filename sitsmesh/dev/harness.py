@@ -156,7 +156,7 @@ class Sitsmesh(Proc):
     def pressure(self, pipeline: str) -> admin_pb2.PipelinePressure:
         """One WatchPressure snapshot of `pipeline`: the controller's latest decision."""
         with grpc.insecure_channel(self.admin_addr) as channel:
-            stream = admin_pb2_grpc.AdminStub(channel).WatchPressure(
+            stream = admin_pb2_grpc.AdminServiceStub(channel).WatchPressure(
                 admin_pb2.WatchPressureRequest(pipeline=pipeline, count=1),
                 metadata=self.admin_metadata(), timeout=5)
             [snapshot] = list(stream)

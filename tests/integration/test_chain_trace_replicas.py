@@ -62,20 +62,20 @@ def _edge_entries(node: harness.Sitsmesh, t0: float) -> None:
 
 
 def _model_reports(node: harness.Sitsmesh, t0: float) -> None:
-    reports = [admin_pb2.StageLatency(request_id=rid, pipeline="duo", stage="model",
+    reports = [admin_pb2.ReportStageLatencyRequest(request_id=rid, pipeline="duo", stage="model",
                                       start=_stamp(t0 + 0.002), end=_stamp(t0 + 0.012))
                for rid in REQUESTS]
     with grpc.insecure_channel(node.admin_addr) as channel:
-        reply = admin_pb2_grpc.AdminStub(channel).ReportStageLatency(
+        reply = admin_pb2_grpc.AdminServiceStub(channel).ReportStageLatency(
             iter(reports), metadata=node.admin_metadata(), timeout=5)
     assert reply.accepted == len(REQUESTS)
 
 
 def _chain(node: harness.Sitsmesh) -> admin_pb2.LatencyChain:
     with grpc.insecure_channel(node.admin_addr) as channel:
-        reply: admin_pb2.LatencyChain = admin_pb2_grpc.AdminStub(channel).GetLatencyChain(
+        reply: admin_pb2.LatencyChain = admin_pb2_grpc.AdminServiceStub(channel).GetLatencyChain(
             admin_pb2.GetLatencyChainRequest(pipeline="duo"), metadata=node.admin_metadata(),
-            timeout=5)
+            timeout=5).chain
     return reply
 
 
@@ -83,7 +83,7 @@ def test_the_trace_id_crosses_the_hop_bus(start_sitsmesh: Start, tmp_path: Path,
                                           redis: RedisServer) -> None:
     a, b = replicas(start_sitsmesh, tmp_path / "state", redis.url)
     with grpc.insecure_channel(a.admin_addr) as channel:
-        admin_pb2_grpc.AdminStub(channel).ApplyPipeline(
+        admin_pb2_grpc.AdminServiceStub(channel).ApplyPipeline(
             admin_pb2.ApplyPipelineRequest(yaml=PIPELINE), metadata=a.admin_metadata(),
             timeout=5)
     harness.wait_until(lambda: b.cli("pipelines", "list").stdout.split() == ["duo"], 5,

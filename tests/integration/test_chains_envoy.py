@@ -27,7 +27,7 @@ FLUSH_TIMEOUT_S = 15.0
 class Admin:
     def __init__(self, node: harness.Sitsmesh) -> None:
         self._channel = grpc.insecure_channel(node.admin_addr)
-        self.stub = admin_pb2_grpc.AdminStub(self._channel)
+        self.stub = admin_pb2_grpc.AdminServiceStub(self._channel)
         self.md = node.admin_metadata()
 
     def close(self) -> None:
@@ -37,12 +37,12 @@ class Admin:
         reply = self.stub.ApplyPipeline(
             admin_pb2.ApplyPipelineRequest(yaml=chainstack.PIPELINE_YAML, source="demo.yaml"),
             metadata=self.md, timeout=10)
-        assert reply.name == "demo"
+        assert reply.pipeline.name == "demo"
 
     def chain(self) -> admin_pb2.LatencyChain:
         reply: admin_pb2.LatencyChain = self.stub.GetLatencyChain(
             admin_pb2.GetLatencyChainRequest(pipeline="demo", window="1m"),
-            metadata=self.md, timeout=10)
+            metadata=self.md, timeout=10).chain
         return reply
 
     def wait_chains(self, at_least: int, timeout: float = FLUSH_TIMEOUT_S
@@ -151,8 +151,8 @@ def test_reported_hops_out_of_order_with_duplicate_count_once(admin: Admin) -> N
     assert before.chains == 0
     t = time.time()
 
-    def hop(stage: str, start_ms: float, end_ms: float) -> admin_pb2.StageLatency:
-        return admin_pb2.StageLatency(request_id="rid-out-of-order", pipeline="demo",
+    def hop(stage: str, start_ms: float, end_ms: float) -> admin_pb2.ReportStageLatencyRequest:
+        return admin_pb2.ReportStageLatencyRequest(request_id="rid-out-of-order", pipeline="demo",
                                       stage=stage, start=_stamp(t + start_ms / 1000),
                                       end=_stamp(t + end_ms / 1000))
 
@@ -209,8 +209,8 @@ def test_late_duplicate_after_completion_is_not_an_incomplete_chain(
         client.apply_demo()
         t = time.time()
 
-        def hop(stage: str, start_ms: float, end_ms: float) -> admin_pb2.StageLatency:
-            return admin_pb2.StageLatency(request_id="rid-late-dup", pipeline="demo",
+        def hop(stage: str, start_ms: float, end_ms: float) -> admin_pb2.ReportStageLatencyRequest:
+            return admin_pb2.ReportStageLatencyRequest(request_id="rid-late-dup", pipeline="demo",
                                           stage=stage, start=_stamp(t + start_ms / 1000),
                                           end=_stamp(t + end_ms / 1000))
 

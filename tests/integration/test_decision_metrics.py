@@ -67,6 +67,6 @@ def test_decisions_rate_limits_and_rpcs_are_counted(
         assert harness.metric_value(text, "sitsmesh_serving", server="data",
                                     service=AUTHZ) == 1
         assert harness.metric_value(text, "sitsmesh_serving", server="admin",
-                                    service="sitsmesh.admin.v1.Admin") == 1
+                                    service="sitsmesh.admin.v1.AdminService") == 1
     finally:
         envoy.kill()

@@ -52,22 +52,22 @@ def test_pipelines_apply_list_get_delete_and_chain_show(
     # A stage behind no Envoy reports itself; two stages of one request form a chain.
     now = time.time()
 
-    def reports() -> Iterator[admin_pb2.StageLatency]:
+    def reports() -> Iterator[admin_pb2.ReportStageLatencyRequest]:
         for i in range(20):
             rid = f"req-{i}"
-            yield admin_pb2.StageLatency(request_id=rid, pipeline="demo", stage="model",
-                                         start=_stamp(now + 0.010), end=_stamp(now + 0.090),
-                                         first_byte=_stamp(now + 0.020))
+            yield admin_pb2.ReportStageLatencyRequest(
+                request_id=rid, pipeline="demo", stage="model", start=_stamp(now + 0.010),
+                end=_stamp(now + 0.090), first_byte=_stamp(now + 0.020))
             # The entry stage passes on the request's traceparent (one of them malformed).
             traceparent = (f"00-{i + 1:032x}-00f067aa0ba902b7-01" if i != 18
                            else "00-not-a-trace-01")
-            yield admin_pb2.StageLatency(request_id=rid, pipeline="demo", stage="preprocess",
-                                         start=_stamp(now), end=_stamp(now + 0.100 + i / 1000),
-                                         traceparent=traceparent)
-        yield admin_pb2.StageLatency(request_id="", stage="model")  # rejected: no id
+            yield admin_pb2.ReportStageLatencyRequest(
+                request_id=rid, pipeline="demo", stage="preprocess", start=_stamp(now),
+                end=_stamp(now + 0.100 + i / 1000), traceparent=traceparent)
+        yield admin_pb2.ReportStageLatencyRequest(request_id="", stage="model")  # rejected: no id
 
     with grpc.insecure_channel(node.admin_addr) as channel:
-        reply = admin_pb2_grpc.AdminStub(channel).ReportStageLatency(
+        reply = admin_pb2_grpc.AdminServiceStub(channel).ReportStageLatency(
             reports(), metadata=node.admin_metadata(), timeout=10)
     assert (reply.accepted, reply.rejected) == (40, 1)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as triton_grpc
 
+from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.dev import demo_model, harness
 from sitsmesh.dev.triton import TritonServer
 
@@ -181,7 +182,7 @@ def test_overload_sheds_low_priority_keeps_high_within_sla_and_recovers(
     dropped = time.monotonic()
     while True:
         pressure = stack.node.pressure("demo")
-        if pressure.fraction == 1.0 and pressure.level == "ok":
+        if pressure.fraction == 1.0 and pressure.level == admin_pb2.PRESSURE_LEVEL_OK:
             break
         assert time.monotonic() - dropped < 2.0, f"no recovery within 2 s: {pressure}"
         time.sleep(0.05)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from sitsmesh.admin.enums import word
+from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.dev import harness
 from sitsmesh.dev.stagesvc import StageService
 
@@ -161,7 +163,8 @@ def test_half_load_sheds_nothing_twice_sheds_low_priority_and_it_recovers(
     assert harness.metric_value(metrics, "sitsmesh_envoy_stats_flushes_total") > 0
     # Each signal says how old it is: the access log a flush (1 s) behind and not stale
     # for it, Envoy's stats (flushed every 0.25 s here) fresher.
-    ages = {a.source: a for a in stack.node.pressure("plain").stages[0].signals}
+    ages = {word(admin_pb2.SignalSource, a.source): a
+            for a in stack.node.pressure("plain").stages[0].signals}
     assert set(ages) == {"access_log", "envoy_stats"}, ages
     assert 0 <= ages["access_log"].age_s <= 2.5 and not ages["access_log"].stale
     assert 0 <= ages["envoy_stats"].age_s <= 1.0 and not ages["envoy_stats"].stale
@@ -172,7 +175,7 @@ def test_half_load_sheds_nothing_twice_sheds_low_priority_and_it_recovers(
     dropped = time.monotonic()
     while True:
         pressure = stack.node.pressure("plain")
-        if pressure.fraction == 1.0 and pressure.level == "ok":
+        if pressure.fraction == 1.0 and pressure.level == admin_pb2.PRESSURE_LEVEL_OK:
             break
         assert time.monotonic() - dropped < 3.0, f"no recovery within 3 s: {pressure}"
         time.sleep(0.05)

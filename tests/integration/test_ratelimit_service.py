@@ -59,9 +59,9 @@ def _ask(node: harness.Sitsmesh, domain: str, *descs: ratelimit_pb2.RateLimitDes
         return reply
 
 
-def _admin(node: harness.Sitsmesh) -> tuple[grpc.Channel, admin_pb2_grpc.AdminStub]:
+def _admin(node: harness.Sitsmesh) -> tuple[grpc.Channel, admin_pb2_grpc.AdminServiceStub]:
     channel = grpc.insecure_channel(node.admin_addr)
-    return channel, admin_pb2_grpc.AdminStub(channel)
+    return channel, admin_pb2_grpc.AdminServiceStub(channel)
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ def test_applied_config_reaches_all_workers(
 ) -> None:
     node = start_sitsmesh("--workers", "2", "--reload-interval-seconds", "0.2")
     with grpc.insecure_channel(node.admin_addr) as channel:
-        admin_pb2_grpc.AdminStub(channel).ApplyRateLimitConfig(
+        admin_pb2_grpc.AdminServiceStub(channel).ApplyRateLimitConfig(
             admin_pb2.ApplyRateLimitConfigRequest(
                 files=[admin_pb2.RateLimitConfigFile(name="w.yaml", yaml=CONFIG)]),
             metadata=node.admin_metadata(), timeout=5)

@@ -21,7 +21,7 @@ Start = Callable[..., harness.Sitsmesh]
 def _get_status(node: harness.Sitsmesh,
                 metadata: tuple[tuple[str, str], ...] | None) -> admin_pb2.GetStatusResponse:
     with grpc.insecure_channel(node.admin_addr) as channel:
-        reply: admin_pb2.GetStatusResponse = admin_pb2_grpc.AdminStub(channel).GetStatus(
+        reply: admin_pb2.GetStatusResponse = admin_pb2_grpc.AdminServiceStub(channel).GetStatus(
             admin_pb2.GetStatusRequest(), metadata=metadata, timeout=5)
         return reply
 
@@ -38,14 +38,14 @@ def test_get_status_reports_version_uptime_services_and_config(
     assert reply.admin_addr == sitsmesh.admin_addr
     assert reply.metrics_addr == sitsmesh.metrics_addr
     states = {(s.server, s.name): s.state for s in reply.services}
-    assert states == {("data", ""): admin_pb2.SERVING,
-                      ("data", "envoy.service.ratelimit.v3.RateLimitService"): admin_pb2.SERVING,
-                      ("data", "envoy.service.auth.v3.Authorization"): admin_pb2.SERVING,
-                      ("data", "envoy.service.accesslog.v3.AccessLogService"): admin_pb2.SERVING,
-                      ("data", "envoy.service.metrics.v3.MetricsService"): admin_pb2.SERVING,
-                      ("data", "envoy.service.rate_limit_quota.v3.RateLimitQuotaService"):
-                      admin_pb2.SERVING,
-                      ("admin", "sitsmesh.admin.v1.Admin"): admin_pb2.SERVING}
+    serving = admin_pb2.SERVING_STATE_SERVING
+    assert states == {("data", ""): serving,
+                      ("data", "envoy.service.ratelimit.v3.RateLimitService"): serving,
+                      ("data", "envoy.service.auth.v3.Authorization"): serving,
+                      ("data", "envoy.service.accesslog.v3.AccessLogService"): serving,
+                      ("data", "envoy.service.metrics.v3.MetricsService"): serving,
+                      ("data", "envoy.service.rate_limit_quota.v3.RateLimitQuotaService"): serving,
+                      ("admin", "sitsmesh.admin.v1.AdminService"): serving}
     assert not reply.workers
 
 
@@ -83,7 +83,7 @@ def test_status_cli_table_json_and_failures(sitsmesh: harness.Sitsmesh) -> None:
     table = sitsmesh.cli("status")
     assert table.returncode == 0, table.stderr
     assert "SERVING" in table.stdout
-    assert "sitsmesh.admin.v1.Admin" in table.stdout
+    assert "sitsmesh.admin.v1.AdminService" in table.stdout
 
     as_json = sitsmesh.cli("status", "--output", "json")
     assert as_json.returncode == 0, as_json.stderr
@@ -108,7 +108,7 @@ def test_status_cli_table_json_and_failures(sitsmesh: harness.Sitsmesh) -> None:
 def test_metrics_expose_process_and_per_rpc_series(sitsmesh: harness.Sitsmesh) -> None:
     check = {"grpc_service": "grpc.health.v1.Health", "grpc_method": "Check",
              "grpc_type": "unary"}
-    status = {"grpc_service": "sitsmesh.admin.v1.Admin", "grpc_method": "GetStatus",
+    status = {"grpc_service": "sitsmesh.admin.v1.AdminService", "grpc_method": "GetStatus",
               "grpc_type": "unary"}
     before = sitsmesh.metrics()
     for _ in range(3):
@@ -139,7 +139,7 @@ def _reflected_services(addr: str) -> set[str]:
 
 def test_reflection_lists_services_on_both_servers(sitsmesh: harness.Sitsmesh) -> None:
     assert "grpc.health.v1.Health" in _reflected_services(sitsmesh.data_addr)
-    assert "sitsmesh.admin.v1.Admin" in _reflected_services(sitsmesh.admin_addr)
+    assert "sitsmesh.admin.v1.AdminService" in _reflected_services(sitsmesh.admin_addr)
 
 
 def test_flag_beats_env_beats_file(start_sitsmesh: Start, tmp_path: Path) -> None:

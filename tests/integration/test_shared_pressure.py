@@ -43,7 +43,7 @@ def _replicas(start: Start, tmp_path: Path, redis: RedisServer) -> list[harness.
 
 def _watch(node: harness.Sitsmesh) -> admin_pb2.PipelinePressure:
     with grpc.insecure_channel(node.admin_addr) as channel:
-        stream = admin_pb2_grpc.AdminStub(channel).WatchPressure(
+        stream = admin_pb2_grpc.AdminServiceStub(channel).WatchPressure(
             admin_pb2.WatchPressureRequest(pipeline="infer", count=1),
             metadata=node.admin_metadata(), timeout=5)
         (snapshot,) = list(stream)
@@ -116,7 +116,8 @@ def test_an_envoys_stats_flush_reaches_every_replicas_controller(
     def envoy_age(node: harness.Sitsmesh) -> float:
         """-1 while no Envoy stats reached this replica's controller."""
         (stage,) = _watch(node).stages
-        return next((s.age_s for s in stage.signals if s.source == "envoy_stats"), -1.0)
+        return next((s.age_s for s in stage.signals
+                     if s.source == admin_pb2.SIGNAL_SOURCE_ENVOY_STATS), -1.0)
 
     assert envoy_age(b) == -1
     message = StreamMetricsMessage()

@@ -45,8 +45,8 @@ def _pair(start: Start, tmp_path: Path, redis: RedisServer, shared: str
     return a, b
 
 
-def _admin(node: harness.Sitsmesh) -> admin_pb2_grpc.AdminStub:
-    return admin_pb2_grpc.AdminStub(grpc.insecure_channel(node.admin_addr))
+def _admin(node: harness.Sitsmesh) -> admin_pb2_grpc.AdminServiceStub:
+    return admin_pb2_grpc.AdminServiceStub(grpc.insecure_channel(node.admin_addr))
 
 
 def _report(node: harness.Sitsmesh, request_id: str, *stages: str) -> None:
@@ -56,8 +56,8 @@ def _report(node: harness.Sitsmesh, request_id: str, *stages: str) -> None:
         start, end = Timestamp(), Timestamp()
         start.FromNanoseconds(int((t0 + n * 0.01) * 1e9))
         end.FromNanoseconds(int((t0 + n * 0.01 + 0.005) * 1e9))
-        reports.append(admin_pb2.StageLatency(request_id=request_id, pipeline="trio",
-                                              stage=stage, start=start, end=end))
+        reports.append(admin_pb2.ReportStageLatencyRequest(
+            request_id=request_id, pipeline="trio", stage=stage, start=start, end=end))
     reply = _admin(node).ReportStageLatency(iter(reports), metadata=node.admin_metadata(),
                                             timeout=5)
     assert reply.accepted == len(stages)
@@ -65,7 +65,7 @@ def _report(node: harness.Sitsmesh, request_id: str, *stages: str) -> None:
 
 def _chains(node: harness.Sitsmesh) -> tuple[int, int]:
     reply = _admin(node).GetLatencyChain(admin_pb2.GetLatencyChainRequest(pipeline="trio"),
-                                         metadata=node.admin_metadata(), timeout=5)
+                                         metadata=node.admin_metadata(), timeout=5).chain
     return reply.chains, reply.incomplete
 
 
@@ -169,7 +169,7 @@ def test_a_tenant_cap_counts_the_requests_held_on_every_replica(
 def _chain_report(node: harness.Sitsmesh) -> admin_pb2.LatencyChain:
     reply: admin_pb2.LatencyChain = _admin(node).GetLatencyChain(
         admin_pb2.GetLatencyChainRequest(pipeline="trio"), metadata=node.admin_metadata(),
-        timeout=5)
+        timeout=5).chain
     return reply
 
 
@@ -180,7 +180,7 @@ def _timed_report(node: harness.Sitsmesh, request_id: str, t0: float,
         begin, end = Timestamp(), Timestamp()
         begin.FromNanoseconds(int((t0 + start) * 1e9))
         end.FromNanoseconds(int((t0 + start + seconds) * 1e9))
-        reports.append(admin_pb2.StageLatency(request_id=request_id, pipeline="trio",
+        reports.append(admin_pb2.ReportStageLatencyRequest(request_id=request_id, pipeline="trio",
                                               stage=stage, start=begin, end=end))
     _admin(node).ReportStageLatency(iter(reports), metadata=node.admin_metadata(), timeout=5)
 

@@ -44,7 +44,7 @@ async def _hammer(node: harness.Sitsmesh, sigterm_after: float,
     async with aio.insecure_channel(node.data_addr) as data, \
             aio.insecure_channel(node.admin_addr) as admin:
         health = health_pb2_grpc.HealthStub(data)
-        admin_stub = admin_pb2_grpc.AdminStub(admin)
+        admin_stub = admin_pb2_grpc.AdminServiceStub(admin)
 
         async def worker(i: int) -> None:
             nonlocal done

@@ -133,7 +133,7 @@ def test_a_rate_limit_config_applied_on_one_replica_reaches_every_worker_of_anot
     b = start_sitsmesh("--state-url", pg_url, "--workers", "2", name="rl-b")
     for limit in (1000, 2000):
         with grpc.insecure_channel(a.admin_addr) as channel:
-            admin_pb2_grpc.AdminStub(channel).ApplyRateLimitConfig(
+            admin_pb2_grpc.AdminServiceStub(channel).ApplyRateLimitConfig(
                 admin_pb2.ApplyRateLimitConfigRequest(files=[admin_pb2.RateLimitConfigFile(
                     name="w.yaml", yaml=RL_CONFIG.format(limit=limit))]),
                 metadata=a.admin_metadata(), timeout=5)

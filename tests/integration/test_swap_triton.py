@@ -19,6 +19,7 @@ import grpc
 import pytest
 import tritonclient.grpc as triton_grpc
 
+from sitsmesh.admin.enums import word
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import demo_model, harness
 from sitsmesh.dev.triton import TritonServer
@@ -95,9 +96,9 @@ def _warm_up(load: BackgroundLoad) -> None:
     load.wait_for(60)
 
 
-def _admin(node: harness.Sitsmesh) -> tuple[grpc.Channel, admin_pb2_grpc.AdminStub]:
+def _admin(node: harness.Sitsmesh) -> tuple[grpc.Channel, admin_pb2_grpc.AdminServiceStub]:
     channel = grpc.insecure_channel(node.admin_addr)
-    return channel, admin_pb2_grpc.AdminStub(channel)
+    return channel, admin_pb2_grpc.AdminServiceStub(channel)
 
 
 def _wait_phase(node: harness.Sitsmesh, phase: str, timeout: float = 30) -> str:
@@ -108,7 +109,8 @@ def _wait_phase(node: harness.Sitsmesh, phase: str, timeout: float = 30) -> str:
         while time.monotonic() < deadline:
             swaps = stub.ListSwaps(admin_pb2.ListSwapsRequest(model=MODEL),
                                    metadata=node.admin_metadata()).swaps
-            if swaps and swaps[0].state == "running" and swaps[0].phase == phase:
+            if (swaps and swaps[0].state == admin_pb2.SWAP_STATE_RUNNING
+                    and word(admin_pb2.SwapPhase, swaps[0].phase) == phase):
                 return str(swaps[0].id)
             time.sleep(0.02)
     finally:

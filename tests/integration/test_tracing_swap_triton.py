@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 
+from sitsmesh.admin.enums import word
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.dev.triton import TritonServer
@@ -28,13 +29,13 @@ def test_a_swap_is_a_span_with_a_child_per_phase(tmp_path: Path,
         try:
             trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
             with grpc.insecure_channel(node.admin_addr) as channel:
-                events = list(admin_pb2_grpc.AdminStub(channel).SwapModel(
+                events = list(admin_pb2_grpc.AdminServiceStub(channel).SwapModel(
                     admin_pb2.SwapModelRequest(model=MODEL, target_version=2),
                     metadata=(*node.admin_metadata(),
                               ("traceparent", f"00-{trace_id}-{parent}-01")),
                     timeout=120))
             record = events[-1].swap
-            assert record.state == "succeeded", record.error
+            assert record.state == admin_pb2.SWAP_STATE_SUCCEEDED, record.error
             harness.wait_until(lambda: len([s for s in collector.spans
                                             if s.trace_id == trace_id]) == 1 + len(PHASES),
                                15, "the swap's spans")
@@ -48,7 +49,7 @@ def test_a_swap_is_a_span_with_a_child_per_phase(tmp_path: Path,
     assert swap.attributes["sitsmesh.swap.to_version"] == 2
     assert swap.attributes["sitsmesh.swap.id"] == record.id
     assert sorted(spans) == sorted(f"sitsmesh.swap.{p}" for p in PHASES)
-    steps = {step.phase: step for step in record.steps}
+    steps = {word(admin_pb2.SwapPhase, step.phase): step for step in record.steps}
     for phase in PHASES:
         span, step = spans[f"sitsmesh.swap.{phase}"], steps[phase]
         assert span.parent_span_id == swap.span_id

@@ -18,7 +18,7 @@ Start = Callable[..., harness.Sitsmesh]
 
 def _status(node: harness.Sitsmesh) -> admin_pb2.GetStatusResponse:
     with grpc.insecure_channel(node.admin_addr) as channel:
-        reply: admin_pb2.GetStatusResponse = admin_pb2_grpc.AdminStub(channel).GetStatus(
+        reply: admin_pb2.GetStatusResponse = admin_pb2_grpc.AdminServiceStub(channel).GetStatus(
             admin_pb2.GetStatusRequest(), metadata=node.admin_metadata(), timeout=5)
         return reply
 
@@ -46,7 +46,7 @@ def test_two_workers_share_the_port_and_a_killed_one_is_replaced(start_sitsmesh:
     harness.wait_until(replaced, 20, "the killed worker to be restarted")
     assert harness.health_status(node.data_addr) == 1
     data = {(s.server, s.name): s.state for s in _status(node).services}
-    assert data[("data", "")] == admin_pb2.SERVING
+    assert data[("data", "")] == admin_pb2.SERVING_STATE_SERVING
     assert '"worker exited; restarting"' in node.output()
 
     # Per-RPC metrics from every worker are aggregated by the supervisor's /metrics.
@@ -66,7 +66,7 @@ def test_workers_refuse_what_needs_one_process_instead_of_answering_wrong(
     access-log entry, which can reach different workers: refused by name."""
     node = start_sitsmesh("--workers", "2")
     with grpc.insecure_channel(node.admin_addr) as channel:
-        admin = admin_pb2_grpc.AdminStub(channel)
+        admin = admin_pb2_grpc.AdminServiceStub(channel)
         meta = node.admin_metadata()
         with pytest.raises(grpc.RpcError) as err:
             admin.ApplyPipeline(admin_pb2.ApplyPipelineRequest(yaml=PIPELINE), metadata=meta,
@@ -75,21 +75,22 @@ def test_workers_refuse_what_needs_one_process_instead_of_answering_wrong(
         assert "pipeline twostage: backpressure and latency chains needs --workers 1" in (
             err.value.details() or "")
         with pytest.raises(grpc.RpcError) as err:
-            admin.CreateTenant(admin_pb2.Tenant(name="capped", max_concurrency=5),
-                               metadata=meta, timeout=5)
+            admin.CreateTenant(admin_pb2.CreateTenantRequest(
+                tenant=admin_pb2.Tenant(name="capped", max_concurrency=5)),
+                metadata=meta, timeout=5)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "tenant capped: max_concurrency needs --workers 1" in (err.value.details() or "")
         # Nothing was written; a tenant without a cap is fine.
         assert not admin.ListPipelines(admin_pb2.ListPipelinesRequest(), metadata=meta,
                                        timeout=5).pipelines
-        admin.CreateTenant(admin_pb2.Tenant(name="plain", models=["*"]), metadata=meta,
-                           timeout=5)
+        admin.CreateTenant(admin_pb2.CreateTenantRequest(
+            tenant=admin_pb2.Tenant(name="plain", models=["*"])), metadata=meta, timeout=5)
     node.stop()
 
     # State written by one process is refused at the start of several.
     single = start_sitsmesh(name="single")
     with grpc.insecure_channel(single.admin_addr) as channel:
-        admin_pb2_grpc.AdminStub(channel).ApplyPipeline(
+        admin_pb2_grpc.AdminServiceStub(channel).ApplyPipeline(
             admin_pb2.ApplyPipelineRequest(yaml=PIPELINE), metadata=single.admin_metadata(),
             timeout=5)
     single.stop()

@@ -21,6 +21,8 @@ from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import duration_pb2
 
+from sitsmesh.admin.enums import word
+from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.dev import harness
 from tests.security import pki, tlsnode
 from tests.security.pki import Ca, make_ca
@@ -256,7 +258,7 @@ def _levels(node: harness.Sitsmesh, seconds: float) -> set[str]:
     seen = set()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        seen.add(node.pressure("plain").level)
+        seen.add(word(admin_pb2.PressureLevel, node.pressure("plain").level))
         time.sleep(0.2)
     return seen
 
@@ -283,5 +285,6 @@ def test_forged_failures_from_an_unlisted_caller_do_not_mark_a_stage_overloaded(
     # The same entries from the allowlisted Envoy are believed: the attack was real.
     with tlsnode.channel(node.data_addr, ca.cert, envoy) as ch:
         als_pb2_grpc.AccessLogServiceStub(ch).StreamAccessLogs(_failures(1800), timeout=10)
-    harness.wait_until(lambda: node.pressure("plain").level == "overloaded", 5,
+    harness.wait_until(lambda: node.pressure("plain").level
+                       == admin_pb2.PRESSURE_LEVEL_OVERLOADED, 5,
                        "the believed failures to mark the stage overloaded")

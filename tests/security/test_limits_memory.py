@@ -238,7 +238,7 @@ def _send_logs(node: harness.Sitsmesh, ids: Iterator[str], per_message: int) -> 
 
 def _apply_pipeline(node: harness.Sitsmesh) -> None:
     with grpc.insecure_channel(node.admin_addr) as channel:
-        admin_pb2_grpc.AdminStub(channel).ApplyPipeline(
+        admin_pb2_grpc.AdminServiceStub(channel).ApplyPipeline(
             admin_pb2.ApplyPipelineRequest(yaml=PIPELINE_YAML, source="demo.yaml"),
             metadata=node.admin_metadata(), timeout=10)
 

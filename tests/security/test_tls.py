@@ -180,11 +180,11 @@ def test_admin_allowlist_and_audit_actor_come_from_the_client_certificate(
     request = admin_pb2.SetThresholdsRequest(pipeline="demo", yaml="policy: seed\n")
     with tlsnode.channel(node.admin_addr, ca.cert, intern) as ch, \
             pytest.raises(grpc.RpcError) as refused:
-        admin_pb2_grpc.AdminStub(ch).SetThresholds(request, metadata=metadata, timeout=5)
+        admin_pb2_grpc.AdminServiceStub(ch).SetThresholds(request, metadata=metadata, timeout=5)
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with tlsnode.channel(node.admin_addr, ca.cert, sre) as ch:
-        admin_pb2_grpc.AdminStub(ch).SetThresholds(request, metadata=metadata, timeout=5)
-        changes = admin_pb2_grpc.AdminStub(ch).ListThresholdChanges(
+        admin_pb2_grpc.AdminServiceStub(ch).SetThresholds(request, metadata=metadata, timeout=5)
+        changes = admin_pb2_grpc.AdminServiceStub(ch).ListThresholdChanges(
             admin_pb2.ListThresholdChangesRequest(pipeline="demo"), metadata=metadata,
             timeout=5).changes
     assert [c.actor for c in changes] == ["spiffe://test/sre (claims root@somewhere)"]

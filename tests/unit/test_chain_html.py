@@ -41,7 +41,7 @@ def _reply(request_id: str = "rid-1", stage: str = "model") -> admin_pb2.Latency
 def _serve(monkeypatch: pytest.MonkeyPatch, reply: admin_pb2.LatencyChain) -> None:
     def call(args: Any, method: str, request: Any) -> Any:
         assert method == "GetLatencyChain" and request.pipeline == "demo"
-        return reply
+        return admin_pb2.GetLatencyChainResponse(chain=reply)
     monkeypatch.setattr(pipelines, "call_admin", call)
 
 
@@ -108,7 +108,8 @@ def test_the_page_is_self_contained_and_escapes_every_server_string() -> None:
 def _doc(reply: admin_pb2.LatencyChain) -> dict[str, Any]:
     captured: dict[str, Any] = {}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pipelines, "call_admin", lambda *a: reply)
+        wrapped = admin_pb2.GetLatencyChainResponse(chain=reply)
+        patch.setattr(pipelines, "call_admin", lambda *a: wrapped)
         patch.setattr(pipelines, "render_html", lambda d: captured.update(d) or "")
         assert main(["chain", "show", "demo", "-o", "html", "--out", "/dev/null"]) == 0
     return captured

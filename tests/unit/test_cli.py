@@ -261,8 +261,8 @@ def test_tenant_create_sends_what_the_flags_say(monkeypatch: pytest.MonkeyPatch,
     sent: list[tuple[str, Any]] = []
 
     def echo(args: argparse.Namespace, method: str, request: Any) -> Any:
-        sent.append((method, request))
-        return request
+        sent.append((method, request.tenant))
+        return admin_pb2.CreateTenantResponse(tenant=request.tenant)
 
     monkeypatch.setattr(tenants, "call_admin", echo)
     code, out, _ = _run(capsys, "tenants", "create", "x", "--models", "a,b*,", "--priority", "2",

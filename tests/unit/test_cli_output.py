@@ -104,8 +104,8 @@ def test_apikeys_list_and_thresholds_set_honour_output(
 
     body = tmp_path / "t.yaml"
     body.write_text("policy: seed\n")
-    monkeypatch.setattr(pressure, "call_admin", lambda *_, **__: admin_pb2.PipelineThresholds(
-        pipeline="demo", yaml="policy: seed\n"))
+    monkeypatch.setattr(pressure, "call_admin", lambda *_, **__: admin_pb2.SetThresholdsResponse(
+        thresholds=admin_pb2.PipelineThresholds(pipeline="demo", yaml="policy: seed\n")))
     assert main(["thresholds", "set", "demo", str(body), "-o", output]) == 0
     assert load(capsys.readouterr().out) == {"pipeline": "demo", "dry_run": False,
                                              "thresholds": {"policy": "seed"}}
@@ -115,8 +115,8 @@ def test_apikeys_list_and_thresholds_set_honour_output(
 def test_pressure_watch_streams_one_document_per_snapshot(
         output: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    snapshots = [admin_pb2.PressureSnapshot(pipelines=[admin_pb2.PipelinePressure(
-        pipeline=f"p{i}", level="ok")]) for i in range(2)]
+    snapshots = [admin_pb2.WatchPressureResponse(pipelines=[admin_pb2.PipelinePressure(
+        pipeline=f"p{i}", level=admin_pb2.PRESSURE_LEVEL_OK)]) for i in range(2)]
 
     @contextlib.contextmanager
     def stream(*_: Any, **__: Any) -> Iterator[Any]:
@@ -128,3 +128,5 @@ def test_pressure_watch_streams_one_document_per_snapshot(
     docs = ([json.loads(line) for line in out.splitlines()] if output == "json"
             else list(yaml.safe_load_all(out)))
     assert [d["pipelines"][0]["pipeline"] for d in docs] == ["p0", "p1"]
+    # The level is an enum on the wire and the word it always was in the output.
+    assert [d["pipelines"][0]["level"] for d in docs] == ["ok", "ok"]

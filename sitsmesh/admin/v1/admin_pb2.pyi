@@ -13,19 +13,113 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SERVING_STATE_UNSPECIFIED: _ClassVar[ServingState]
-    SERVING: _ClassVar[ServingState]
-    NOT_SERVING: _ClassVar[ServingState]
-    DRAINING: _ClassVar[ServingState]
+    SERVING_STATE_SERVING: _ClassVar[ServingState]
+    SERVING_STATE_NOT_SERVING: _ClassVar[ServingState]
+    SERVING_STATE_DRAINING: _ClassVar[ServingState]
+
+class PressureLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRESSURE_LEVEL_UNSPECIFIED: _ClassVar[PressureLevel]
+    PRESSURE_LEVEL_OK: _ClassVar[PressureLevel]
+    PRESSURE_LEVEL_HIGH: _ClassVar[PressureLevel]
+    PRESSURE_LEVEL_OVERLOADED: _ClassVar[PressureLevel]
+    PRESSURE_LEVEL_STALE: _ClassVar[PressureLevel]
+
+class OverloadReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OVERLOAD_REASON_UNSPECIFIED: _ClassVar[OverloadReason]
+    OVERLOAD_REASON_SURGE: _ClassVar[OverloadReason]
+    OVERLOAD_REASON_FULL: _ClassVar[OverloadReason]
+    OVERLOAD_REASON_STANDING: _ClassVar[OverloadReason]
+    OVERLOAD_REASON_ERRORS: _ClassVar[OverloadReason]
+    OVERLOAD_REASON_LATE: _ClassVar[OverloadReason]
+
+class SignalSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SIGNAL_SOURCE_UNSPECIFIED: _ClassVar[SignalSource]
+    SIGNAL_SOURCE_ACCESS_LOG: _ClassVar[SignalSource]
+    SIGNAL_SOURCE_ENVOY_STATS: _ClassVar[SignalSource]
+    SIGNAL_SOURCE_TRITON_METRICS: _ClassVar[SignalSource]
+
+class SwapPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SWAP_PHASE_UNSPECIFIED: _ClassVar[SwapPhase]
+    SWAP_PHASE_PRECHECK: _ClassVar[SwapPhase]
+    SWAP_PHASE_PREFLIGHT: _ClassVar[SwapPhase]
+    SWAP_PHASE_LOAD: _ClassVar[SwapPhase]
+    SWAP_PHASE_VERIFY: _ClassVar[SwapPhase]
+    SWAP_PHASE_PROMOTE: _ClassVar[SwapPhase]
+    SWAP_PHASE_DRAIN: _ClassVar[SwapPhase]
+    SWAP_PHASE_RETIRE: _ClassVar[SwapPhase]
+    SWAP_PHASE_ROLLBACK: _ClassVar[SwapPhase]
+
+class StepState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_STATE_UNSPECIFIED: _ClassVar[StepState]
+    STEP_STATE_RUNNING: _ClassVar[StepState]
+    STEP_STATE_OK: _ClassVar[StepState]
+    STEP_STATE_FAILED: _ClassVar[StepState]
+    STEP_STATE_SKIPPED: _ClassVar[StepState]
+
+class SwapState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SWAP_STATE_UNSPECIFIED: _ClassVar[SwapState]
+    SWAP_STATE_RUNNING: _ClassVar[SwapState]
+    SWAP_STATE_SUCCEEDED: _ClassVar[SwapState]
+    SWAP_STATE_ROLLED_BACK: _ClassVar[SwapState]
+    SWAP_STATE_FAILED: _ClassVar[SwapState]
+    SWAP_STATE_INTERRUPTED: _ClassVar[SwapState]
 SERVING_STATE_UNSPECIFIED: ServingState
-SERVING: ServingState
-NOT_SERVING: ServingState
-DRAINING: ServingState
+SERVING_STATE_SERVING: ServingState
+SERVING_STATE_NOT_SERVING: ServingState
+SERVING_STATE_DRAINING: ServingState
+PRESSURE_LEVEL_UNSPECIFIED: PressureLevel
+PRESSURE_LEVEL_OK: PressureLevel
+PRESSURE_LEVEL_HIGH: PressureLevel
+PRESSURE_LEVEL_OVERLOADED: PressureLevel
+PRESSURE_LEVEL_STALE: PressureLevel
+OVERLOAD_REASON_UNSPECIFIED: OverloadReason
+OVERLOAD_REASON_SURGE: OverloadReason
+OVERLOAD_REASON_FULL: OverloadReason
+OVERLOAD_REASON_STANDING: OverloadReason
+OVERLOAD_REASON_ERRORS: OverloadReason
+OVERLOAD_REASON_LATE: OverloadReason
+SIGNAL_SOURCE_UNSPECIFIED: SignalSource
+SIGNAL_SOURCE_ACCESS_LOG: SignalSource
+SIGNAL_SOURCE_ENVOY_STATS: SignalSource
+SIGNAL_SOURCE_TRITON_METRICS: SignalSource
+SWAP_PHASE_UNSPECIFIED: SwapPhase
+SWAP_PHASE_PRECHECK: SwapPhase
+SWAP_PHASE_PREFLIGHT: SwapPhase
+SWAP_PHASE_LOAD: SwapPhase
+SWAP_PHASE_VERIFY: SwapPhase
+SWAP_PHASE_PROMOTE: SwapPhase
+SWAP_PHASE_DRAIN: SwapPhase
+SWAP_PHASE_RETIRE: SwapPhase
+SWAP_PHASE_ROLLBACK: SwapPhase
+STEP_STATE_UNSPECIFIED: StepState
+STEP_STATE_RUNNING: StepState
+STEP_STATE_OK: StepState
+STEP_STATE_FAILED: StepState
+STEP_STATE_SKIPPED: StepState
+SWAP_STATE_UNSPECIFIED: SwapState
+SWAP_STATE_RUNNING: SwapState
+SWAP_STATE_SUCCEEDED: SwapState
+SWAP_STATE_ROLLED_BACK: SwapState
+SWAP_STATE_FAILED: SwapState
+SWAP_STATE_INTERRUPTED: SwapState
 
 class GetThresholdsRequest(_message.Message):
     __slots__ = ("pipeline",)
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     pipeline: str
     def __init__(self, pipeline: _Optional[str] = ...) -> None: ...
+
+class GetThresholdsResponse(_message.Message):
+    __slots__ = ("thresholds",)
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    thresholds: PipelineThresholds
+    def __init__(self, thresholds: _Optional[_Union[PipelineThresholds, _Mapping]] = ...) -> None: ...
 
 class PipelineThresholds(_message.Message):
     __slots__ = ("pipeline", "yaml", "is_default")
@@ -48,6 +142,12 @@ class SetThresholdsRequest(_message.Message):
     source: str
     dry_run: bool
     def __init__(self, pipeline: _Optional[str] = ..., yaml: _Optional[str] = ..., source: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class SetThresholdsResponse(_message.Message):
+    __slots__ = ("thresholds",)
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    thresholds: PipelineThresholds
+    def __init__(self, thresholds: _Optional[_Union[PipelineThresholds, _Mapping]] = ...) -> None: ...
 
 class ThresholdChange(_message.Message):
     __slots__ = ("pipeline", "actor", "peer", "at", "before", "after")
@@ -106,7 +206,7 @@ class StagePressure(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     SIGNALS_FIELD_NUMBER: _ClassVar[int]
     name: str
-    level: str
+    level: PressureLevel
     pressure: float
     arrival_rate: float
     capacity: float
@@ -117,19 +217,19 @@ class StagePressure(_message.Message):
     predicted_p99_ms: float
     headroom_rps: float
     stale: bool
-    reason: str
+    reason: OverloadReason
     signals: _containers.RepeatedCompositeFieldContainer[SignalAge]
-    def __init__(self, name: _Optional[str] = ..., level: _Optional[str] = ..., pressure: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., capacity: _Optional[float] = ..., utilisation: _Optional[float] = ..., queue: _Optional[float] = ..., queue_fill: _Optional[float] = ..., rt99_ms: _Optional[float] = ..., predicted_p99_ms: _Optional[float] = ..., headroom_rps: _Optional[float] = ..., stale: _Optional[bool] = ..., reason: _Optional[str] = ..., signals: _Optional[_Iterable[_Union[SignalAge, _Mapping]]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., level: _Optional[_Union[PressureLevel, str]] = ..., pressure: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., capacity: _Optional[float] = ..., utilisation: _Optional[float] = ..., queue: _Optional[float] = ..., queue_fill: _Optional[float] = ..., rt99_ms: _Optional[float] = ..., predicted_p99_ms: _Optional[float] = ..., headroom_rps: _Optional[float] = ..., stale: _Optional[bool] = ..., reason: _Optional[_Union[OverloadReason, str]] = ..., signals: _Optional[_Iterable[_Union[SignalAge, _Mapping]]] = ...) -> None: ...
 
 class SignalAge(_message.Message):
     __slots__ = ("source", "age_s", "stale")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
-    source: str
+    source: SignalSource
     age_s: float
     stale: bool
-    def __init__(self, source: _Optional[str] = ..., age_s: _Optional[float] = ..., stale: _Optional[bool] = ...) -> None: ...
+    def __init__(self, source: _Optional[_Union[SignalSource, str]] = ..., age_s: _Optional[float] = ..., stale: _Optional[bool] = ...) -> None: ...
 
 class PipelinePressure(_message.Message):
     __slots__ = ("pipeline", "policy", "fraction", "cutoff", "concurrency", "protected_from", "retry_after_s", "bottleneck", "level", "arrival_rate", "in_flight", "shed_total", "stages")
@@ -154,14 +254,14 @@ class PipelinePressure(_message.Message):
     protected_from: int
     retry_after_s: int
     bottleneck: str
-    level: str
+    level: PressureLevel
     arrival_rate: float
     in_flight: int
     shed_total: int
     stages: _containers.RepeatedCompositeFieldContainer[StagePressure]
-    def __init__(self, pipeline: _Optional[str] = ..., policy: _Optional[str] = ..., fraction: _Optional[float] = ..., cutoff: _Optional[float] = ..., concurrency: _Optional[int] = ..., protected_from: _Optional[int] = ..., retry_after_s: _Optional[int] = ..., bottleneck: _Optional[str] = ..., level: _Optional[str] = ..., arrival_rate: _Optional[float] = ..., in_flight: _Optional[int] = ..., shed_total: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StagePressure, _Mapping]]] = ...) -> None: ...
+    def __init__(self, pipeline: _Optional[str] = ..., policy: _Optional[str] = ..., fraction: _Optional[float] = ..., cutoff: _Optional[float] = ..., concurrency: _Optional[int] = ..., protected_from: _Optional[int] = ..., retry_after_s: _Optional[int] = ..., bottleneck: _Optional[str] = ..., level: _Optional[_Union[PressureLevel, str]] = ..., arrival_rate: _Optional[float] = ..., in_flight: _Optional[int] = ..., shed_total: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StagePressure, _Mapping]]] = ...) -> None: ...
 
-class PressureSnapshot(_message.Message):
+class WatchPressureResponse(_message.Message):
     __slots__ = ("at", "pipelines")
     AT_FIELD_NUMBER: _ClassVar[int]
     PIPELINES_FIELD_NUMBER: _ClassVar[int]
@@ -267,13 +367,13 @@ class SwapStep(_message.Message):
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
-    phase: str
-    state: str
+    phase: SwapPhase
+    state: StepState
     started_at: _timestamp_pb2.Timestamp
     ended_at: _timestamp_pb2.Timestamp
     message: str
     detail: _containers.ScalarMap[str, str]
-    def __init__(self, phase: _Optional[str] = ..., state: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., message: _Optional[str] = ..., detail: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, phase: _Optional[_Union[SwapPhase, str]] = ..., state: _Optional[_Union[StepState, str]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., message: _Optional[str] = ..., detail: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SwapRecord(_message.Message):
     __slots__ = ("id", "model", "endpoint", "from_version", "to_version", "state", "phase", "error", "started_at", "ended_at", "steps")
@@ -293,15 +393,15 @@ class SwapRecord(_message.Message):
     endpoint: str
     from_version: int
     to_version: int
-    state: str
-    phase: str
+    state: SwapState
+    phase: SwapPhase
     error: str
     started_at: _timestamp_pb2.Timestamp
     ended_at: _timestamp_pb2.Timestamp
     steps: _containers.RepeatedCompositeFieldContainer[SwapStep]
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., endpoint: _Optional[str] = ..., from_version: _Optional[int] = ..., to_version: _Optional[int] = ..., state: _Optional[str] = ..., phase: _Optional[str] = ..., error: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[SwapStep, _Mapping]]] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., endpoint: _Optional[str] = ..., from_version: _Optional[int] = ..., to_version: _Optional[int] = ..., state: _Optional[_Union[SwapState, str]] = ..., phase: _Optional[_Union[SwapPhase, str]] = ..., error: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[SwapStep, _Mapping]]] = ...) -> None: ...
 
-class SwapEvent(_message.Message):
+class SwapModelResponse(_message.Message):
     __slots__ = ("swap_id", "phase", "state", "message", "progress", "at", "swap")
     SWAP_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -311,19 +411,25 @@ class SwapEvent(_message.Message):
     AT_FIELD_NUMBER: _ClassVar[int]
     SWAP_FIELD_NUMBER: _ClassVar[int]
     swap_id: str
-    phase: str
-    state: str
+    phase: SwapPhase
+    state: StepState
     message: str
     progress: float
     at: _timestamp_pb2.Timestamp
     swap: SwapRecord
-    def __init__(self, swap_id: _Optional[str] = ..., phase: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., progress: _Optional[float] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., swap: _Optional[_Union[SwapRecord, _Mapping]] = ...) -> None: ...
+    def __init__(self, swap_id: _Optional[str] = ..., phase: _Optional[_Union[SwapPhase, str]] = ..., state: _Optional[_Union[StepState, str]] = ..., message: _Optional[str] = ..., progress: _Optional[float] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., swap: _Optional[_Union[SwapRecord, _Mapping]] = ...) -> None: ...
 
 class GetSwapRequest(_message.Message):
     __slots__ = ("id",)
     ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class GetSwapResponse(_message.Message):
+    __slots__ = ("swap",)
+    SWAP_FIELD_NUMBER: _ClassVar[int]
+    swap: SwapRecord
+    def __init__(self, swap: _Optional[_Union[SwapRecord, _Mapping]] = ...) -> None: ...
 
 class ListSwapsRequest(_message.Message):
     __slots__ = ("model", "limit")
@@ -355,11 +461,23 @@ class ApplyPipelineRequest(_message.Message):
     source: str
     def __init__(self, yaml: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
+class ApplyPipelineResponse(_message.Message):
+    __slots__ = ("pipeline",)
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    pipeline: Pipeline
+    def __init__(self, pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
+
 class GetPipelineRequest(_message.Message):
     __slots__ = ("name",)
     NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetPipelineResponse(_message.Message):
+    __slots__ = ("pipeline",)
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    pipeline: Pipeline
+    def __init__(self, pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
 
 class ListPipelinesRequest(_message.Message):
     __slots__ = ()
@@ -388,6 +506,12 @@ class GetLatencyChainRequest(_message.Message):
     pipeline: str
     window: str
     def __init__(self, pipeline: _Optional[str] = ..., window: _Optional[str] = ...) -> None: ...
+
+class GetLatencyChainResponse(_message.Message):
+    __slots__ = ("chain",)
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    chain: LatencyChain
+    def __init__(self, chain: _Optional[_Union[LatencyChain, _Mapping]] = ...) -> None: ...
 
 class StageLatencyReport(_message.Message):
     __slots__ = ("name", "p50_ms", "p90_ms", "p99_ms", "ttfb_p99_ms", "total_p99_ms", "attributed_ms", "share_of_e2e_p99", "queue_p99_ms")
@@ -479,7 +603,7 @@ class HistogramBucket(_message.Message):
     count: int
     def __init__(self, le_ms: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
-class StageLatency(_message.Message):
+class ReportStageLatencyRequest(_message.Message):
     __slots__ = ("request_id", "pipeline", "stage", "start", "end", "first_byte", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
@@ -528,11 +652,41 @@ class Tenant(_message.Message):
     labels: _containers.ScalarMap[str, str]
     def __init__(self, name: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., priority: _Optional[int] = ..., max_priority: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class CreateTenantRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: Tenant
+    def __init__(self, tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
+
+class CreateTenantResponse(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: Tenant
+    def __init__(self, tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
+
+class UpdateTenantRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: Tenant
+    def __init__(self, tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
+
+class UpdateTenantResponse(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: Tenant
+    def __init__(self, tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
+
 class GetTenantRequest(_message.Message):
     __slots__ = ("name",)
     NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetTenantResponse(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: Tenant
+    def __init__(self, tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
 
 class ListTenantsRequest(_message.Message):
     __slots__ = ()
@@ -605,6 +759,12 @@ class RevokeApiKeyRequest(_message.Message):
     ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class RevokeApiKeyResponse(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: ApiKey
+    def __init__(self, key: _Optional[_Union[ApiKey, _Mapping]] = ...) -> None: ...
 
 class RateLimitConfigFile(_message.Message):
     __slots__ = ("name", "yaml")

@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class AdminStub:
+class AdminServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,138 +35,138 @@ class AdminStub:
             channel: A grpc.Channel.
         """
         self.GetStatus = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/GetStatus',
+                '/sitsmesh.admin.v1.AdminService/GetStatus',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
         self.ApplyRateLimitConfig = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/ApplyRateLimitConfig',
+                '/sitsmesh.admin.v1.AdminService/ApplyRateLimitConfig',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyRateLimitConfigRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyRateLimitConfigResponse.FromString,
                 _registered_method=True)
         self.GetRateLimitConfig = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/GetRateLimitConfig',
+                '/sitsmesh.admin.v1.AdminService/GetRateLimitConfig',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetRateLimitConfigRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetRateLimitConfigResponse.FromString,
                 _registered_method=True)
         self.DeleteRateLimitConfig = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/DeleteRateLimitConfig',
+                '/sitsmesh.admin.v1.AdminService/DeleteRateLimitConfig',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigResponse.FromString,
                 _registered_method=True)
         self.CreateTenant = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/CreateTenant',
-                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
-                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+                '/sitsmesh.admin.v1.AdminService/CreateTenant',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateTenantRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateTenantResponse.FromString,
                 _registered_method=True)
         self.UpdateTenant = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/UpdateTenant',
-                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
-                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+                '/sitsmesh.admin.v1.AdminService/UpdateTenant',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.UpdateTenantRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.UpdateTenantResponse.FromString,
                 _registered_method=True)
         self.GetTenant = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/GetTenant',
+                '/sitsmesh.admin.v1.AdminService/GetTenant',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTenantRequest.SerializeToString,
-                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTenantResponse.FromString,
                 _registered_method=True)
         self.ListTenants = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/ListTenants',
+                '/sitsmesh.admin.v1.AdminService/ListTenants',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListTenantsRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListTenantsResponse.FromString,
                 _registered_method=True)
         self.DeleteTenant = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/DeleteTenant',
+                '/sitsmesh.admin.v1.AdminService/DeleteTenant',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteTenantRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteTenantResponse.FromString,
                 _registered_method=True)
         self.CreateApiKey = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/CreateApiKey',
+                '/sitsmesh.admin.v1.AdminService/CreateApiKey',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateApiKeyRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateApiKeyResponse.FromString,
                 _registered_method=True)
         self.ListApiKeys = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/ListApiKeys',
+                '/sitsmesh.admin.v1.AdminService/ListApiKeys',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListApiKeysRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListApiKeysResponse.FromString,
                 _registered_method=True)
         self.RevokeApiKey = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/RevokeApiKey',
+                '/sitsmesh.admin.v1.AdminService/RevokeApiKey',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.SerializeToString,
-                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApiKey.FromString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyResponse.FromString,
                 _registered_method=True)
         self.ApplyPipeline = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/ApplyPipeline',
+                '/sitsmesh.admin.v1.AdminService/ApplyPipeline',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyPipelineRequest.SerializeToString,
-                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Pipeline.FromString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyPipelineResponse.FromString,
                 _registered_method=True)
         self.GetPipeline = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/GetPipeline',
+                '/sitsmesh.admin.v1.AdminService/GetPipeline',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetPipelineRequest.SerializeToString,
-                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Pipeline.FromString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetPipelineResponse.FromString,
                 _registered_method=True)
         self.ListPipelines = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/ListPipelines',
+                '/sitsmesh.admin.v1.AdminService/ListPipelines',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListPipelinesRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListPipelinesResponse.FromString,
                 _registered_method=True)
         self.DeletePipeline = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/DeletePipeline',
+                '/sitsmesh.admin.v1.AdminService/DeletePipeline',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeletePipelineRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeletePipelineResponse.FromString,
                 _registered_method=True)
         self.GetLatencyChain = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/GetLatencyChain',
+                '/sitsmesh.admin.v1.AdminService/GetLatencyChain',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetLatencyChainRequest.SerializeToString,
-                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.LatencyChain.FromString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetLatencyChainResponse.FromString,
                 _registered_method=True)
         self.ReportStageLatency = channel.stream_unary(
-                '/sitsmesh.admin.v1.Admin/ReportStageLatency',
-                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.StageLatency.SerializeToString,
+                '/sitsmesh.admin.v1.AdminService/ReportStageLatency',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ReportStageLatencyRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ReportStageLatencyResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/ListModels',
+                '/sitsmesh.admin.v1.AdminService/ListModels',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
         self.SwapModel = channel.unary_stream(
-                '/sitsmesh.admin.v1.Admin/SwapModel',
+                '/sitsmesh.admin.v1.AdminService/SwapModel',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapModelRequest.SerializeToString,
-                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapEvent.FromString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapModelResponse.FromString,
                 _registered_method=True)
         self.GetSwap = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/GetSwap',
+                '/sitsmesh.admin.v1.AdminService/GetSwap',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetSwapRequest.SerializeToString,
-                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapRecord.FromString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetSwapResponse.FromString,
                 _registered_method=True)
         self.ListSwaps = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/ListSwaps',
+                '/sitsmesh.admin.v1.AdminService/ListSwaps',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsResponse.FromString,
                 _registered_method=True)
         self.GetThresholds = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/GetThresholds',
+                '/sitsmesh.admin.v1.AdminService/GetThresholds',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetThresholdsRequest.SerializeToString,
-                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PipelineThresholds.FromString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetThresholdsResponse.FromString,
                 _registered_method=True)
         self.SetThresholds = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/SetThresholds',
+                '/sitsmesh.admin.v1.AdminService/SetThresholds',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetThresholdsRequest.SerializeToString,
-                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PipelineThresholds.FromString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetThresholdsResponse.FromString,
                 _registered_method=True)
         self.ListThresholdChanges = channel.unary_unary(
-                '/sitsmesh.admin.v1.Admin/ListThresholdChanges',
+                '/sitsmesh.admin.v1.AdminService/ListThresholdChanges',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListThresholdChangesRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListThresholdChangesResponse.FromString,
                 _registered_method=True)
         self.WatchPressure = channel.unary_stream(
-                '/sitsmesh.admin.v1.Admin/WatchPressure',
+                '/sitsmesh.admin.v1.AdminService/WatchPressure',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureRequest.SerializeToString,
-                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PressureSnapshot.FromString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureResponse.FromString,
                 _registered_method=True)
 
 
-class AdminServicer:
+class AdminServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def GetStatus(self, request, context):
@@ -347,7 +347,7 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_AdminServicer_to_server(servicer, server):
+def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -371,18 +371,18 @@ def add_AdminServicer_to_server(servicer, server):
             ),
             'CreateTenant': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateTenant,
-                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
-                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateTenantRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateTenantResponse.SerializeToString,
             ),
             'UpdateTenant': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateTenant,
-                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
-                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.UpdateTenantRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.UpdateTenantResponse.SerializeToString,
             ),
             'GetTenant': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTenant,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTenantRequest.FromString,
-                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTenantResponse.SerializeToString,
             ),
             'ListTenants': grpc.unary_unary_rpc_method_handler(
                     servicer.ListTenants,
@@ -407,17 +407,17 @@ def add_AdminServicer_to_server(servicer, server):
             'RevokeApiKey': grpc.unary_unary_rpc_method_handler(
                     servicer.RevokeApiKey,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.FromString,
-                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApiKey.SerializeToString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyResponse.SerializeToString,
             ),
             'ApplyPipeline': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplyPipeline,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyPipelineRequest.FromString,
-                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Pipeline.SerializeToString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyPipelineResponse.SerializeToString,
             ),
             'GetPipeline': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPipeline,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetPipelineRequest.FromString,
-                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Pipeline.SerializeToString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetPipelineResponse.SerializeToString,
             ),
             'ListPipelines': grpc.unary_unary_rpc_method_handler(
                     servicer.ListPipelines,
@@ -432,11 +432,11 @@ def add_AdminServicer_to_server(servicer, server):
             'GetLatencyChain': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLatencyChain,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetLatencyChainRequest.FromString,
-                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.LatencyChain.SerializeToString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetLatencyChainResponse.SerializeToString,
             ),
             'ReportStageLatency': grpc.stream_unary_rpc_method_handler(
                     servicer.ReportStageLatency,
-                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.StageLatency.FromString,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ReportStageLatencyRequest.FromString,
                     response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ReportStageLatencyResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
@@ -447,12 +447,12 @@ def add_AdminServicer_to_server(servicer, server):
             'SwapModel': grpc.unary_stream_rpc_method_handler(
                     servicer.SwapModel,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapModelRequest.FromString,
-                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapEvent.SerializeToString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapModelResponse.SerializeToString,
             ),
             'GetSwap': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSwap,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetSwapRequest.FromString,
-                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapRecord.SerializeToString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetSwapResponse.SerializeToString,
             ),
             'ListSwaps': grpc.unary_unary_rpc_method_handler(
                     servicer.ListSwaps,
@@ -462,12 +462,12 @@ def add_AdminServicer_to_server(servicer, server):
             'GetThresholds': grpc.unary_unary_rpc_method_handler(
                     servicer.GetThresholds,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetThresholdsRequest.FromString,
-                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PipelineThresholds.SerializeToString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetThresholdsResponse.SerializeToString,
             ),
             'SetThresholds': grpc.unary_unary_rpc_method_handler(
                     servicer.SetThresholds,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetThresholdsRequest.FromString,
-                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PipelineThresholds.SerializeToString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetThresholdsResponse.SerializeToString,
             ),
             'ListThresholdChanges': grpc.unary_unary_rpc_method_handler(
                     servicer.ListThresholdChanges,
@@ -477,17 +477,17 @@ def add_AdminServicer_to_server(servicer, server):
             'WatchPressure': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchPressure,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureRequest.FromString,
-                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PressureSnapshot.SerializeToString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'sitsmesh.admin.v1.Admin', rpc_method_handlers)
+            'sitsmesh.admin.v1.AdminService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('sitsmesh.admin.v1.Admin', rpc_method_handlers)
+    server.add_registered_method_handlers('sitsmesh.admin.v1.AdminService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Admin:
+class AdminService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -504,7 +504,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/GetStatus',
+            '/sitsmesh.admin.v1.AdminService/GetStatus',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetStatusRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetStatusResponse.FromString,
             options,
@@ -531,7 +531,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/ApplyRateLimitConfig',
+            '/sitsmesh.admin.v1.AdminService/ApplyRateLimitConfig',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyRateLimitConfigRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyRateLimitConfigResponse.FromString,
             options,
@@ -558,7 +558,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/GetRateLimitConfig',
+            '/sitsmesh.admin.v1.AdminService/GetRateLimitConfig',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetRateLimitConfigRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetRateLimitConfigResponse.FromString,
             options,
@@ -585,7 +585,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/DeleteRateLimitConfig',
+            '/sitsmesh.admin.v1.AdminService/DeleteRateLimitConfig',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteRateLimitConfigResponse.FromString,
             options,
@@ -612,9 +612,9 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/CreateTenant',
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+            '/sitsmesh.admin.v1.AdminService/CreateTenant',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateTenantRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateTenantResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -639,9 +639,9 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/UpdateTenant',
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.SerializeToString,
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+            '/sitsmesh.admin.v1.AdminService/UpdateTenant',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.UpdateTenantRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.UpdateTenantResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -666,9 +666,9 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/GetTenant',
+            '/sitsmesh.admin.v1.AdminService/GetTenant',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTenantRequest.SerializeToString,
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Tenant.FromString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTenantResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -693,7 +693,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/ListTenants',
+            '/sitsmesh.admin.v1.AdminService/ListTenants',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListTenantsRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListTenantsResponse.FromString,
             options,
@@ -720,7 +720,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/DeleteTenant',
+            '/sitsmesh.admin.v1.AdminService/DeleteTenant',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteTenantRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeleteTenantResponse.FromString,
             options,
@@ -747,7 +747,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/CreateApiKey',
+            '/sitsmesh.admin.v1.AdminService/CreateApiKey',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateApiKeyRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.CreateApiKeyResponse.FromString,
             options,
@@ -774,7 +774,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/ListApiKeys',
+            '/sitsmesh.admin.v1.AdminService/ListApiKeys',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListApiKeysRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListApiKeysResponse.FromString,
             options,
@@ -801,9 +801,9 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/RevokeApiKey',
+            '/sitsmesh.admin.v1.AdminService/RevokeApiKey',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.SerializeToString,
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApiKey.FromString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -828,9 +828,9 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/ApplyPipeline',
+            '/sitsmesh.admin.v1.AdminService/ApplyPipeline',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyPipelineRequest.SerializeToString,
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Pipeline.FromString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyPipelineResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -855,9 +855,9 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/GetPipeline',
+            '/sitsmesh.admin.v1.AdminService/GetPipeline',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetPipelineRequest.SerializeToString,
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.Pipeline.FromString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetPipelineResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -882,7 +882,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/ListPipelines',
+            '/sitsmesh.admin.v1.AdminService/ListPipelines',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListPipelinesRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListPipelinesResponse.FromString,
             options,
@@ -909,7 +909,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/DeletePipeline',
+            '/sitsmesh.admin.v1.AdminService/DeletePipeline',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeletePipelineRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.DeletePipelineResponse.FromString,
             options,
@@ -936,9 +936,9 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/GetLatencyChain',
+            '/sitsmesh.admin.v1.AdminService/GetLatencyChain',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetLatencyChainRequest.SerializeToString,
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.LatencyChain.FromString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetLatencyChainResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -963,8 +963,8 @@ class Admin:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/sitsmesh.admin.v1.Admin/ReportStageLatency',
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.StageLatency.SerializeToString,
+            '/sitsmesh.admin.v1.AdminService/ReportStageLatency',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ReportStageLatencyRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ReportStageLatencyResponse.FromString,
             options,
             channel_credentials,
@@ -990,7 +990,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/ListModels',
+            '/sitsmesh.admin.v1.AdminService/ListModels',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListModelsRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListModelsResponse.FromString,
             options,
@@ -1017,9 +1017,9 @@ class Admin:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/SwapModel',
+            '/sitsmesh.admin.v1.AdminService/SwapModel',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapModelRequest.SerializeToString,
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapEvent.FromString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapModelResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1044,9 +1044,9 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/GetSwap',
+            '/sitsmesh.admin.v1.AdminService/GetSwap',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetSwapRequest.SerializeToString,
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SwapRecord.FromString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetSwapResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1071,7 +1071,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/ListSwaps',
+            '/sitsmesh.admin.v1.AdminService/ListSwaps',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListSwapsResponse.FromString,
             options,
@@ -1098,9 +1098,9 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/GetThresholds',
+            '/sitsmesh.admin.v1.AdminService/GetThresholds',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetThresholdsRequest.SerializeToString,
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PipelineThresholds.FromString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetThresholdsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1125,9 +1125,9 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/SetThresholds',
+            '/sitsmesh.admin.v1.AdminService/SetThresholds',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetThresholdsRequest.SerializeToString,
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PipelineThresholds.FromString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetThresholdsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1152,7 +1152,7 @@ class Admin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/ListThresholdChanges',
+            '/sitsmesh.admin.v1.AdminService/ListThresholdChanges',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListThresholdChangesRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListThresholdChangesResponse.FromString,
             options,
@@ -1179,9 +1179,9 @@ class Admin:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/sitsmesh.admin.v1.Admin/WatchPressure',
+            '/sitsmesh.admin.v1.AdminService/WatchPressure',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureRequest.SerializeToString,
-            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.PressureSnapshot.FromString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,11 +28,11 @@ class _ServicerContext(_grpc.ServicerContext, _aio.ServicerContext):  # type: ig
 GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
-class AdminStub:
+class AdminServiceStub:
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
-    def __new__(cls, channel: _aio.Channel) -> AdminAsyncStub: ...
+    def __new__(cls, channel: _aio.Channel) -> AdminServiceAsyncStub: ...
     GetStatus: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetStatusRequest, _admin_pb2.GetStatusResponse]
     """Process-level status: version, uptime, per-service serving state and
     the version of the configuration in force.
@@ -45,48 +45,48 @@ class AdminStub:
     """The live rate-limit config, domain by domain, as loaded."""
     DeleteRateLimitConfig: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteRateLimitConfigRequest, _admin_pb2.DeleteRateLimitConfigResponse]
     """Remove a domain applied through the API (file domains are changed in their files)."""
-    CreateTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.Tenant, _admin_pb2.Tenant]
+    CreateTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CreateTenantRequest, _admin_pb2.CreateTenantResponse]
     """Tenants: who may call which models, at which priority, how many at once."""
-    UpdateTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.Tenant, _admin_pb2.Tenant]
-    GetTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetTenantRequest, _admin_pb2.Tenant]
+    UpdateTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UpdateTenantRequest, _admin_pb2.UpdateTenantResponse]
+    GetTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetTenantRequest, _admin_pb2.GetTenantResponse]
     ListTenants: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListTenantsRequest, _admin_pb2.ListTenantsResponse]
     DeleteTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteTenantRequest, _admin_pb2.DeleteTenantResponse]
     CreateApiKey: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CreateApiKeyRequest, _admin_pb2.CreateApiKeyResponse]
     """API keys: the secret is returned once, by CreateApiKey; only a digest is stored."""
     ListApiKeys: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListApiKeysRequest, _admin_pb2.ListApiKeysResponse]
-    RevokeApiKey: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeyRequest, _admin_pb2.ApiKey]
-    ApplyPipeline: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ApplyPipelineRequest, _admin_pb2.Pipeline]
+    RevokeApiKey: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeyRequest, _admin_pb2.RevokeApiKeyResponse]
+    ApplyPipeline: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ApplyPipelineRequest, _admin_pb2.ApplyPipelineResponse]
     """Pipelines: the stages a request crosses and how access-log entries match them."""
-    GetPipeline: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetPipelineRequest, _admin_pb2.Pipeline]
+    GetPipeline: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetPipelineRequest, _admin_pb2.GetPipelineResponse]
     ListPipelines: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListPipelinesRequest, _admin_pb2.ListPipelinesResponse]
     DeletePipeline: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeletePipelineRequest, _admin_pb2.DeletePipelineResponse]
-    GetLatencyChain: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetLatencyChainRequest, _admin_pb2.LatencyChain]
+    GetLatencyChain: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetLatencyChainRequest, _admin_pb2.GetLatencyChainResponse]
     """Per-stage latency of a pipeline over a window, and the stage that owns the tail."""
-    ReportStageLatency: _grpc.StreamUnaryMultiCallable[_admin_pb2.StageLatency, _admin_pb2.ReportStageLatencyResponse]
+    ReportStageLatency: _grpc.StreamUnaryMultiCallable[_admin_pb2.ReportStageLatencyRequest, _admin_pb2.ReportStageLatencyResponse]
     """Stages behind no Envoy report their own timings; they join the same chains."""
     ListModels: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListModelsRequest, _admin_pb2.ListModelsResponse]
     """Triton: every configured endpoint's models and the state of each version."""
-    SwapModel: _grpc.UnaryStreamMultiCallable[_admin_pb2.SwapModelRequest, _admin_pb2.SwapEvent]
+    SwapModel: _grpc.UnaryStreamMultiCallable[_admin_pb2.SwapModelRequest, _admin_pb2.SwapModelResponse]
     """Hot-swap a model to another version: precheck, preflight, load + warm, verify,
     promote, drain, retire (rollback on failure). Streams progress; the last event
     carries the finished record. The swap goes on if the caller goes away.
     """
-    GetSwap: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetSwapRequest, _admin_pb2.SwapRecord]
+    GetSwap: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetSwapRequest, _admin_pb2.GetSwapResponse]
     """The persisted history of swaps."""
     ListSwaps: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListSwapsRequest, _admin_pb2.ListSwapsResponse]
-    GetThresholds: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetThresholdsRequest, _admin_pb2.PipelineThresholds]
+    GetThresholds: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetThresholdsRequest, _admin_pb2.GetThresholdsResponse]
     """Backpressure thresholds of a pipeline (the defaults until some are set)."""
-    SetThresholds: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetThresholdsRequest, _admin_pb2.PipelineThresholds]
+    SetThresholds: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetThresholdsRequest, _admin_pb2.SetThresholdsResponse]
     """Validate; unless dry_run, persist and audit (actor from `x-sitsmesh-actor`
     metadata, and the caller's address).
     """
     ListThresholdChanges: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListThresholdChangesRequest, _admin_pb2.ListThresholdChangesResponse]
     """Who changed which thresholds, newest first."""
-    WatchPressure: _grpc.UnaryStreamMultiCallable[_admin_pb2.WatchPressureRequest, _admin_pb2.PressureSnapshot]
+    WatchPressure: _grpc.UnaryStreamMultiCallable[_admin_pb2.WatchPressureRequest, _admin_pb2.WatchPressureResponse]
     """The controller's decisions, each tick (or every interval_ms), as they are published."""
 
 @_typing.type_check_only
-class AdminAsyncStub(AdminStub):
+class AdminServiceAsyncStub(AdminServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetStatus: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetStatusRequest, _admin_pb2.GetStatusResponse]  # type: ignore[assignment]
     """Process-level status: version, uptime, per-service serving state and
@@ -100,47 +100,47 @@ class AdminAsyncStub(AdminStub):
     """The live rate-limit config, domain by domain, as loaded."""
     DeleteRateLimitConfig: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteRateLimitConfigRequest, _admin_pb2.DeleteRateLimitConfigResponse]  # type: ignore[assignment]
     """Remove a domain applied through the API (file domains are changed in their files)."""
-    CreateTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.Tenant, _admin_pb2.Tenant]  # type: ignore[assignment]
+    CreateTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.CreateTenantRequest, _admin_pb2.CreateTenantResponse]  # type: ignore[assignment]
     """Tenants: who may call which models, at which priority, how many at once."""
-    UpdateTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.Tenant, _admin_pb2.Tenant]  # type: ignore[assignment]
-    GetTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetTenantRequest, _admin_pb2.Tenant]  # type: ignore[assignment]
+    UpdateTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.UpdateTenantRequest, _admin_pb2.UpdateTenantResponse]  # type: ignore[assignment]
+    GetTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetTenantRequest, _admin_pb2.GetTenantResponse]  # type: ignore[assignment]
     ListTenants: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListTenantsRequest, _admin_pb2.ListTenantsResponse]  # type: ignore[assignment]
     DeleteTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteTenantRequest, _admin_pb2.DeleteTenantResponse]  # type: ignore[assignment]
     CreateApiKey: _aio.UnaryUnaryMultiCallable[_admin_pb2.CreateApiKeyRequest, _admin_pb2.CreateApiKeyResponse]  # type: ignore[assignment]
     """API keys: the secret is returned once, by CreateApiKey; only a digest is stored."""
     ListApiKeys: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListApiKeysRequest, _admin_pb2.ListApiKeysResponse]  # type: ignore[assignment]
-    RevokeApiKey: _aio.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeyRequest, _admin_pb2.ApiKey]  # type: ignore[assignment]
-    ApplyPipeline: _aio.UnaryUnaryMultiCallable[_admin_pb2.ApplyPipelineRequest, _admin_pb2.Pipeline]  # type: ignore[assignment]
+    RevokeApiKey: _aio.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeyRequest, _admin_pb2.RevokeApiKeyResponse]  # type: ignore[assignment]
+    ApplyPipeline: _aio.UnaryUnaryMultiCallable[_admin_pb2.ApplyPipelineRequest, _admin_pb2.ApplyPipelineResponse]  # type: ignore[assignment]
     """Pipelines: the stages a request crosses and how access-log entries match them."""
-    GetPipeline: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetPipelineRequest, _admin_pb2.Pipeline]  # type: ignore[assignment]
+    GetPipeline: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetPipelineRequest, _admin_pb2.GetPipelineResponse]  # type: ignore[assignment]
     ListPipelines: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListPipelinesRequest, _admin_pb2.ListPipelinesResponse]  # type: ignore[assignment]
     DeletePipeline: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeletePipelineRequest, _admin_pb2.DeletePipelineResponse]  # type: ignore[assignment]
-    GetLatencyChain: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetLatencyChainRequest, _admin_pb2.LatencyChain]  # type: ignore[assignment]
+    GetLatencyChain: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetLatencyChainRequest, _admin_pb2.GetLatencyChainResponse]  # type: ignore[assignment]
     """Per-stage latency of a pipeline over a window, and the stage that owns the tail."""
-    ReportStageLatency: _aio.StreamUnaryMultiCallable[_admin_pb2.StageLatency, _admin_pb2.ReportStageLatencyResponse]  # type: ignore[assignment]
+    ReportStageLatency: _aio.StreamUnaryMultiCallable[_admin_pb2.ReportStageLatencyRequest, _admin_pb2.ReportStageLatencyResponse]  # type: ignore[assignment]
     """Stages behind no Envoy report their own timings; they join the same chains."""
     ListModels: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListModelsRequest, _admin_pb2.ListModelsResponse]  # type: ignore[assignment]
     """Triton: every configured endpoint's models and the state of each version."""
-    SwapModel: _aio.UnaryStreamMultiCallable[_admin_pb2.SwapModelRequest, _admin_pb2.SwapEvent]  # type: ignore[assignment]
+    SwapModel: _aio.UnaryStreamMultiCallable[_admin_pb2.SwapModelRequest, _admin_pb2.SwapModelResponse]  # type: ignore[assignment]
     """Hot-swap a model to another version: precheck, preflight, load + warm, verify,
     promote, drain, retire (rollback on failure). Streams progress; the last event
     carries the finished record. The swap goes on if the caller goes away.
     """
-    GetSwap: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetSwapRequest, _admin_pb2.SwapRecord]  # type: ignore[assignment]
+    GetSwap: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetSwapRequest, _admin_pb2.GetSwapResponse]  # type: ignore[assignment]
     """The persisted history of swaps."""
     ListSwaps: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListSwapsRequest, _admin_pb2.ListSwapsResponse]  # type: ignore[assignment]
-    GetThresholds: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetThresholdsRequest, _admin_pb2.PipelineThresholds]  # type: ignore[assignment]
+    GetThresholds: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetThresholdsRequest, _admin_pb2.GetThresholdsResponse]  # type: ignore[assignment]
     """Backpressure thresholds of a pipeline (the defaults until some are set)."""
-    SetThresholds: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetThresholdsRequest, _admin_pb2.PipelineThresholds]  # type: ignore[assignment]
+    SetThresholds: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetThresholdsRequest, _admin_pb2.SetThresholdsResponse]  # type: ignore[assignment]
     """Validate; unless dry_run, persist and audit (actor from `x-sitsmesh-actor`
     metadata, and the caller's address).
     """
     ListThresholdChanges: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListThresholdChangesRequest, _admin_pb2.ListThresholdChangesResponse]  # type: ignore[assignment]
     """Who changed which thresholds, newest first."""
-    WatchPressure: _aio.UnaryStreamMultiCallable[_admin_pb2.WatchPressureRequest, _admin_pb2.PressureSnapshot]  # type: ignore[assignment]
+    WatchPressure: _aio.UnaryStreamMultiCallable[_admin_pb2.WatchPressureRequest, _admin_pb2.WatchPressureResponse]  # type: ignore[assignment]
     """The controller's decisions, each tick (or every interval_ms), as they are published."""
 
-class AdminServicer(metaclass=_abc_1.ABCMeta):
+class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def GetStatus(
         self,
@@ -180,24 +180,24 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def CreateTenant(
         self,
-        request: _admin_pb2.Tenant,
+        request: _admin_pb2.CreateTenantRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.Tenant, _abc.Awaitable[_admin_pb2.Tenant]]:
+    ) -> _typing.Union[_admin_pb2.CreateTenantResponse, _abc.Awaitable[_admin_pb2.CreateTenantResponse]]:
         """Tenants: who may call which models, at which priority, how many at once."""
 
     @_abc_1.abstractmethod
     def UpdateTenant(
         self,
-        request: _admin_pb2.Tenant,
+        request: _admin_pb2.UpdateTenantRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.Tenant, _abc.Awaitable[_admin_pb2.Tenant]]: ...
+    ) -> _typing.Union[_admin_pb2.UpdateTenantResponse, _abc.Awaitable[_admin_pb2.UpdateTenantResponse]]: ...
 
     @_abc_1.abstractmethod
     def GetTenant(
         self,
         request: _admin_pb2.GetTenantRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.Tenant, _abc.Awaitable[_admin_pb2.Tenant]]: ...
+    ) -> _typing.Union[_admin_pb2.GetTenantResponse, _abc.Awaitable[_admin_pb2.GetTenantResponse]]: ...
 
     @_abc_1.abstractmethod
     def ListTenants(
@@ -233,14 +233,14 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _admin_pb2.RevokeApiKeyRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.ApiKey, _abc.Awaitable[_admin_pb2.ApiKey]]: ...
+    ) -> _typing.Union[_admin_pb2.RevokeApiKeyResponse, _abc.Awaitable[_admin_pb2.RevokeApiKeyResponse]]: ...
 
     @_abc_1.abstractmethod
     def ApplyPipeline(
         self,
         request: _admin_pb2.ApplyPipelineRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.Pipeline, _abc.Awaitable[_admin_pb2.Pipeline]]:
+    ) -> _typing.Union[_admin_pb2.ApplyPipelineResponse, _abc.Awaitable[_admin_pb2.ApplyPipelineResponse]]:
         """Pipelines: the stages a request crosses and how access-log entries match them."""
 
     @_abc_1.abstractmethod
@@ -248,7 +248,7 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _admin_pb2.GetPipelineRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.Pipeline, _abc.Awaitable[_admin_pb2.Pipeline]]: ...
+    ) -> _typing.Union[_admin_pb2.GetPipelineResponse, _abc.Awaitable[_admin_pb2.GetPipelineResponse]]: ...
 
     @_abc_1.abstractmethod
     def ListPipelines(
@@ -269,13 +269,13 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _admin_pb2.GetLatencyChainRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.LatencyChain, _abc.Awaitable[_admin_pb2.LatencyChain]]:
+    ) -> _typing.Union[_admin_pb2.GetLatencyChainResponse, _abc.Awaitable[_admin_pb2.GetLatencyChainResponse]]:
         """Per-stage latency of a pipeline over a window, and the stage that owns the tail."""
 
     @_abc_1.abstractmethod
     def ReportStageLatency(
         self,
-        request_iterator: _MaybeAsyncIterator[_admin_pb2.StageLatency],
+        request_iterator: _MaybeAsyncIterator[_admin_pb2.ReportStageLatencyRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ReportStageLatencyResponse, _abc.Awaitable[_admin_pb2.ReportStageLatencyResponse]]:
         """Stages behind no Envoy report their own timings; they join the same chains."""
@@ -293,7 +293,7 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _admin_pb2.SwapModelRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_admin_pb2.SwapEvent], _abc.AsyncIterator[_admin_pb2.SwapEvent]]:
+    ) -> _typing.Union[_abc.Iterator[_admin_pb2.SwapModelResponse], _abc.AsyncIterator[_admin_pb2.SwapModelResponse]]:
         """Hot-swap a model to another version: precheck, preflight, load + warm, verify,
         promote, drain, retire (rollback on failure). Streams progress; the last event
         carries the finished record. The swap goes on if the caller goes away.
@@ -304,7 +304,7 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _admin_pb2.GetSwapRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.SwapRecord, _abc.Awaitable[_admin_pb2.SwapRecord]]:
+    ) -> _typing.Union[_admin_pb2.GetSwapResponse, _abc.Awaitable[_admin_pb2.GetSwapResponse]]:
         """The persisted history of swaps."""
 
     @_abc_1.abstractmethod
@@ -319,7 +319,7 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _admin_pb2.GetThresholdsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.PipelineThresholds, _abc.Awaitable[_admin_pb2.PipelineThresholds]]:
+    ) -> _typing.Union[_admin_pb2.GetThresholdsResponse, _abc.Awaitable[_admin_pb2.GetThresholdsResponse]]:
         """Backpressure thresholds of a pipeline (the defaults until some are set)."""
 
     @_abc_1.abstractmethod
@@ -327,7 +327,7 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _admin_pb2.SetThresholdsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.PipelineThresholds, _abc.Awaitable[_admin_pb2.PipelineThresholds]]:
+    ) -> _typing.Union[_admin_pb2.SetThresholdsResponse, _abc.Awaitable[_admin_pb2.SetThresholdsResponse]]:
         """Validate; unless dry_run, persist and audit (actor from `x-sitsmesh-actor`
         metadata, and the caller's address).
         """
@@ -345,7 +345,7 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _admin_pb2.WatchPressureRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_admin_pb2.PressureSnapshot], _abc.AsyncIterator[_admin_pb2.PressureSnapshot]]:
+    ) -> _typing.Union[_abc.Iterator[_admin_pb2.WatchPressureResponse], _abc.AsyncIterator[_admin_pb2.WatchPressureResponse]]:
         """The controller's decisions, each tick (or every interval_ms), as they are published."""
 
-def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

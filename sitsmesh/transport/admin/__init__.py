@@ -1,4 +1,4 @@
-"""sitsmesh.admin.v1.Admin on the wire: one servicer per area, joined into the one service.
+"""sitsmesh.admin.v1.AdminService on the wire: one servicer per area, joined into one service.
 
 The generated stubs live in `sitsmesh/admin/v1/` (the proto's package path); the
 servicers that answer them live here, beside the other wire APIs.

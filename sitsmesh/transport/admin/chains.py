@@ -34,7 +34,8 @@ class ChainAdmin:
         self._report = report or (assembler.add if assembler is not None else None)
 
     async def ApplyPipeline(self, request: admin_pb2.ApplyPipelineRequest,
-                            context: aio.ServicerContext[Any, Any]) -> admin_pb2.Pipeline:
+                            context: aio.ServicerContext[Any, Any]
+                            ) -> admin_pb2.ApplyPipelineResponse:
         source = request.source or "pipeline"
         doc = read_yaml(request.yaml, source)
         if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
@@ -43,11 +44,13 @@ class ChainAdmin:
             raise workerguard.refuse_pipeline(doc["name"])
         pipeline = await self._catalog.apply(doc["name"], doc, source)
         _log.info("pipeline applied", pipeline=pipeline.name)
-        return _pipeline_pb(pipeline)
+        return admin_pb2.ApplyPipelineResponse(pipeline=_pipeline_pb(pipeline))
 
     async def GetPipeline(self, request: admin_pb2.GetPipelineRequest,
-                          context: aio.ServicerContext[Any, Any]) -> admin_pb2.Pipeline:
-        return _pipeline_pb(await self._catalog.get(request.name))
+                          context: aio.ServicerContext[Any, Any]
+                          ) -> admin_pb2.GetPipelineResponse:
+        return admin_pb2.GetPipelineResponse(
+            pipeline=_pipeline_pb(await self._catalog.get(request.name)))
 
     async def ListPipelines(self, request: admin_pb2.ListPipelinesRequest,
                             context: aio.ServicerContext[Any, Any]
@@ -64,7 +67,8 @@ class ChainAdmin:
         return admin_pb2.DeletePipelineResponse()
 
     async def GetLatencyChain(self, request: admin_pb2.GetLatencyChainRequest,
-                              context: aio.ServicerContext[Any, Any]) -> admin_pb2.LatencyChain:
+                              context: aio.ServicerContext[Any, Any]
+                              ) -> admin_pb2.GetLatencyChainResponse:
         window = request.window or "1m"
         if window not in WINDOWS:
             raise InvalidArgumentError(
@@ -99,9 +103,10 @@ class ChainAdmin:
         for hist in report.histograms:
             reply.histograms.add(name=hist.name, buckets=[
                 admin_pb2.HistogramBucket(le_ms=le, count=n) for le, n in hist.buckets])
-        return reply
+        return admin_pb2.GetLatencyChainResponse(chain=reply)
 
-    async def ReportStageLatency(self, request_iterator: AsyncIterator[admin_pb2.StageLatency],
+    async def ReportStageLatency(self, request_iterator: AsyncIterator[
+                                     admin_pb2.ReportStageLatencyRequest],
                                  context: aio.ServicerContext[Any, Any]
                                  ) -> admin_pb2.ReportStageLatencyResponse:
         accepted = rejected = 0

@@ -8,6 +8,7 @@ from typing import Any
 
 from grpc import aio
 
+from sitsmesh.admin.enums import label
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from sitsmesh.pressure.controller import Decision, Snapshot
@@ -25,16 +26,20 @@ def pipeline_pb(decision: Decision, in_flight: int, shed: int) -> admin_pb2.Pipe
         pipeline=decision.pipeline, policy=decision.policy, fraction=decision.fraction,
         cutoff=decision.cutoff, concurrency=decision.concurrency,
         protected_from=decision.protected_from, retry_after_s=decision.retry_after_s,
-        bottleneck=decision.bottleneck, level=decision.level,
+        bottleneck=decision.bottleneck,
+        level=label(admin_pb2.PressureLevel, decision.level),
         arrival_rate=decision.arrival_rate, in_flight=max(0, in_flight), shed_total=shed)
     for s in decision.stages:
-        message.stages.add(name=s.name, level=s.level, pressure=s.pressure,
+        message.stages.add(name=s.name, level=label(admin_pb2.PressureLevel, s.level),
+                           pressure=s.pressure,
                            arrival_rate=s.arrival_rate, capacity=s.capacity,
                            utilisation=s.utilisation, queue=s.queue, queue_fill=s.queue_fill,
                            rt99_ms=s.rt99_ms, predicted_p99_ms=s.predicted_p99_ms,
-                           headroom_rps=s.headroom_rps, stale=s.stale, reason=s.reason,
-                           signals=[admin_pb2.SignalAge(source=a.source, age_s=a.age_s,
-                                                        stale=a.stale) for a in s.signals])
+                           headroom_rps=s.headroom_rps, stale=s.stale,
+                           reason=label(admin_pb2.OverloadReason, s.reason),
+                           signals=[admin_pb2.SignalAge(
+                               source=label(admin_pb2.SignalSource, a.source), age_s=a.age_s,
+                               stale=a.stale) for a in s.signals])
     return message
 
 
@@ -48,16 +53,16 @@ class PressureAdmin:
 
     async def GetThresholds(self, request: admin_pb2.GetThresholdsRequest,
                             context: aio.ServicerContext[Any, Any]
-                            ) -> admin_pb2.PipelineThresholds:
+                            ) -> admin_pb2.GetThresholdsResponse:
         _require_pipeline(request.pipeline)
         thresholds, default = await self._thresholds.get(request.pipeline)
-        return admin_pb2.PipelineThresholds(pipeline=request.pipeline,
-                                            yaml=yaml_text(thresholds.to_body()),
-                                            is_default=default)
+        return admin_pb2.GetThresholdsResponse(thresholds=admin_pb2.PipelineThresholds(
+            pipeline=request.pipeline, yaml=yaml_text(thresholds.to_body()),
+            is_default=default))
 
     async def SetThresholds(self, request: admin_pb2.SetThresholdsRequest,
                             context: aio.ServicerContext[Any, Any]
-                            ) -> admin_pb2.PipelineThresholds:
+                            ) -> admin_pb2.SetThresholdsResponse:
         source = request.source or "thresholds"
         _require_pipeline(request.pipeline)
         body = read_yaml(request.yaml, source) if request.yaml.strip() else {}
@@ -68,8 +73,8 @@ class PressureAdmin:
         thresholds = await self._thresholds.set(
             request.pipeline, body, source=source, actor=actor, peer=context.peer(),
             dry_run=request.dry_run)
-        return admin_pb2.PipelineThresholds(pipeline=request.pipeline,
-                                            yaml=yaml_text(thresholds.to_body()), is_default=False)
+        return admin_pb2.SetThresholdsResponse(thresholds=admin_pb2.PipelineThresholds(
+            pipeline=request.pipeline, yaml=yaml_text(thresholds.to_body()), is_default=False))
 
     async def ListThresholdChanges(self, request: admin_pb2.ListThresholdChangesRequest,
                                    context: aio.ServicerContext[Any, Any]
@@ -82,7 +87,7 @@ class PressureAdmin:
 
     async def WatchPressure(self, request: admin_pb2.WatchPressureRequest,
                             context: aio.ServicerContext[Any, Any]
-                            ) -> AsyncIterator[admin_pb2.PressureSnapshot]:
+                            ) -> AsyncIterator[admin_pb2.WatchPressureResponse]:
         runtime = self._pressure
         if runtime is None:
             raise FailedPreconditionError(
@@ -104,8 +109,8 @@ class PressureAdmin:
 
     @staticmethod
     def _snapshot_pb(runtime: PressureRuntime, snapshot: Snapshot,
-                     only: str) -> admin_pb2.PressureSnapshot:
-        message = admin_pb2.PressureSnapshot(at=timestamp(time.time()))
+                     only: str) -> admin_pb2.WatchPressureResponse:
+        message = admin_pb2.WatchPressureResponse(at=timestamp(time.time()))
         for name in sorted(snapshot.decisions):
             if only and name != only:
                 continue

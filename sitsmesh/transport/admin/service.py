@@ -1,4 +1,4 @@
-"""The Admin service as one gRPC servicer made of area servicers, each error-mapped alike."""
+"""The AdminService as one gRPC servicer made of area servicers, each error-mapped alike."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.errors import SitsmeshError
 from sitsmesh.transport.errors import abort
 
-METHODS = tuple(admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods_by_name)
+METHODS = tuple(admin_pb2.DESCRIPTOR.services_by_name["AdminService"].methods_by_name)
 
 
 class Area(Protocol):
-    """A servicer for some of the Admin RPCs; `RPCS` names the ones it answers."""
+    """A servicer for some of the AdminService RPCs; `RPCS` names the ones it answers."""
 
     @property
     def RPCS(self) -> tuple[str, ...]: ...
@@ -47,7 +47,7 @@ def guarded(handler: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class AdminServicer:
-    """Binds every Admin RPC to the area that answers it; refuses gaps and overlaps at
+    """Binds every AdminService RPC to the area that answers it; refuses gaps and overlaps at
     start, so a new RPC cannot ship unanswered."""
 
     def __init__(self, *areas: Area) -> None:
@@ -68,5 +68,6 @@ class AdminServicer:
     def add_to_server(self, server: aio.Server) -> None:
         # The generated registrar only looks the RPCs up by name, and every one is bound
         # on this instance; the cast stands in for the abstract base it is typed with.
-        admin_pb2_grpc.add_AdminServicer_to_server(cast(admin_pb2_grpc.AdminServicer, self),
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(
+            cast(admin_pb2_grpc.AdminServiceServicer, self),
                                                    server)

@@ -14,9 +14,9 @@ from sitsmesh.status import Serving, StatusBoard
 from sitsmesh.transport.admin.common import timestamp
 
 _STATES = {
-    Serving.SERVING: admin_pb2.SERVING,
-    Serving.NOT_SERVING: admin_pb2.NOT_SERVING,
-    Serving.DRAINING: admin_pb2.DRAINING,
+    Serving.SERVING: admin_pb2.SERVING_STATE_SERVING,
+    Serving.NOT_SERVING: admin_pb2.SERVING_STATE_NOT_SERVING,
+    Serving.DRAINING: admin_pb2.SERVING_STATE_DRAINING,
 }
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from grpc import aio
 
+from sitsmesh.admin.enums import label
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.swap.machine import SwapEvent
 from sitsmesh.swap.manager import SwapManager
@@ -37,14 +38,17 @@ def options_from(message: admin_pb2.SwapOptions) -> SwapOptions:
 def record_pb(record: SwapRecord) -> admin_pb2.SwapRecord:
     message = admin_pb2.SwapRecord(
         id=record.id, model=record.model, endpoint=record.endpoint,
-        to_version=record.to_version, state=record.state, phase=record.phase,
+        to_version=record.to_version, state=label(admin_pb2.SwapState, record.state),
+        phase=label(admin_pb2.SwapPhase, record.phase),
         error=record.error, started_at=timestamp(record.started_at))
     if record.from_version is not None:
         message.from_version = record.from_version
     if record.ended_at is not None:
         message.ended_at.CopyFrom(timestamp(record.ended_at))
     for step in record.steps:
-        item = message.steps.add(phase=step.phase, state=step.state, message=step.message,
+        item = message.steps.add(phase=label(admin_pb2.SwapPhase, step.phase),
+                                 state=label(admin_pb2.StepState, step.state),
+                                 message=step.message,
                                  started_at=timestamp(step.started_at),
                                  detail={k: str(v) for k, v in step.detail.items()})
         if step.ended_at is not None:
@@ -52,10 +56,11 @@ def record_pb(record: SwapRecord) -> admin_pb2.SwapRecord:
     return message
 
 
-def _event_pb(event: SwapEvent) -> admin_pb2.SwapEvent:
-    return admin_pb2.SwapEvent(swap_id=event.swap_id, phase=event.phase, state=event.state,
-                               message=event.message, progress=event.fraction,
-                               at=timestamp(event.at))
+def _event_pb(event: SwapEvent) -> admin_pb2.SwapModelResponse:
+    return admin_pb2.SwapModelResponse(
+        swap_id=event.swap_id, phase=label(admin_pb2.SwapPhase, event.phase),
+        state=label(admin_pb2.StepState, event.state), message=event.message,
+        progress=event.fraction, at=timestamp(event.at))
 
 
 class SwapAdmin:
@@ -79,13 +84,13 @@ class SwapAdmin:
 
     async def SwapModel(self, request: admin_pb2.SwapModelRequest,
                         context: aio.ServicerContext[Any, Any]
-                        ) -> AsyncIterator[admin_pb2.SwapEvent]:
+                        ) -> AsyncIterator[admin_pb2.SwapModelResponse]:
         # A caller's W3C traceparent parents the swap's span (when tracing is on).
         traceparent = next((str(v) for k, v in context.invocation_metadata() or ()
                             if k == "traceparent"), "")
         handle = self._swaps.begin(request.model, request.target_version, request.endpoint,
                                    options_from(request.options), traceparent)
-        last: admin_pb2.SwapEvent | None = None
+        last: admin_pb2.SwapModelResponse | None = None
         async for event in handle.stream():
             if last is not None:
                 yield last
@@ -94,14 +99,17 @@ class SwapAdmin:
         # A caller that goes away cancels this stream, never the swap: shield the task.
         record = await asyncio.shield(handle.task)
         if last is None:
-            last = admin_pb2.SwapEvent(swap_id=record.id, phase=record.phase,
-                                       state=record.state, progress=1.0)
+            # No step ran: the swap's outcome stands in for the step's state.
+            step_state = {"running": "running", "succeeded": "ok"}.get(record.state, "failed")
+            last = admin_pb2.SwapModelResponse(
+                swap_id=record.id, phase=label(admin_pb2.SwapPhase, record.phase),
+                state=label(admin_pb2.StepState, step_state), progress=1.0)
         last.swap.CopyFrom(record_pb(record))
         yield last
 
     async def GetSwap(self, request: admin_pb2.GetSwapRequest,
-                      context: aio.ServicerContext[Any, Any]) -> admin_pb2.SwapRecord:
-        return record_pb(await self._swaps.get(request.id))
+                      context: aio.ServicerContext[Any, Any]) -> admin_pb2.GetSwapResponse:
+        return admin_pb2.GetSwapResponse(swap=record_pb(await self._swaps.get(request.id)))
 
     async def ListSwaps(self, request: admin_pb2.ListSwapsRequest,
                         context: aio.ServicerContext[Any, Any]) -> admin_pb2.ListSwapsResponse:

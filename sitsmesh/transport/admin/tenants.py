@@ -27,23 +27,28 @@ class TenantAdmin:
         if self._workers > 1 and request.max_concurrency > 0:
             raise workerguard.refuse_cap(request.name)
 
-    async def CreateTenant(self, request: admin_pb2.Tenant,
-                           context: aio.ServicerContext[Any, Any]) -> admin_pb2.Tenant:
-        self._guard(request)
-        tenant = await self._directory.create_tenant(request.name, _tenant_body(request))
+    async def CreateTenant(self, request: admin_pb2.CreateTenantRequest,
+                           context: aio.ServicerContext[Any, Any]
+                           ) -> admin_pb2.CreateTenantResponse:
+        self._guard(request.tenant)
+        tenant = await self._directory.create_tenant(request.tenant.name,
+                                                     _tenant_body(request.tenant))
         _log.info("tenant created", tenant=tenant.name)
-        return _tenant_pb(tenant)
+        return admin_pb2.CreateTenantResponse(tenant=_tenant_pb(tenant))
 
-    async def UpdateTenant(self, request: admin_pb2.Tenant,
-                           context: aio.ServicerContext[Any, Any]) -> admin_pb2.Tenant:
-        self._guard(request)
-        tenant = await self._directory.update_tenant(request.name, _tenant_body(request))
+    async def UpdateTenant(self, request: admin_pb2.UpdateTenantRequest,
+                           context: aio.ServicerContext[Any, Any]
+                           ) -> admin_pb2.UpdateTenantResponse:
+        self._guard(request.tenant)
+        tenant = await self._directory.update_tenant(request.tenant.name,
+                                                     _tenant_body(request.tenant))
         _log.info("tenant updated", tenant=tenant.name)
-        return _tenant_pb(tenant)
+        return admin_pb2.UpdateTenantResponse(tenant=_tenant_pb(tenant))
 
     async def GetTenant(self, request: admin_pb2.GetTenantRequest,
-                        context: aio.ServicerContext[Any, Any]) -> admin_pb2.Tenant:
-        return _tenant_pb(await self._directory.get_tenant(request.name))
+                        context: aio.ServicerContext[Any, Any]) -> admin_pb2.GetTenantResponse:
+        return admin_pb2.GetTenantResponse(
+            tenant=_tenant_pb(await self._directory.get_tenant(request.name)))
 
     async def ListTenants(self, request: admin_pb2.ListTenantsRequest,
                           context: aio.ServicerContext[Any, Any]
@@ -75,10 +80,11 @@ class TenantAdmin:
         return admin_pb2.ListApiKeysResponse(keys=[_key_pb(k) for k in keys])
 
     async def RevokeApiKey(self, request: admin_pb2.RevokeApiKeyRequest,
-                           context: aio.ServicerContext[Any, Any]) -> admin_pb2.ApiKey:
+                           context: aio.ServicerContext[Any, Any]
+                           ) -> admin_pb2.RevokeApiKeyResponse:
         key = await self._directory.revoke_key(request.id)
         _log.info("api key revoked", key_id=key.id, tenant=key.tenant)
-        return _key_pb(key)
+        return admin_pb2.RevokeApiKeyResponse(key=_key_pb(key))
 
 
 def _tenant_body(request: admin_pb2.Tenant) -> dict[str, Any]:
