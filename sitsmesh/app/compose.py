@@ -32,6 +32,7 @@ from sitsmesh.state import StateStore
 from sitsmesh.status import StatusBoard
 from sitsmesh.transport.admin import AdminServicer
 from sitsmesh.transport.admin.chains import ChainAdmin
+from sitsmesh.transport.admin.paging import PageTokens
 from sitsmesh.transport.admin.pressure import PressureAdmin
 from sitsmesh.transport.admin.ratelimit import RateLimitAdmin
 from sitsmesh.transport.admin.status import StatusAdmin
@@ -164,11 +165,12 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
         raise ValueError("the admin API is served where pressure and swaps are composed")
     # Shared runtime state lifts what --workers N otherwise refuses (see workerguard).
     workers = 1 if settings.shared_runtime == "redis" else settings.workers
+    tokens = PageTokens(store)
     return AdminServicer(
         StatusAdmin(board, store, config_version=settings.config_version, bound=bound),
         RateLimitAdmin(graph.ratelimit.config),
-        TenantAdmin(graph.authz.directory, workers=workers),
-        ChainAdmin(graph.chains.pipelines, graph.chains.assembler, workers=workers,
+        TenantAdmin(graph.authz.directory, tokens, workers=workers),
+        ChainAdmin(graph.chains.pipelines, graph.chains.assembler, tokens, workers=workers,
                    report=graph.chains.report),
         SwapAdmin(graph.swaps.manager),
         PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime),

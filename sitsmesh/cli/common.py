@@ -194,6 +194,22 @@ def call_admin(args: argparse.Namespace, method: str, request: Any,
         return call(request)
 
 
+def all_pages(call: Callable[[Any], Any], request: Any, field: str) -> Any:
+    """Every page of a list RPC joined into one reply: the CLI lists everything, whatever
+    the server's page size."""
+    whole = call(request)
+    reply, seen = whole, set()
+    while reply.next_page_token:
+        if reply.next_page_token in seen:  # a server that would loop forever
+            raise RpcFailed(f"the server repeated page token {reply.next_page_token!r}")
+        seen.add(reply.next_page_token)
+        request.page_token = reply.next_page_token
+        reply = call(request)
+        getattr(whole, field).extend(getattr(reply, field))
+    whole.next_page_token = ""
+    return whole
+
+
 def read_text(path: str | Path, what: str = "") -> str:
     """A file named on the command line; UsageError '<path>: cannot read <what>: <reason>'."""
     try:

@@ -14,6 +14,7 @@ from sitsmesh.cli.common import (
     Subcommands,
     UsageError,
     add_common_admin,
+    all_pages,
     call_admin,
     die,
     examples,
@@ -73,7 +74,8 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
                            admin_pb2.GetPipelineRequest(name=args.name)).pipeline
         render(args, message_dict(reply), reply.yaml.rstrip("\n"))
     elif action == "list":
-        reply = call_admin(args, "ListPipelines", admin_pb2.ListPipelinesRequest())
+        reply = all_pages(lambda r: call_admin(args, "ListPipelines", r),
+                          admin_pb2.ListPipelinesRequest(), "pipelines")
         render(args, message_dict(reply), "\n".join(p.name for p in reply.pipelines) or None)
     else:
         call_admin(args, "DeletePipeline", admin_pb2.DeletePipelineRequest(name=args.name))

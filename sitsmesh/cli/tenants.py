@@ -16,6 +16,7 @@ from sitsmesh.cli.common import (
     Subcommands,
     UsageError,
     add_common_admin,
+    all_pages,
     call_admin,
     examples,
     message_dict,
@@ -122,7 +123,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         _show_tenant(args, call_admin(args, "GetTenant",
                                       admin_pb2.GetTenantRequest(name=args.name)).tenant)
     elif action == "list":
-        reply = call_admin(args, "ListTenants", admin_pb2.ListTenantsRequest())
+        reply = all_pages(lambda r: call_admin(args, "ListTenants", r),
+                          admin_pb2.ListTenantsRequest(), "tenants")
         render(args, message_dict(reply), lambda: tenant_table(reply.tenants))
     else:
         call_admin(args, "DeleteTenant", admin_pb2.DeleteTenantRequest(name=args.name))
@@ -160,8 +162,8 @@ def cmd_apikeys(args: argparse.Namespace) -> int:
             print(f"(key id {reply.key.id} for tenant {reply.key.tenant}; the key is shown "
                   "only now)", file=sys.stderr)
     elif action == "list":
-        reply = call_admin(args, "ListApiKeys", admin_pb2.ListApiKeysRequest(
-            tenant=args.tenant or ""))
+        reply = all_pages(lambda r: call_admin(args, "ListApiKeys", r),
+                          admin_pb2.ListApiKeysRequest(tenant=args.tenant or ""), "keys")
         render(args, message_dict(reply), lambda: apikey_table(reply.keys))
     else:
         key = call_admin(args, "RevokeApiKey", admin_pb2.RevokeApiKeyRequest(id=args.id)).key

@@ -1,5 +1,6 @@
 import datetime
 
+from google.protobuf import field_mask_pb2 as _field_mask_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -468,10 +469,12 @@ class ApplyPipelineResponse(_message.Message):
     def __init__(self, pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
 
 class GetPipelineRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "read_mask")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    READ_MASK_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    read_mask: _field_mask_pb2.FieldMask
+    def __init__(self, name: _Optional[str] = ..., read_mask: _Optional[_Union[_field_mask_pb2.FieldMask, _Mapping]] = ...) -> None: ...
 
 class GetPipelineResponse(_message.Message):
     __slots__ = ("pipeline",)
@@ -480,14 +483,22 @@ class GetPipelineResponse(_message.Message):
     def __init__(self, pipeline: _Optional[_Union[Pipeline, _Mapping]] = ...) -> None: ...
 
 class ListPipelinesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token", "read_mask")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    READ_MASK_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    read_mask: _field_mask_pb2.FieldMask
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., read_mask: _Optional[_Union[_field_mask_pb2.FieldMask, _Mapping]] = ...) -> None: ...
 
 class ListPipelinesResponse(_message.Message):
-    __slots__ = ("pipelines",)
+    __slots__ = ("pipelines", "next_page_token")
     PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pipelines: _containers.RepeatedCompositeFieldContainer[Pipeline]
-    def __init__(self, pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DeletePipelineRequest(_message.Message):
     __slots__ = ("name",)
@@ -677,10 +688,12 @@ class UpdateTenantResponse(_message.Message):
     def __init__(self, tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
 
 class GetTenantRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "read_mask")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    READ_MASK_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    read_mask: _field_mask_pb2.FieldMask
+    def __init__(self, name: _Optional[str] = ..., read_mask: _Optional[_Union[_field_mask_pb2.FieldMask, _Mapping]] = ...) -> None: ...
 
 class GetTenantResponse(_message.Message):
     __slots__ = ("tenant",)
@@ -689,14 +702,22 @@ class GetTenantResponse(_message.Message):
     def __init__(self, tenant: _Optional[_Union[Tenant, _Mapping]] = ...) -> None: ...
 
 class ListTenantsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token", "read_mask")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    READ_MASK_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    read_mask: _field_mask_pb2.FieldMask
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., read_mask: _Optional[_Union[_field_mask_pb2.FieldMask, _Mapping]] = ...) -> None: ...
 
 class ListTenantsResponse(_message.Message):
-    __slots__ = ("tenants",)
+    __slots__ = ("tenants", "next_page_token")
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     tenants: _containers.RepeatedCompositeFieldContainer[Tenant]
-    def __init__(self, tenants: _Optional[_Iterable[_Union[Tenant, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, tenants: _Optional[_Iterable[_Union[Tenant, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DeleteTenantRequest(_message.Message):
     __slots__ = ("name",)
@@ -743,16 +764,24 @@ class CreateApiKeyResponse(_message.Message):
     def __init__(self, key: _Optional[_Union[ApiKey, _Mapping]] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class ListApiKeysRequest(_message.Message):
-    __slots__ = ("tenant",)
+    __slots__ = ("tenant", "page_size", "page_token", "read_mask")
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    READ_MASK_FIELD_NUMBER: _ClassVar[int]
     tenant: str
-    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    read_mask: _field_mask_pb2.FieldMask
+    def __init__(self, tenant: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., read_mask: _Optional[_Union[_field_mask_pb2.FieldMask, _Mapping]] = ...) -> None: ...
 
 class ListApiKeysResponse(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "next_page_token")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedCompositeFieldContainer[ApiKey]
-    def __init__(self, keys: _Optional[_Iterable[_Union[ApiKey, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, keys: _Optional[_Iterable[_Union[ApiKey, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class RevokeApiKeyRequest(_message.Message):
     __slots__ = ("id",)

@@ -15,6 +15,14 @@ from sitsmesh.chains.pipeline import Pipeline
 from sitsmesh.chains.trace import trace_id
 from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from sitsmesh.transport.admin.common import read_yaml, yaml_text
+from sitsmesh.transport.admin.paging import (
+    PageTokens,
+    check_mask,
+    page,
+    page_size,
+    scope_of,
+    trimmed,
+)
 
 _log = logs.get("sitsmesh.admin")
 WINDOWS = {"1m": 60, "5m": 300}
@@ -24,11 +32,13 @@ class ChainAdmin:
     RPCS = ("ApplyPipeline", "GetPipeline", "ListPipelines", "DeletePipeline",
             "GetLatencyChain", "ReportStageLatency")
 
-    def __init__(self, catalog: PipelineCatalog, assembler: Assembler | None, *,
-                 workers: int = 1, report: Callable[[Hop], None] | None = None) -> None:
+    def __init__(self, catalog: PipelineCatalog, assembler: Assembler | None,
+                 tokens: PageTokens, *, workers: int = 1,
+                 report: Callable[[Hop], None] | None = None) -> None:
         """`assembler` is None where this process does not serve the data plane; stage
         reports go to `report` (the shared hop bus) when given, else to it."""
         self._catalog = catalog
+        self._tokens = tokens
         self._assembler = assembler
         self._workers = workers
         self._report = report or (assembler.add if assembler is not None else None)
@@ -49,15 +59,22 @@ class ChainAdmin:
     async def GetPipeline(self, request: admin_pb2.GetPipelineRequest,
                           context: aio.ServicerContext[Any, Any]
                           ) -> admin_pb2.GetPipelineResponse:
+        mask = check_mask(request.read_mask, admin_pb2.Pipeline)
         return admin_pb2.GetPipelineResponse(
-            pipeline=_pipeline_pb(await self._catalog.get(request.name)))
+            pipeline=trimmed(_pipeline_pb(await self._catalog.get(request.name)), mask))
 
     async def ListPipelines(self, request: admin_pb2.ListPipelinesRequest,
                             context: aio.ServicerContext[Any, Any]
                             ) -> admin_pb2.ListPipelinesResponse:
+        size = page_size(request.page_size)
+        mask = check_mask(request.read_mask, admin_pb2.Pipeline)
         await self._catalog.refresh()
-        return admin_pb2.ListPipelinesResponse(pipelines=[
-            _pipeline_pb(p) for _, p in sorted(self._catalog.pipelines.items())])
+        pipelines, token = await page(self._tokens, scope_of("ListPipelines"),
+                                      list(self._catalog.pipelines.values()),
+                                      lambda p: p.name, size=size, token=request.page_token)
+        return admin_pb2.ListPipelinesResponse(
+            pipelines=[trimmed(_pipeline_pb(p), mask) for p in pipelines],
+            next_page_token=token)
 
     async def DeletePipeline(self, request: admin_pb2.DeletePipelineRequest,
                              context: aio.ServicerContext[Any, Any]

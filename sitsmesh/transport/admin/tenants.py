@@ -11,6 +11,14 @@ from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.authz.directory import TenantDirectory
 from sitsmesh.authz.model import ApiKey, Tenant
 from sitsmesh.transport.admin.common import timestamp
+from sitsmesh.transport.admin.paging import (
+    PageTokens,
+    check_mask,
+    page,
+    page_size,
+    scope_of,
+    trimmed,
+)
 
 _log = logs.get("sitsmesh.admin")
 
@@ -19,8 +27,10 @@ class TenantAdmin:
     RPCS = ("CreateTenant", "UpdateTenant", "GetTenant", "ListTenants", "DeleteTenant",
             "CreateApiKey", "ListApiKeys", "RevokeApiKey")
 
-    def __init__(self, directory: TenantDirectory, *, workers: int = 1) -> None:
+    def __init__(self, directory: TenantDirectory, tokens: PageTokens, *,
+                 workers: int = 1) -> None:
         self._directory = directory
+        self._tokens = tokens
         self._workers = workers
 
     def _guard(self, request: admin_pb2.Tenant) -> None:
@@ -47,14 +57,20 @@ class TenantAdmin:
 
     async def GetTenant(self, request: admin_pb2.GetTenantRequest,
                         context: aio.ServicerContext[Any, Any]) -> admin_pb2.GetTenantResponse:
+        mask = check_mask(request.read_mask, admin_pb2.Tenant)
         return admin_pb2.GetTenantResponse(
-            tenant=_tenant_pb(await self._directory.get_tenant(request.name)))
+            tenant=trimmed(_tenant_pb(await self._directory.get_tenant(request.name)), mask))
 
     async def ListTenants(self, request: admin_pb2.ListTenantsRequest,
                           context: aio.ServicerContext[Any, Any]
                           ) -> admin_pb2.ListTenantsResponse:
-        tenants = await self._directory.list_tenants()
-        return admin_pb2.ListTenantsResponse(tenants=[_tenant_pb(t) for t in tenants])
+        size = page_size(request.page_size)
+        mask = check_mask(request.read_mask, admin_pb2.Tenant)
+        tenants, token = await page(self._tokens, scope_of("ListTenants"),
+                                    await self._directory.list_tenants(), lambda t: t.name,
+                                    size=size, token=request.page_token)
+        return admin_pb2.ListTenantsResponse(
+            tenants=[trimmed(_tenant_pb(t), mask) for t in tenants], next_page_token=token)
 
     async def DeleteTenant(self, request: admin_pb2.DeleteTenantRequest,
                            context: aio.ServicerContext[Any, Any]
@@ -76,8 +92,13 @@ class TenantAdmin:
     async def ListApiKeys(self, request: admin_pb2.ListApiKeysRequest,
                           context: aio.ServicerContext[Any, Any]
                           ) -> admin_pb2.ListApiKeysResponse:
-        keys = await self._directory.list_keys(request.tenant)
-        return admin_pb2.ListApiKeysResponse(keys=[_key_pb(k) for k in keys])
+        size = page_size(request.page_size)
+        mask = check_mask(request.read_mask, admin_pb2.ApiKey)
+        keys, token = await page(self._tokens, scope_of("ListApiKeys", request.tenant),
+                                 await self._directory.list_keys(request.tenant),
+                                 lambda k: k.id, size=size, token=request.page_token)
+        return admin_pb2.ListApiKeysResponse(keys=[trimmed(_key_pb(k), mask) for k in keys],
+                                             next_page_token=token)
 
     async def RevokeApiKey(self, request: admin_pb2.RevokeApiKeyRequest,
                            context: aio.ServicerContext[Any, Any]
