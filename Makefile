@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-unit test-integration lint protos check-protos bench sysdeps clean
+.PHONY: run test test-unit test-integration lint protos check-protos check-breaking bench sysdeps clean
 
 $(PY): | sysdeps
 	$(PYTHON) -m venv $(VENV)
@@ -45,21 +45,33 @@ ISTIO_SCHEMAS := tests/istio/node_modules/.package-lock.json
 $(ISTIO_SCHEMAS): tests/istio/package-lock.json | sysdeps
 	npm ci --prefix tests/istio --no-audit --no-fund --silent
 
+# The buf CLI (admin API lint and breaking-change check), pinned in its lock file; the
+# platform binary comes as an optional dependency of @bufbuild/buf.
+BUF       := tools/buf/node_modules/.bin/buf
+BUF_STAMP := tools/buf/node_modules/.package-lock.json
+$(BUF_STAMP): tools/buf/package-lock.json | sysdeps
+	npm ci --prefix tools/buf --no-audit --no-fund --silent
+
+check-breaking: $(BUF_STAMP)
+	scripts/check_breaking.sh
+
 # Two passes: most tests spread over two workers, then the ones that judge timing under
 # their own load, alone (the `serial` list in tests/conftest.py).
-test: sysdeps $(STAMP) $(ISTIO_SCHEMAS) check-protos
+test: sysdeps $(STAMP) $(ISTIO_SCHEMAS) $(BUF_STAMP) check-protos
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "not serial"
 	$(VENV)/bin/pytest -q -m serial
 
-test-unit: $(STAMP) $(ISTIO_SCHEMAS)
+test-unit: $(STAMP) $(ISTIO_SCHEMAS) $(BUF_STAMP)
 	$(VENV)/bin/pytest -q tests/unit
 
 test-integration: $(STAMP)
 	$(VENV)/bin/pytest -q tests/integration
 
-lint: $(STAMP)
+lint: $(STAMP) $(BUF_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(BUF) lint protos
+	scripts/check_breaking.sh
 
 protos: $(STAMP)
 	PYTHON=$(PY) scripts/gen_protos.sh
