@@ -160,8 +160,10 @@ def set_policy(stack: Stack, policy: str) -> None:
         raise BenchError(f"sitsmesh thresholds set ({policy}) failed: {done.stderr}")
     # Every replica: the others read the thresholds from the shared state store.
     try:
-        harness.wait_until(lambda: all(_pressure_is(stack, lambda p: p.policy == policy, n)
-                                       for n in stack.nodes), 20,
+        def applied(p: admin_pb2.PipelinePressure) -> bool:
+            return word(admin_pb2.PressurePolicy, p.policy) == policy
+
+        harness.wait_until(lambda: all(_pressure_is(stack, applied, n) for n in stack.nodes), 20,
                            f"sitsmesh to apply policy {policy}", interval=0.1)
     except TimeoutError as exc:
         raise BenchError(str(exc)) from exc
@@ -224,7 +226,8 @@ class Recorder:
                         continue
                     stage = next((s for s in p.stages if s.name == bottleneck), None)
                     self.pressure.append((now, {
-                        "policy": p.policy, "fraction": p.fraction, "cutoff": p.cutoff,
+                        "policy": word(admin_pb2.PressurePolicy, p.policy),
+                        "fraction": p.fraction, "cutoff": p.cutoff,
                         "concurrency": p.concurrency,
                         "level": word(admin_pb2.PressureLevel, p.level),
                         "bottleneck": p.bottleneck, "lam": p.arrival_rate,

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from sitsmesh.admin.enums import word
+from sitsmesh.admin.enums import label, word
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.cli.common import (
     EXIT_FAILED,
@@ -85,7 +85,8 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 def _options(args: argparse.Namespace) -> Any:
     options = admin_pb2.SwapOptions(
-        warmup_count=max(0, args.warmup_count), warmup_data=args.warmup_data,
+        warmup_count=max(0, args.warmup_count),
+        warmup_data=label(admin_pb2.WarmupData, args.warmup_data),
         verify_probes=max(0, args.probes), max_latency_ratio=args.max_latency_ratio,
         drain_timeout_s=args.drain_timeout, load_timeout_s=args.load_timeout)
     if args.sample:

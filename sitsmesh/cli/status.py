@@ -58,7 +58,7 @@ def _status_text(reply: admin_pb2.GetStatusResponse) -> str:
              f"config {reply.config_version}   state revision {reply.state_revision}",
              f"data {reply.data_addr}   admin {reply.admin_addr}   metrics {reply.metrics_addr}",
              "", table([("SERVICE", "SERVER", "STATE"),
-                        *((s.name or "(server)", s.server,
+                        *((s.name or "(server)", word(admin_pb2.Listener, s.server),
                            word(admin_pb2.ServingState, s.state).upper())
                           for s in reply.services)])]
     if reply.workers:

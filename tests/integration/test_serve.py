@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from sitsmesh.admin.enums import word
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 
@@ -37,7 +38,7 @@ def test_get_status_reports_version_uptime_services_and_config(
     assert reply.data_addr == sitsmesh.data_addr
     assert reply.admin_addr == sitsmesh.admin_addr
     assert reply.metrics_addr == sitsmesh.metrics_addr
-    states = {(s.server, s.name): s.state for s in reply.services}
+    states = {(word(admin_pb2.Listener, s.server), s.name): s.state for s in reply.services}
     serving = admin_pb2.SERVING_STATE_SERVING
     assert states == {("data", ""): serving,
                       ("data", "envoy.service.ratelimit.v3.RateLimitService"): serving,

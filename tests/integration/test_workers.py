@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from sitsmesh.admin.enums import word
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 
@@ -45,7 +46,8 @@ def test_two_workers_share_the_port_and_a_killed_one_is_replaced(start_sitsmesh:
 
     harness.wait_until(replaced, 20, "the killed worker to be restarted")
     assert harness.health_status(node.data_addr) == 1
-    data = {(s.server, s.name): s.state for s in _status(node).services}
+    data = {(word(admin_pb2.Listener, s.server), s.name): s.state
+            for s in _status(node).services}
     assert data[("data", "")] == admin_pb2.SERVING_STATE_SERVING
     assert '"worker exited; restarting"' in node.output()
 

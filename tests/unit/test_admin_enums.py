@@ -8,6 +8,7 @@ from google.protobuf.json_format import MessageToDict
 from sitsmesh.admin.enums import label, word, words, words_in
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.pressure.stages import HIGH, OK, OVERLOADED, STALE
+from sitsmesh.pressure.thresholds import POLICIES
 from sitsmesh.swap.machine import PROGRESS
 from sitsmesh.swap.record import FAILED, INTERRUPTED, ROLLED_BACK, RUNNING, SUCCEEDED
 
@@ -33,6 +34,8 @@ def test_every_word_the_domain_uses_has_an_enum_value() -> None:
     assert set(words(admin_pb2.SwapPhase)) == set(PROGRESS)
     assert set(words(admin_pb2.SwapState)) == {RUNNING, SUCCEEDED, FAILED, ROLLED_BACK,
                                                INTERRUPTED}
+    assert words(admin_pb2.PressurePolicy) == list(POLICIES)
+    assert words(admin_pb2.WarmupData) == ["zero", "random"]
 
 
 def test_words_in_spells_nested_and_repeated_enums_and_leaves_the_rest() -> None:

@@ -70,6 +70,25 @@ class SwapState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SWAP_STATE_ROLLED_BACK: _ClassVar[SwapState]
     SWAP_STATE_FAILED: _ClassVar[SwapState]
     SWAP_STATE_INTERRUPTED: _ClassVar[SwapState]
+
+class PressurePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRESSURE_POLICY_UNSPECIFIED: _ClassVar[PressurePolicy]
+    PRESSURE_POLICY_SITSMESH: _ClassVar[PressurePolicy]
+    PRESSURE_POLICY_SEED: _ClassVar[PressurePolicy]
+    PRESSURE_POLICY_OFF: _ClassVar[PressurePolicy]
+
+class WarmupData(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WARMUP_DATA_UNSPECIFIED: _ClassVar[WarmupData]
+    WARMUP_DATA_ZERO: _ClassVar[WarmupData]
+    WARMUP_DATA_RANDOM: _ClassVar[WarmupData]
+
+class Listener(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LISTENER_UNSPECIFIED: _ClassVar[Listener]
+    LISTENER_DATA: _ClassVar[Listener]
+    LISTENER_ADMIN: _ClassVar[Listener]
 SERVING_STATE_UNSPECIFIED: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_NOT_SERVING: ServingState
@@ -109,6 +128,16 @@ SWAP_STATE_SUCCEEDED: SwapState
 SWAP_STATE_ROLLED_BACK: SwapState
 SWAP_STATE_FAILED: SwapState
 SWAP_STATE_INTERRUPTED: SwapState
+PRESSURE_POLICY_UNSPECIFIED: PressurePolicy
+PRESSURE_POLICY_SITSMESH: PressurePolicy
+PRESSURE_POLICY_SEED: PressurePolicy
+PRESSURE_POLICY_OFF: PressurePolicy
+WARMUP_DATA_UNSPECIFIED: WarmupData
+WARMUP_DATA_ZERO: WarmupData
+WARMUP_DATA_RANDOM: WarmupData
+LISTENER_UNSPECIFIED: Listener
+LISTENER_DATA: Listener
+LISTENER_ADMIN: Listener
 
 class GetThresholdsRequest(_message.Message):
     __slots__ = ("pipeline",)
@@ -248,7 +277,7 @@ class PipelinePressure(_message.Message):
     SHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     pipeline: str
-    policy: str
+    policy: PressurePolicy
     fraction: float
     cutoff: float
     concurrency: int
@@ -260,7 +289,7 @@ class PipelinePressure(_message.Message):
     in_flight: int
     shed_total: int
     stages: _containers.RepeatedCompositeFieldContainer[StagePressure]
-    def __init__(self, pipeline: _Optional[str] = ..., policy: _Optional[str] = ..., fraction: _Optional[float] = ..., cutoff: _Optional[float] = ..., concurrency: _Optional[int] = ..., protected_from: _Optional[int] = ..., retry_after_s: _Optional[int] = ..., bottleneck: _Optional[str] = ..., level: _Optional[_Union[PressureLevel, str]] = ..., arrival_rate: _Optional[float] = ..., in_flight: _Optional[int] = ..., shed_total: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StagePressure, _Mapping]]] = ...) -> None: ...
+    def __init__(self, pipeline: _Optional[str] = ..., policy: _Optional[_Union[PressurePolicy, str]] = ..., fraction: _Optional[float] = ..., cutoff: _Optional[float] = ..., concurrency: _Optional[int] = ..., protected_from: _Optional[int] = ..., retry_after_s: _Optional[int] = ..., bottleneck: _Optional[str] = ..., level: _Optional[_Union[PressureLevel, str]] = ..., arrival_rate: _Optional[float] = ..., in_flight: _Optional[int] = ..., shed_total: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StagePressure, _Mapping]]] = ...) -> None: ...
 
 class WatchPressureResponse(_message.Message):
     __slots__ = ("at", "pipelines")
@@ -331,7 +360,7 @@ class SwapOptions(_message.Message):
     LOAD_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_PENDING_FIELD_NUMBER: _ClassVar[int]
     warmup_count: int
-    warmup_data: str
+    warmup_data: WarmupData
     sample: _containers.MessageMap[str, SampleValues]
     verify_probes: int
     max_latency_ratio: float
@@ -339,7 +368,7 @@ class SwapOptions(_message.Message):
     drain_timeout_s: float
     load_timeout_s: float
     max_pending: int
-    def __init__(self, warmup_count: _Optional[int] = ..., warmup_data: _Optional[str] = ..., sample: _Optional[_Mapping[str, SampleValues]] = ..., verify_probes: _Optional[int] = ..., max_latency_ratio: _Optional[float] = ..., latency_slack_ms: _Optional[float] = ..., drain_timeout_s: _Optional[float] = ..., load_timeout_s: _Optional[float] = ..., max_pending: _Optional[int] = ...) -> None: ...
+    def __init__(self, warmup_count: _Optional[int] = ..., warmup_data: _Optional[_Union[WarmupData, str]] = ..., sample: _Optional[_Mapping[str, SampleValues]] = ..., verify_probes: _Optional[int] = ..., max_latency_ratio: _Optional[float] = ..., latency_slack_ms: _Optional[float] = ..., drain_timeout_s: _Optional[float] = ..., load_timeout_s: _Optional[float] = ..., max_pending: _Optional[int] = ...) -> None: ...
 
 class SwapModelRequest(_message.Message):
     __slots__ = ("model", "target_version", "endpoint", "options")
@@ -863,9 +892,9 @@ class ServiceStatus(_message.Message):
     SERVER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     name: str
-    server: str
+    server: Listener
     state: ServingState
-    def __init__(self, name: _Optional[str] = ..., server: _Optional[str] = ..., state: _Optional[_Union[ServingState, str]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., server: _Optional[_Union[Listener, str]] = ..., state: _Optional[_Union[ServingState, str]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("index", "pid", "alive", "restarts")

@@ -23,8 +23,8 @@ MAX_ACTOR = 200
 
 def pipeline_pb(decision: Decision, in_flight: int, shed: int) -> admin_pb2.PipelinePressure:
     message = admin_pb2.PipelinePressure(
-        pipeline=decision.pipeline, policy=decision.policy, fraction=decision.fraction,
-        cutoff=decision.cutoff, concurrency=decision.concurrency,
+        pipeline=decision.pipeline, policy=label(admin_pb2.PressurePolicy, decision.policy),
+        fraction=decision.fraction, cutoff=decision.cutoff, concurrency=decision.concurrency,
         protected_from=decision.protected_from, retry_after_s=decision.retry_after_s,
         bottleneck=decision.bottleneck,
         level=label(admin_pb2.PressureLevel, decision.level),

@@ -8,6 +8,7 @@ from typing import Any
 from grpc import aio
 
 from sitsmesh import __version__
+from sitsmesh.admin.enums import label
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
@@ -39,7 +40,8 @@ class StatusAdmin:
             uptime_seconds=self._board.uptime(),
             started_at=timestamp(self._board.started_at),
             services=[
-                admin_pb2.ServiceStatus(name=s.name, server=s.server, state=_STATES[s.state])
+                admin_pb2.ServiceStatus(name=s.name, server=label(admin_pb2.Listener, s.server),
+                                        state=_STATES[s.state])
                 for s in self._board.services()
             ],
             config_version=self._config_version,

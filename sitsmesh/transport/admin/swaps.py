@@ -8,7 +8,7 @@ from typing import Any
 
 from grpc import aio
 
-from sitsmesh.admin.enums import label
+from sitsmesh.admin.enums import label, word
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.swap.machine import SwapEvent
 from sitsmesh.swap.manager import SwapManager
@@ -23,7 +23,7 @@ def options_from(message: admin_pb2.SwapOptions) -> SwapOptions:
     """Zero or unset means the default, as the proto documents."""
     return SwapOptions(
         warmup_count=message.warmup_count or _DEFAULTS.warmup_count,
-        warmup_data=message.warmup_data or _DEFAULTS.warmup_data,
+        warmup_data=word(admin_pb2.WarmupData, message.warmup_data) or _DEFAULTS.warmup_data,
         sample={name: tuple(values.values) for name, values in message.sample.items()},
         verify_probes=message.verify_probes or _DEFAULTS.verify_probes,
         max_latency_ratio=message.max_latency_ratio or _DEFAULTS.max_latency_ratio,
