@@ -47,12 +47,15 @@ class AsyncClient:
     async def stream(self, method: str, request: Any, *,
                      deadline: float | None = None) -> AsyncIterator[Any]:
         """Any server-streaming RPC by name, its replies as they come."""
+        call = getattr(self.stub, method)(request, metadata=self._metadata, timeout=deadline)
         try:
-            async for reply in getattr(self.stub, method)(request, metadata=self._metadata,
-                                                          timeout=deadline):
+            async for reply in call:
                 yield reply
         except grpc.RpcError as exc:
             raise error_from(exc, method) from None
+        finally:
+            # A caller that stops iterating ends the stream on the server too.
+            call.cancel()
 
     async def _pages(self, method: str, request: Any, field: str) -> AsyncIterator[Any]:
         while True:

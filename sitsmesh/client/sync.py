@@ -46,11 +46,14 @@ class Client:
     def stream(self, method: str, request: Any, *,
                deadline: float | None = None) -> Iterator[Any]:
         """Any server-streaming RPC by name, its replies as they come."""
+        call = getattr(self.stub, method)(request, metadata=self._metadata, timeout=deadline)
         try:
-            yield from getattr(self.stub, method)(request, metadata=self._metadata,
-                                                  timeout=deadline)
+            yield from call
         except grpc.RpcError as exc:
             raise error_from(exc, method) from None
+        finally:
+            # A caller that stops iterating ends the stream on the server too.
+            call.cancel()
 
     def _pages(self, method: str, request: Any, field: str) -> Iterator[Any]:
         while True:
