@@ -172,6 +172,6 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
         TenantAdmin(graph.authz.directory, tokens, workers=workers),
         ChainAdmin(graph.chains.pipelines, graph.chains.assembler, tokens, workers=workers,
                    report=graph.chains.report),
-        SwapAdmin(graph.swaps.manager),
-        PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime),
+        SwapAdmin(graph.swaps.manager, tokens),
+        PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime, tokens),
     )

@@ -194,20 +194,27 @@ def call_admin(args: argparse.Namespace, method: str, request: Any,
         return call(request)
 
 
-def all_pages(call: Callable[[Any], Any], request: Any, field: str) -> Any:
-    """Every page of a list RPC joined into one reply: the CLI lists everything, whatever
-    the server's page size."""
+def all_pages(call: Callable[[Any], Any], request: Any, field: str, limit: int = 0) -> Any:
+    """Every page of a list RPC joined into one reply (the first `limit` items when > 0):
+    the CLI lists everything, whatever the server's page size."""
+    if limit > 0:
+        request.page_size = min(limit, MAX_PAGE)
     whole = call(request)
     reply, seen = whole, set()
-    while reply.next_page_token:
+    while reply.next_page_token and not 0 < limit <= len(getattr(whole, field)):
         if reply.next_page_token in seen:  # a server that would loop forever
             raise RpcFailed(f"the server repeated page token {reply.next_page_token!r}")
         seen.add(reply.next_page_token)
         request.page_token = reply.next_page_token
         reply = call(request)
         getattr(whole, field).extend(getattr(reply, field))
+    if limit > 0:
+        del getattr(whole, field)[limit:]
     whole.next_page_token = ""
     return whole
+
+
+MAX_PAGE = 1000  # the server's bound on page_size
 
 
 def read_text(path: str | Path, what: str = "") -> str:

@@ -17,6 +17,7 @@ from sitsmesh.cli.common import (
     UsageError,
     add_common_admin,
     admin_call,
+    all_pages,
     call_admin,
     examples,
     message_dict,
@@ -62,7 +63,7 @@ def add_commands(sub: Subcommands) -> None:
                            ).add_subparsers(dest="swaps_command", required=True)
     p = swaps.add_parser("list", help="recent swaps, newest first")
     p.add_argument("--model", default="")
-    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--limit", type=int, default=20, help="at most this many (0: all)")
     add_common_admin(p)
     p.set_defaults(func=cmd_swaps_list)
     p = swaps.add_parser("get", help="one swap, step by step")
@@ -167,8 +168,9 @@ def _summary(record: Any) -> str:
 
 
 def cmd_swaps_list(args: argparse.Namespace) -> int:
-    reply = call_admin(args, "ListSwaps", admin_pb2.ListSwapsRequest(
-        model=args.model, limit=max(0, args.limit)))
+    reply = all_pages(lambda r: call_admin(args, "ListSwaps", r),
+                      admin_pb2.ListSwapsRequest(model=args.model), "swaps",
+                      limit=max(0, args.limit))
     rows = [("ID", "MODEL", "FROM", "TO", "STATE", "PHASE", "ERROR")]
     rows += [(r.id, r.model, str(r.from_version) if r.HasField("from_version") else "-",
               str(r.to_version), word(admin_pb2.SwapState, r.state),

@@ -20,6 +20,7 @@ from sitsmesh.cli.common import (
     add_common_admin,
     add_output,
     admin_call,
+    all_pages,
     call_admin,
     dump,
     examples,
@@ -50,7 +51,7 @@ def add_commands(sub: Subcommands) -> None:
     p.set_defaults(func=cmd_thresholds_set)
     p = thresholds.add_parser("history", help="who changed which thresholds, newest first")
     p.add_argument("pipeline", nargs="?", default="")
-    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--limit", type=int, default=20, help="at most this many (0: all)")
     add_common_admin(p)
     p.set_defaults(func=cmd_thresholds_history)
 
@@ -116,8 +117,9 @@ def cmd_thresholds_set(args: argparse.Namespace) -> int:
 
 
 def cmd_thresholds_history(args: argparse.Namespace) -> int:
-    reply = call_admin(args, "ListThresholdChanges", admin_pb2.ListThresholdChangesRequest(
-        pipeline=args.pipeline, limit=max(0, args.limit)))
+    reply = all_pages(lambda r: call_admin(args, "ListThresholdChanges", r),
+                      admin_pb2.ListThresholdChangesRequest(pipeline=args.pipeline), "changes",
+                      limit=max(0, args.limit))
     doc = [{"pipeline": c.pipeline, "actor": c.actor, "peer": c.peer,
             "at": c.at.ToJsonString(), "before": yaml.safe_load(c.before),
             "after": yaml.safe_load(c.after)} for c in reply.changes]

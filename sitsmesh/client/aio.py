@@ -165,6 +165,18 @@ class AsyncClient:
             model=model, target_version=target_version, endpoint=endpoint, options=options),
             deadline=deadline)
 
+    def swaps(self, model: str = "", *fields: str,
+              page_size: int = 0) -> AsyncIterator[admin_pb2.SwapRecord]:
+        """Every swap (of `model`, when given), newest first."""
+        return self._pages("ListSwaps", admin_pb2.ListSwapsRequest(
+            model=model, page_size=page_size, read_mask=mask(fields)), "swaps")
+
+    def threshold_changes(self, pipeline: str = "", *fields: str,
+                          page_size: int = 0) -> AsyncIterator[admin_pb2.ThresholdChange]:
+        """Every thresholds change (of `pipeline`, when given), newest first."""
+        return self._pages("ListThresholdChanges", admin_pb2.ListThresholdChangesRequest(
+            pipeline=pipeline, page_size=page_size, read_mask=mask(fields)), "changes")
+
     async def get_swap(self, swap_id: str) -> admin_pb2.SwapRecord:
         reply: admin_pb2.GetSwapResponse = await self.call("GetSwap",
                                                      admin_pb2.GetSwapRequest(id=swap_id))

@@ -115,3 +115,44 @@ def test_read_masks_trim_and_bad_paging_input_is_refused(
                           timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "page_token is not one this API issued" in (err.value.details() or "")
+
+
+PIPELINE = """name: duo
+stages:
+  - name: front
+    match: {upstream_cluster: front}
+"""
+
+
+def test_threshold_changes_page_newest_first_and_the_cli_honours_its_limit(
+        sitsmesh: harness.Sitsmesh,
+        stub: tuple[admin_pb2_grpc.AdminServiceStub, tuple[tuple[str, str], ...]]) -> None:
+    admin, md = stub
+    admin.ApplyPipeline(admin_pb2.ApplyPipelineRequest(yaml=PIPELINE), metadata=md, timeout=5)
+    for i in range(5):
+        admin.SetThresholds(admin_pb2.SetThresholdsRequest(
+            pipeline="duo", yaml=f"queue_fill_high: 0.{i + 5}\n"), metadata=md, timeout=5)
+    whole = admin.ListThresholdChanges(admin_pb2.ListThresholdChangesRequest(pipeline="duo"),
+                                       metadata=md, timeout=5)
+    stamps = [c.at.ToNanoseconds() for c in whole.changes]
+    assert len(stamps) == 5 and stamps == sorted(stamps, reverse=True)
+    assert not whole.next_page_token
+
+    paged: list[admin_pb2.ThresholdChange] = []
+    request = admin_pb2.ListThresholdChangesRequest(
+        pipeline="duo", page_size=2, read_mask=FieldMask(paths=["at", "after"]))
+    while True:
+        reply = admin.ListThresholdChanges(request, metadata=md, timeout=5)
+        paged += reply.changes
+        if not reply.next_page_token:
+            break
+        request.page_token = reply.next_page_token
+    assert [(c.at, c.after) for c in paged] == [(c.at, c.after) for c in whole.changes]
+    assert not any(c.pipeline or c.actor for c in paged)  # trimmed by the mask
+
+    three = sitsmesh.cli("thresholds", "history", "duo", "--limit", "3", "-o", "json")
+    assert three.returncode == 0, three.stderr
+    assert [c["after"]["queue_fill_high"] for c in json.loads(three.stdout)] == [
+        0.9, 0.8, 0.7]
+    every = sitsmesh.cli("thresholds", "history", "--limit", "0", "-o", "json")
+    assert len(json.loads(every.stdout)) == 5

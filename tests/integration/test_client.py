@@ -47,6 +47,11 @@ def test_sync_client_manages_tenants_keys_and_pipelines(sitsmesh: harness.Sitsme
         assert admin.apply_pipeline(PIPELINE, "duo.yaml").name == "duo"
         assert [p.name for p in admin.pipelines()] == ["duo"]
         assert admin.get_pipeline("duo", "name") == admin_pb2.Pipeline(name="duo")
+        for fill in ("0.7", "0.6"):
+            admin.set_thresholds("duo", f"queue_fill_high: {fill}\n")
+        assert admin.get_thresholds("duo").yaml.count("queue_fill_high: 0.6") == 1
+        assert [c.pipeline for c in admin.threshold_changes("duo", page_size=1)] == ["duo"] * 2
+        assert list(admin.swaps()) == []
         admin.delete_tenant("t6")
         assert "t6" not in {t.name for t in admin.tenants()}
 

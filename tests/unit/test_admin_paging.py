@@ -11,6 +11,7 @@ import pytest
 from google.protobuf.field_mask_pb2 import FieldMask
 
 from sitsmesh.admin.v1 import admin_pb2
+from sitsmesh.cli.common import RpcFailed, all_pages
 from sitsmesh.errors import InvalidArgumentError
 from sitsmesh.state.sqlite import SqliteStore
 from sitsmesh.transport.admin.paging import (
@@ -18,6 +19,7 @@ from sitsmesh.transport.admin.paging import (
     MAX_PAGE_SIZE,
     PageTokens,
     check_mask,
+    newest_first,
     page,
     page_size,
     scope_of,
@@ -108,3 +110,39 @@ def test_a_read_mask_trims_to_the_named_fields_and_refuses_unknown_ones() -> Non
         check_mask(FieldMask(paths=["name", "nmae", "secret"]), admin_pb2.Tenant)
     with pytest.raises(InvalidArgumentError, match=r"read_mask: name\.first not a field"):
         check_mask(FieldMask(paths=["name.first"]), admin_pb2.Tenant)
+
+
+def test_newest_first_keys_sort_later_times_first_and_ties_by_the_tie() -> None:
+    times = [1.5, 1_700_000_000.25, 1_700_000_000.5, 0.0]
+    keys = sorted([newest_first(t, "b") for t in times] + [newest_first(1.5, "a")])
+    assert keys == [newest_first(1_700_000_000.5, "b"), newest_first(1_700_000_000.25, "b"),
+                    newest_first(1.5, "a"), newest_first(1.5, "b"), newest_first(0.0, "b")]
+
+
+def test_the_cli_joins_pages_and_stops_at_its_limit() -> None:
+    """What `tenants list` / `swaps list --limit N` do with a server of small pages."""
+    names = [f"t{i}" for i in range(7)]
+    sent: list[admin_pb2.ListTenantsRequest] = []
+
+    def call(request: admin_pb2.ListTenantsRequest) -> admin_pb2.ListTenantsResponse:
+        sent.append(admin_pb2.ListTenantsRequest(page_size=request.page_size,
+                                                 page_token=request.page_token))
+        start = int(request.page_token or 0)
+        end = min(start + 3, len(names))
+        return admin_pb2.ListTenantsResponse(
+            tenants=[admin_pb2.Tenant(name=n) for n in names[start:end]],
+            next_page_token=str(end) if end < len(names) else "")
+
+    whole = all_pages(call, admin_pb2.ListTenantsRequest(), "tenants")
+    assert ([t.name for t in whole.tenants], whole.next_page_token) == (names, "")
+    assert [r.page_token for r in sent] == ["", "3", "6"]
+    sent.clear()
+    first = all_pages(call, admin_pb2.ListTenantsRequest(), "tenants", limit=4)
+    assert [t.name for t in first.tenants] == names[:4]
+    assert [(r.page_size, r.page_token) for r in sent] == [(4, ""), (4, "3")]
+
+    def stuck(request: admin_pb2.ListTenantsRequest) -> admin_pb2.ListTenantsResponse:
+        return admin_pb2.ListTenantsResponse(next_page_token="same")
+
+    with pytest.raises(RpcFailed, match="the server repeated page token 'same'"):
+        all_pages(stuck, admin_pb2.ListTenantsRequest(), "tenants")

@@ -196,18 +196,24 @@ class ThresholdChange(_message.Message):
     def __init__(self, pipeline: _Optional[str] = ..., actor: _Optional[str] = ..., peer: _Optional[str] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., before: _Optional[str] = ..., after: _Optional[str] = ...) -> None: ...
 
 class ListThresholdChangesRequest(_message.Message):
-    __slots__ = ("pipeline", "limit")
+    __slots__ = ("pipeline", "page_size", "page_token", "read_mask")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
-    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    READ_MASK_FIELD_NUMBER: _ClassVar[int]
     pipeline: str
-    limit: int
-    def __init__(self, pipeline: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    read_mask: _field_mask_pb2.FieldMask
+    def __init__(self, pipeline: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., read_mask: _Optional[_Union[_field_mask_pb2.FieldMask, _Mapping]] = ...) -> None: ...
 
 class ListThresholdChangesResponse(_message.Message):
-    __slots__ = ("changes",)
+    __slots__ = ("changes", "next_page_token")
     CHANGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     changes: _containers.RepeatedCompositeFieldContainer[ThresholdChange]
-    def __init__(self, changes: _Optional[_Iterable[_Union[ThresholdChange, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, changes: _Optional[_Iterable[_Union[ThresholdChange, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WatchPressureRequest(_message.Message):
     __slots__ = ("pipeline", "interval_ms", "count")
@@ -462,18 +468,24 @@ class GetSwapResponse(_message.Message):
     def __init__(self, swap: _Optional[_Union[SwapRecord, _Mapping]] = ...) -> None: ...
 
 class ListSwapsRequest(_message.Message):
-    __slots__ = ("model", "limit")
+    __slots__ = ("model", "page_size", "page_token", "read_mask")
     MODEL_FIELD_NUMBER: _ClassVar[int]
-    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    READ_MASK_FIELD_NUMBER: _ClassVar[int]
     model: str
-    limit: int
-    def __init__(self, model: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    read_mask: _field_mask_pb2.FieldMask
+    def __init__(self, model: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., read_mask: _Optional[_Union[_field_mask_pb2.FieldMask, _Mapping]] = ...) -> None: ...
 
 class ListSwapsResponse(_message.Message):
-    __slots__ = ("swaps",)
+    __slots__ = ("swaps", "next_page_token")
     SWAPS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     swaps: _containers.RepeatedCompositeFieldContainer[SwapRecord]
-    def __init__(self, swaps: _Optional[_Iterable[_Union[SwapRecord, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, swaps: _Optional[_Iterable[_Union[SwapRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class Pipeline(_message.Message):
     __slots__ = ("name", "yaml")

@@ -112,6 +112,15 @@ async def page(tokens: PageTokens, scope: str, items: Sequence[T], key: Callable
     return chunk, (await tokens.issue(scope, key(chunk[-1])) if more else "")
 
 
+# Newest first as an ascending key: seconds before a time far in the future, fixed width.
+FAR_FUTURE_S = 1e13
+
+
+def newest_first(at: float, tie: str) -> str:
+    """A `page` key that sorts later times first; `tie` orders items of the same time."""
+    return f"{FAR_FUTURE_S - at:021.6f}|{tie}"
+
+
 def check_mask(mask: FieldMask, message_type: type[Message]) -> FieldMask | None:
     """The read mask, validated against the message it trims; None when it is empty."""
     if not mask.paths:

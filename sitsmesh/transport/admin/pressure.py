@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,9 +14,18 @@ from sitsmesh.admin.enums import label
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from sitsmesh.pressure.controller import Decision, Snapshot
-from sitsmesh.pressure.ledger import ThresholdLedger
+from sitsmesh.pressure.ledger import Change, ThresholdLedger
 from sitsmesh.pressure.runtime import PressureRuntime
 from sitsmesh.transport.admin.common import read_yaml, timestamp, yaml_text
+from sitsmesh.transport.admin.paging import (
+    PageTokens,
+    check_mask,
+    newest_first,
+    page,
+    page_size,
+    scope_of,
+    trimmed,
+)
 from sitsmesh.transport.auth import admin_actor
 
 ACTOR_METADATA = "x-sitsmesh-actor"
@@ -46,8 +57,10 @@ def pipeline_pb(decision: Decision, in_flight: int, shed: int) -> admin_pb2.Pipe
 class PressureAdmin:
     RPCS = ("GetThresholds", "SetThresholds", "ListThresholdChanges", "WatchPressure")
 
-    def __init__(self, thresholds: ThresholdLedger, runtime: PressureRuntime | None) -> None:
+    def __init__(self, thresholds: ThresholdLedger, runtime: PressureRuntime | None,
+                 tokens: PageTokens) -> None:
         """`runtime` is None where this process does not run the controller."""
+        self._tokens = tokens
         self._thresholds = thresholds
         self._pressure = runtime
 
@@ -79,11 +92,17 @@ class PressureAdmin:
     async def ListThresholdChanges(self, request: admin_pb2.ListThresholdChangesRequest,
                                    context: aio.ServicerContext[Any, Any]
                                    ) -> admin_pb2.ListThresholdChangesResponse:
-        changes = await self._thresholds.changes(request.pipeline, request.limit or 50)
-        return admin_pb2.ListThresholdChangesResponse(changes=[
+        size = page_size(request.page_size)
+        mask = check_mask(request.read_mask, admin_pb2.ThresholdChange)
+        changes, token = await page(
+            self._tokens, scope_of("ListThresholdChanges", request.pipeline),
+            await self._thresholds.changes(request.pipeline, 0), _change_key, size=size,
+            token=request.page_token)
+        return admin_pb2.ListThresholdChangesResponse(changes=[trimmed(
             admin_pb2.ThresholdChange(pipeline=c.pipeline, actor=c.actor, peer=c.peer,
                                       at=timestamp(c.at), before=yaml_text(c.before),
-                                      after=yaml_text(c.after)) for c in changes])
+                                      after=yaml_text(c.after)), mask) for c in changes],
+            next_page_token=token)
 
     async def WatchPressure(self, request: admin_pb2.WatchPressureRequest,
                             context: aio.ServicerContext[Any, Any]
@@ -118,6 +137,13 @@ class PressureAdmin:
             message.pipelines.append(pipeline_pb(snapshot.decisions[name], signals.in_flight,
                                                  signals.shed))
         return message
+
+
+def _change_key(change: Change) -> str:
+    # Changes have no id: two at the same instant are told apart by what they were.
+    what = json.dumps([change.pipeline, change.actor, change.peer, change.before,
+                       change.after], sort_keys=True, default=str)
+    return newest_first(change.at, hashlib.sha256(what.encode()).hexdigest()[:16])
 
 
 def _require_pipeline(pipeline: str) -> None:

@@ -15,6 +15,15 @@ from sitsmesh.swap.manager import SwapManager
 from sitsmesh.swap.override import SwapOptions
 from sitsmesh.swap.record import SwapRecord
 from sitsmesh.transport.admin.common import timestamp
+from sitsmesh.transport.admin.paging import (
+    PageTokens,
+    check_mask,
+    newest_first,
+    page,
+    page_size,
+    scope_of,
+    trimmed,
+)
 
 _DEFAULTS = SwapOptions()
 
@@ -66,8 +75,9 @@ def _event_pb(event: SwapEvent) -> admin_pb2.SwapModelResponse:
 class SwapAdmin:
     RPCS = ("ListModels", "SwapModel", "GetSwap", "ListSwaps")
 
-    def __init__(self, swaps: SwapManager) -> None:
+    def __init__(self, swaps: SwapManager, tokens: PageTokens) -> None:
         self._swaps = swaps
+        self._tokens = tokens
 
     async def ListModels(self, request: admin_pb2.ListModelsRequest,
                          context: aio.ServicerContext[Any, Any]
@@ -113,5 +123,11 @@ class SwapAdmin:
 
     async def ListSwaps(self, request: admin_pb2.ListSwapsRequest,
                         context: aio.ServicerContext[Any, Any]) -> admin_pb2.ListSwapsResponse:
-        records = await self._swaps.recent(request.model, request.limit or 50)
-        return admin_pb2.ListSwapsResponse(swaps=[record_pb(r) for r in records])
+        size = page_size(request.page_size)
+        mask = check_mask(request.read_mask, admin_pb2.SwapRecord)
+        records, token = await page(
+            self._tokens, scope_of("ListSwaps", request.model),
+            await self._swaps.recent(request.model, 0), lambda r: newest_first(r.started_at, r.id),
+            size=size, token=request.page_token)
+        return admin_pb2.ListSwapsResponse(swaps=[trimmed(record_pb(r), mask) for r in records],
+                                           next_page_token=token)
