@@ -278,6 +278,14 @@ def _reload_everywhere(component: RateLimitComponent, pools: list[WorkerPool],
     return on_hup
 
 
+async def _close(servers: list[aio.Server], httpd: Any) -> None:
+    for server in servers:
+        await server.stop(0)
+    if httpd is not None:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def _admin_token(settings: Settings) -> str:
     token, created = admintoken.load_or_create(settings.token_path, os.environ)
     if created:
@@ -312,6 +320,7 @@ async def run(settings: Settings) -> int:
     store = await open_store(settings.state_url, settings.state_dir)
     access = admincreds.build(settings, store, lambda: _admin_token(settings),
                               on_reject=auth_failures.inc)
+    credentials_watch = admincreds.Watch(settings, access)
     role = compose.Role.SINGLE if settings.workers == 1 else compose.Role.SUPERVISOR
     graph = compose.build(settings, store, metric_registry, board, role)
     _register_state_metrics(registry, board, graph)
@@ -325,6 +334,7 @@ async def run(settings: Settings) -> int:
     httpd = None
     try:
         await graph.start()
+        credentials_watch.start()
         await compose.check_workers(graph, settings)
         if role is compose.Role.SINGLE:
             data_server, bound["data"] = await _start_data(
@@ -356,11 +366,8 @@ async def run(settings: Settings) -> int:
         if pool is not None:
             clean = await pool.wait(settings.drain_seconds + settings.grace_seconds + 5)
     finally:
-        for server in servers:
-            await server.stop(0)
-        if httpd is not None:
-            httpd.shutdown()
-            httpd.server_close()
+        await _close(servers, httpd)
+        await credentials_watch.stop()
         await graph.stop()
         await store.close()
     _log.info("stopped", clean=clean)

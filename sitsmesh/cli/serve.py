@@ -159,7 +159,8 @@ _FLAG_HELP = {
                                "the objective of the highest priority at or below its own",
     # admin access (per-team RBAC): README "Admin credentials and roles"
     "admin_credentials": "YAML file of named admin credentials with roles (viewer, operator, "
-                         "admin); reloaded on SIGHUP. Unset: the one admin token",
+                         "admin); reloaded when it changes or on SIGHUP. Unset: the one admin "
+                         "token",
 }
 
 

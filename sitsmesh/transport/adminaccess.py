@@ -160,11 +160,11 @@ class AdminAccess:
         credential, by_token = self._authenticate(context, identities)
         if credential is None:
             self._on_reject()
-            reason = ("wrong bearer token" if by_token else
-                      "no credential for the client certificate" if identities else
-                      "missing bearer token")
+            why = ("wrong bearer token" if by_token else
+                   "no credential for the client certificate" if identities else
+                   "missing bearer token")
             _log.warning("admin call rejected", method=method, peer=context.peer(),
-                         identities=list(identities), reason=reason)
+                         identities=list(identities), reason=why)
             await abort(context, _UNAUTHENTICATED)
         actor = credential.name
         if by_token and identities:

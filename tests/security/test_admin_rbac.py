@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -186,7 +187,7 @@ def _log(node: harness.Sitsmesh) -> list[dict[str, Any]]:
     return out
 
 
-def test_a_bad_reload_keeps_the_credentials_in_use(tmp_path: Path) -> None:
+def test_the_file_reloads_and_a_bad_reload_keeps_the_credentials_in_use(tmp_path: Path) -> None:
     creds = tmp_path / "credentials.yaml"
     creds.write_text(_credentials())
     node = harness.start_sitsmesh(tmp_path, "--admin-credentials", str(creds))
@@ -196,18 +197,39 @@ def test_a_bad_reload_keeps_the_credentials_in_use(tmp_path: Path) -> None:
             request = admin_pb2.ListTenantsRequest()
             assert _code(stub, "ListTenants", request, LATE)[0] == \
                 grpc.StatusCode.UNAUTHENTICATED
+            # A changed file is picked up by itself (reload_interval_seconds), no signal.
             creds.write_text(_credentials({"name": "late", "role": "viewer",
                                            "token_hash": hash_token(LATE)}))
-            node.proc.send_signal(signal.SIGHUP)
             harness.wait_until(lambda: _code(stub, "ListTenants", request, LATE)[0]
                                == grpc.StatusCode.OK, 10, "the reloaded credential")
             creds.write_text(_credentials({"name": "late", "role": "superuser",
                                            "token_hash": hash_token(LATE)}))
-            node.proc.send_signal(signal.SIGHUP)
             harness.wait_until(lambda: "admin credentials not reloaded" in node.output(),
                                10, "the refused reload")
             assert _code(stub, "ListTenants", request, LATE)[0] == grpc.StatusCode.OK
             assert "unknown role 'superuser'" in node.output()
+    finally:
+        node.kill()
+
+
+def test_sighup_reloads_the_file(tmp_path: Path) -> None:
+    creds = tmp_path / "credentials.yaml"
+    creds.write_text(_credentials())
+    # An interval of an hour: only the signal can be what reloads it here.
+    node = harness.start_sitsmesh(tmp_path, "--admin-credentials", str(creds),
+                                  "--reload-interval-seconds", "3600")
+    try:
+        with grpc.insecure_channel(node.admin_addr) as channel:
+            stub = admin_pb2_grpc.AdminStub(channel)
+            request = admin_pb2.ListTenantsRequest()
+            creds.write_text(_credentials({"name": "late", "role": "viewer",
+                                           "token_hash": hash_token(LATE)}))
+            time.sleep(0.5)
+            assert _code(stub, "ListTenants", request, LATE)[0] == \
+                grpc.StatusCode.UNAUTHENTICATED
+            node.proc.send_signal(signal.SIGHUP)
+            harness.wait_until(lambda: _code(stub, "ListTenants", request, LATE)[0]
+                               == grpc.StatusCode.OK, 10, "the credential SIGHUP loaded")
     finally:
         node.kill()
 
