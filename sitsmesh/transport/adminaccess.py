@@ -135,12 +135,11 @@ class AdminAccess:
         wanted = rule(method)
         if inspect.isasyncgenfunction(inner):
             async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-                token = _CALLER.set(await self._check(method, wanted, request, context))
-                try:
-                    async for item in inner(request, context):
-                        yield item
-                finally:
-                    _CALLER.reset(token)
+                # Not reset after: a generator may be closed from another context (which
+                # reset() refuses), and each RPC runs in a task, and a context, of its own.
+                _CALLER.set(await self._check(method, wanted, request, context))
+                async for item in inner(request, context):
+                    yield item
 
             return stream
 
