@@ -3,6 +3,7 @@ logic. Through a real server: tests/security/test_admin_rbac.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,31 @@ def test_policy() -> None:
         "scope")
     assert denial(TEAM_A, WRITE, GLOBAL, "") == (
         "credential 'team-a' (operator) may not write global settings: only admins may")
+
+
+def test_the_cli_hashes_generates_and_checks(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from sitsmesh.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(TOKEN + "\n"))
+    assert main(["admin-credentials", "hash"]) == 0
+    assert capsys.readouterr().out == f"token_hash: {HASH}\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO("short"))
+    assert main(["admin-credentials", "hash"]) == 2
+    assert "token is 5 bytes" in capsys.readouterr().err
+
+    assert main(["admin-credentials", "generate", "-o", "json"]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert hash_token(made["token"]) == made["token_hash"]
+    assert len(made["token"]) >= 43  # 32 random bytes, base64url
+
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(_doc()))
+    assert main(["admin-credentials", "check", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "NAME    ROLE      PROOF  SCOPES", "team-a  operator  token  tenants=a"]
+    path.write_text(json.dumps(_doc(role="root")))
+    assert main(["admin-credentials", "check", str(path)]) == 2
+    assert "unknown role 'root'" in capsys.readouterr().err
