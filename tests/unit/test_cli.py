@@ -21,6 +21,7 @@ from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.cli import (
     build_parser,
     completion,
+    credentials,
     dev,
     main,
     models,
@@ -43,7 +44,8 @@ from sitsmesh.cli.common import (
 )
 
 GROUPS = ["serve", "status", "health", "ratelimit", "tenants", "apikeys", "pipelines", "chain",
-          "dev", "models", "swaps", "thresholds", "pressure", "simulate", "completion"]
+          "dev", "models", "swaps", "thresholds", "pressure", "simulate", "admin-credentials",
+          "completion"]
 
 # Every leaf command with the fewest arguments it parses with, and the function it runs.
 COMMANDS: list[tuple[list[str], Callable[[argparse.Namespace], int]]] = [
@@ -77,6 +79,9 @@ COMMANDS: list[tuple[list[str], Callable[[argparse.Namespace], int]]] = [
     (["thresholds", "history"], pressure.cmd_thresholds_history),
     (["pressure", "watch"], pressure.cmd_pressure_watch),
     (["simulate", "--pipeline", "p.yaml", "--load", "l.yaml"], pressure.cmd_simulate),
+    (["admin-credentials", "generate"], credentials.cmd_generate),
+    (["admin-credentials", "hash"], credentials.cmd_hash),
+    (["admin-credentials", "check", "c.yaml"], credentials.cmd_check),
     (["completion", "bash"], completion.cmd_completion),
 ]
 
@@ -131,7 +136,7 @@ def test_the_list_above_has_every_command() -> None:
     listed = {next(tuple(argv[:n]) for n in range(len(argv), 0, -1) if tuple(argv[:n]) in leaves)
               for argv, _ in COMMANDS}
     assert listed == leaves
-    assert len(leaves) == len(COMMANDS) == 31
+    assert len(leaves) == len(COMMANDS) == 34
 
 
 def test_help_lists_every_group_in_order(monkeypatch: pytest.MonkeyPatch,
@@ -144,7 +149,7 @@ def test_help_lists_every_group_in_order(monkeypatch: pytest.MonkeyPatch,
     assert out.startswith("usage: sitsmesh [-h] [--version]")
     assert ("The `sitsmesh` command: `serve` runs the control plane; the rest speak to a "
             "running one.") in " ".join(out.split())
-    match = re.search(r"\{([a-z,]+)\}", out)
+    match = re.search(r"\{([a-z,-]+)\}", out)
     assert match is not None, out
     assert match.group(1).split(",") == GROUPS
     for group in GROUPS:
