@@ -32,6 +32,7 @@ from sitsmesh.state import StateStore
 from sitsmesh.status import StatusBoard
 from sitsmesh.transport.admin import AdminServicer
 from sitsmesh.transport.admin.chains import ChainAdmin
+from sitsmesh.transport.admin.config import ConfigServicer
 from sitsmesh.transport.admin.pressure import PressureAdmin
 from sitsmesh.transport.admin.ratelimit import RateLimitAdmin
 from sitsmesh.transport.admin.status import StatusAdmin
@@ -173,3 +174,12 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
         SwapAdmin(graph.swaps.manager),
         PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime),
     )
+
+
+def config_servicer(graph: Graph, settings: Settings, store: StateStore) -> ConfigServicer:
+    """The declarative ConfigService over the same views the Admin RPCs write through."""
+    if graph.pressure is None:
+        raise ValueError("the admin API is served where pressure and swaps are composed")
+    workers = 1 if settings.shared_runtime == "redis" else settings.workers
+    return ConfigServicer(store, graph.authz.directory, graph.chains.pipelines,
+                          graph.pressure.thresholds, graph.ratelimit.config, workers=workers)

@@ -16,18 +16,32 @@ from sitsmesh.errors import InvalidArgumentError
 # request from holding the admin server (and the state store's transaction) for long.
 MAX_BYTES = 1 << 20
 MAX_DOCUMENTS = 500
+MAX_DEPTH = 64  # a rate-limit config nests descriptors a few levels; YAML's composer recurses
+
+
+def _line(event: yaml.Event) -> int:
+    return event.start_mark.line + 1 if event.start_mark else 0
 
 
 def _refuse_aliases(text: str, source: str) -> None:
     """Anchors and aliases let a few bytes expand into millions of nodes (a "billion
-    laughs"); config files never need them, so they are refused before anything is built."""
+    laughs"), and deep nesting overflows the recursive composer; config files need
+    neither, so both are refused from the event stream before any object is built."""
+    depth = 0
     try:
         for event in yaml.parse(text, Loader=yaml.SafeLoader):
             if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-                line = event.start_mark.line + 1 if event.start_mark else 0
                 raise InvalidArgumentError(
-                    f"{source}: line {line}: YAML anchors and aliases are not "
+                    f"{source}: line {_line(event)}: YAML anchors and aliases are not "
                     "accepted in declarative config")
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise InvalidArgumentError(
+                        f"{source}: line {_line(event)}: nested deeper than {MAX_DEPTH} "
+                        "levels")
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
     except yaml.YAMLError as exc:
         raise InvalidArgumentError(
             f"{source}: invalid YAML: {str(exc).splitlines()[0]}") from None
@@ -43,9 +57,9 @@ def load(text: str, source: str = "request") -> list[Any]:
     docs: list[Any] = []
     try:
         for doc in yaml.safe_load_all(text):
-            if doc is None:
-                continue
-            docs.append(doc)
+            # A JSON array of documents (what `get -o json` prints for several) is read
+            # as its items.
+            docs.extend(d for d in (doc if isinstance(doc, list) else [doc]) if d is not None)
             if len(docs) > MAX_DOCUMENTS:
                 raise InvalidArgumentError(
                     f"{source}: more than {MAX_DOCUMENTS} documents in one apply; split it")
