@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from sitsmesh import __version__
 from sitsmesh.cli import (
     completion,
+    declarative,
     dev,
     models,
     pipelines,
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_commands(sub)
     models.add_commands(sub)
     pressure.add_commands(sub)
+    declarative.add_commands(sub)
     completion.add_commands(sub, parser)
     return parser
 
