@@ -1,0 +1,115 @@
+"""ConfigService.Apply over a real SQLite store: a change made between the read and the
+commit fails the whole apply with ABORTED and writes nothing; otherwise all at once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from sitsmesh.admin.v1 import config_pb2
+from sitsmesh.authz.directory import TenantDirectory
+from sitsmesh.chains.catalog import PipelineCatalog
+from sitsmesh.pressure.ledger import ThresholdLedger
+from sitsmesh.pressure.thresholds import AUDIT_KIND
+from sitsmesh.ratelimit.reload import ConfigManager
+from sitsmesh.state import Delete, Put
+from sitsmesh.state.sqlite import SqliteStore
+from sitsmesh.transport.admin.config import ConfigServicer
+
+DOCS = """\
+apiVersion: sitsmesh.io/v1alpha1
+kind: Tenant
+metadata: {name: team-a}
+spec: {models: [bert], priority: %d}
+---
+apiVersion: sitsmesh.io/v1alpha1
+kind: Thresholds
+metadata: {name: checkout}
+spec: {policy: seed}
+"""
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    def __init__(self) -> None:
+        self.status: tuple[grpc.StatusCode, str] | None = None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.status = (code, details)
+        raise Aborted
+
+    def auth_context(self) -> dict[str, Any]:
+        return {}
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+
+class RacingStore(SqliteStore):
+    """Another admin changes the tenant between Apply's read and its commit."""
+
+    race = False
+
+    async def apply(self, writes: Sequence[Put | Delete]) -> int:
+        if self.race:
+            self.race = False
+            record = await self.get("tenant", "team-a")
+            assert record is not None
+            await self.put("tenant", "team-a", {**record.body, "priority": 9})
+        return await super().apply(writes)
+
+
+def servicer(store: SqliteStore) -> ConfigServicer:
+    return ConfigServicer(store, TenantDirectory(store), PipelineCatalog(store),
+                          ThresholdLedger(store), ConfigManager([], store, None))
+
+
+async def test_concurrent_change_aborts_the_whole_apply(tmp_path: Path) -> None:
+    store = RacingStore(tmp_path / "state.db")
+    config = servicer(store)
+    await config.Apply(config_pb2.ApplyRequest(documents=DOCS % 1), Context())
+    before = await store.revision()
+    audits = len(await store.list(AUDIT_KIND))
+
+    store.race = True
+    context = Context()
+    with pytest.raises(Aborted):
+        await config.Apply(config_pb2.ApplyRequest(
+            documents=(DOCS % 2).replace("policy: seed", "policy: 'off'")), context)
+    assert context.status is not None
+    code, details = context.status
+    assert code == grpc.StatusCode.ABORTED
+    assert "nothing was applied" in details
+    # Only the racing write landed: neither the tenant, the thresholds nor their audit.
+    assert await store.revision() == before + 1
+    tenant = await store.get("tenant", "team-a")
+    thresholds = await store.get("thresholds", "checkout")
+    assert tenant is not None and thresholds is not None
+    assert tenant.body["priority"] == 9
+    assert thresholds.body["policy"] == "seed"
+    assert len(await store.list(AUDIT_KIND)) == audits
+    await store.close()
+
+
+async def test_apply_commits_every_document_and_audits_thresholds(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    config = servicer(store)
+    before = await store.revision()
+    reply = await config.Apply(config_pb2.ApplyRequest(documents=DOCS % 1), Context())
+    assert reply.applied
+    assert reply.revision == before + 1  # one transaction, one revision
+    assert [(r.kind, r.action) for r in reply.results] == [
+        ("Tenant", config_pb2.APPLY_ACTION_CREATED),
+        ("Thresholds", config_pb2.APPLY_ACTION_CREATED)]
+    (audit,) = await store.list(AUDIT_KIND)
+    assert (audit.body["pipeline"], audit.body["actor"]) == ("checkout", "token")
+    again = await config.Apply(config_pb2.ApplyRequest(documents=DOCS % 1), Context())
+    assert not again.applied and again.revision == reply.revision
+    await store.close()
