@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from sitsmesh.authz.keypolicy import MAX_KEYS, MAX_TTL_S, key_policy_from
 from sitsmesh.authz.model import MAX_PRIORITY, tenant_from
 from sitsmesh.chains.pipeline import pipeline_from
 from sitsmesh.errors import SitsmeshError
@@ -43,6 +44,12 @@ class TenantSpec(_Strict):
     max_priority: Annotated[int, Field(ge=0, le=MAX_PRIORITY)] = 0
     max_concurrency: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     labels: dict[str, str] = Field(default_factory=dict)
+
+
+class ApiKeyPolicySpec(_Strict):
+    """What the keys of the tenant metadata.name may be (checked when a key is made)."""
+    max_ttl_s: Annotated[int, Field(ge=0, le=MAX_TTL_S)] = 0
+    max_active_keys: Annotated[int, Field(ge=0, le=MAX_KEYS)] = 0
 
 
 class StageMatch(_Strict):
@@ -179,6 +186,17 @@ class TenantDocument(Document):
         return {k: v for k, v in body.items() if k != "uid"}  # the store's, never a file's
 
 
+class ApiKeyPolicyDocument(Document):
+    KIND = "ApiKeyPolicy"
+    PLURAL = "apikeypolicies"
+    kind: Literal["ApiKeyPolicy"]
+    spec: ApiKeyPolicySpec
+
+    @classmethod
+    def canonical(cls, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return key_policy_from(name, spec).to_body()
+
+
 class PipelineDocument(Document):
     KIND = "Pipeline"
     PLURAL = "pipelines"
@@ -223,5 +241,5 @@ class RateLimitConfigDocument(Document):
 
 
 KINDS: dict[str, type[Document]] = {
-    d.KIND: d for d in (TenantDocument, PipelineDocument, ThresholdsDocument,
-                        RateLimitConfigDocument)}
+    d.KIND: d for d in (TenantDocument, ApiKeyPolicyDocument, PipelineDocument,
+                        ThresholdsDocument, RateLimitConfigDocument)}

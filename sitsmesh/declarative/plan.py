@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from sitsmesh.authz.keypolicy import KEYPOLICY_KIND
 from sitsmesh.authz.model import APIKEY_KIND, TENANT_KIND
 from sitsmesh.chains.pipeline import PIPELINE_KIND
 from sitsmesh.declarative.models import API_VERSION, KINDS, Document
@@ -20,8 +21,9 @@ from sitsmesh.ratelimit.reload import KIND as RATELIMIT_KIND
 from sitsmesh.state import Delete, Put, Record
 
 # Declarative kind -> the state store's kind, the one the imperative RPCs write.
-STORE_KIND = {"Tenant": TENANT_KIND, "Pipeline": PIPELINE_KIND,
-              "Thresholds": THRESHOLDS_KIND, "RateLimitConfig": RATELIMIT_KIND}
+STORE_KIND = {"Tenant": TENANT_KIND, "ApiKeyPolicy": KEYPOLICY_KIND,
+              "Pipeline": PIPELINE_KIND, "Thresholds": THRESHOLDS_KIND,
+              "RateLimitConfig": RATELIMIT_KIND}
 # metadata.labels of applied objects, apart from their bodies (which the domain validators
 # keep strict): name "<Kind>/<name>", body {"labels": {...}}. Prune reads them.
 LABELS_KIND = "declarative-labels"

@@ -58,6 +58,13 @@ spec:
       rate_limit: {unit: second, requests_per_unit: 50}
 """
 
+POLICY = """\
+apiVersion: sitsmesh.io/v1alpha1
+kind: ApiKeyPolicy
+metadata: {name: team-a}
+spec: {max_ttl_s: 3600}
+"""
+
 BAD_PIPELINE = """\
 ---
 apiVersion: sitsmesh.io/v1alpha1
@@ -198,3 +205,12 @@ def test_applied_tenant_admits_a_request_and_a_change_takes_effect(
     ok(node.cli("apply", "-f", str(write(tmp_path, "moved.yaml", moved))))
     assert check(node, key["key"]) == code_pb2.PERMISSION_DENIED
     assert check(node, key["key"], model="llama") == code_pb2.OK
+
+    # An ApiKeyPolicy governs the keys made after it: here, at most an hour each.
+    ok(node.cli("apply", "-f", str(write(tmp_path, "policy.yaml", POLICY))))
+    refused = node.cli("apikeys", "create", "--tenant", "team-a")
+    assert refused.returncode == 1
+    assert "tenant team-a: its ApiKeyPolicy lets keys live at most 3600 s" in refused.stderr
+    ok(node.cli("apikeys", "create", "--tenant", "team-a", "--expires", "30m"))
+    assert yaml.safe_load(ok(node.cli("get", "apikeypolicy", "team-a", "-o", "yaml")))[
+        "spec"] == {"max_ttl_s": 3600, "max_active_keys": 0}

@@ -19,6 +19,7 @@ KUBERNETES_VERSION = "1.30.0"
 
 SAMPLES: dict[str, dict[str, Any]] = {
     "Tenant": {"models": ["resnet*"], "priority": 3, "max_concurrency": 8},
+    "ApiKeyPolicy": {"max_ttl_s": 86400, "max_active_keys": 2},
     "Pipeline": {"stages": [{"name": "pre", "match": {"upstream_cluster": "pre"}},
                             {"name": "model", "match": {"header": "model"},
                              "sla_p99_ms": 40, "triton_model": "resnet"}]},
@@ -76,6 +77,7 @@ def test_sample_resource_matches_its_crd_and_json_schema(kind: str) -> None:
 @pytest.mark.parametrize(("kind", "spec"), [
     ("Tenant", {"priority": 12}),
     ("Tenant", {"models": []}),
+    ("ApiKeyPolicy", {"max_ttl_s": -1}),
     ("Pipeline", {"stages": [{"name": "Bad Name", "match": {"header": "x"}}]}),
     ("Thresholds", {"tick_ms": 5}),
     ("RateLimitConfig", {"descriptors": [{"value": "no-key"}]}),
