@@ -56,8 +56,8 @@ def add_commands(sub: Subcommands) -> None:
                        **examples("sitsmesh get tenants -o yaml",
                                   "sitsmesh get pipeline checkout -o json",
                                   "sitsmesh get all -o yaml > live.yaml"))
-    p.add_argument("kind", help="Tenant, Pipeline, Thresholds, RateLimitConfig (any case, "
-                   "singular or plural), or all")
+    p.add_argument("kind", help="Tenant, ApiKeyPolicy, Pipeline, Thresholds, "
+                   "RateLimitConfig (any case, singular or plural), or all")
     p.add_argument("name", nargs="?", default="")
     add_common_admin(p)
     p.set_defaults(func=cmd_get)
@@ -83,24 +83,20 @@ def _file_flags(p: argparse.ArgumentParser) -> None:
                    help="the label --prune is scoped to")
 
 
-def read_documents(paths: list[str]) -> tuple[str, str]:
-    """(all documents as one multi-document text, the source names)."""
-    texts, names = [], []
+def read_files(paths: list[str]) -> list[tuple[str, str]]:
+    """(name, text) of every file the -f flags name, a directory's in name order."""
+    found = []
     for raw in paths:
         if raw == "-":
-            texts.append(sys.stdin.read())
-            names.append("<stdin>")
+            found.append(("<stdin>", sys.stdin.read()))
             continue
         path = Path(raw)
         files = (sorted(p for p in path.iterdir() if p.suffix in _SUFFIXES and p.is_file())
                  if path.is_dir() else [path])
         if path.is_dir() and not files:
             raise UsageError(f"{raw}: no *.yaml, *.yml or *.json files in the directory")
-        for file in files:
-            texts.append(read_text(file, "config file"))
-            names.append(str(file))
-    # JSON is YAML, so one stream of `---`-separated documents holds both.
-    return "\n---\n".join(t.rstrip("\n") for t in texts) + "\n", ", ".join(names)
+        found += [(str(file), read_text(file, "config file")) for file in files]
+    return found
 
 
 def _request(args: argparse.Namespace, dry_run: bool) -> Any:
@@ -110,9 +106,10 @@ def _request(args: argparse.Namespace, dry_run: bool) -> Any:
         raise UsageError("--prune needs -l KEY=VALUE: only labelled objects are pruned")
     if args.selector and not args.prune:
         raise UsageError("-l is only used with --prune")
-    text, source = read_documents(args.files)
-    return config_pb2.ApplyRequest(documents=text, source=source, dry_run=dry_run,
-                                   prune=args.prune, prune_selector=args.selector)
+    files = [config_pb2.ApplyFile(name=name, documents=text)
+             for name, text in read_files(args.files)]
+    return config_pb2.ApplyRequest(files=files, dry_run=dry_run, prune=args.prune,
+                                   prune_selector=args.selector)
 
 
 def call_config(args: argparse.Namespace, method: str, request: Any) -> Any:

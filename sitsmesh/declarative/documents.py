@@ -47,12 +47,16 @@ def _refuse_aliases(text: str, source: str) -> None:
             f"{source}: invalid YAML: {str(exc).splitlines()[0]}") from None
 
 
-def load(text: str, source: str = "request") -> list[Any]:
-    """The non-empty documents of `text`; InvalidArgumentError past the bounds."""
-    size = len(text.encode("utf-8"))
+def _too_big(size: int, source: str) -> None:
     if size > MAX_BYTES:
         raise InvalidArgumentError(f"{source}: {size} bytes is more than the {MAX_BYTES} an "
                                    "apply accepts; split it into several applies")
+
+
+def load(text: str, source: str = "request", room: int = MAX_DOCUMENTS) -> list[Any]:
+    """The non-empty documents of `text`; InvalidArgumentError past the bounds (`room`:
+    how many documents the apply may still take)."""
+    _too_big(len(text.encode("utf-8")), source)
     _refuse_aliases(text, source)
     docs: list[Any] = []
     try:
@@ -60,7 +64,7 @@ def load(text: str, source: str = "request") -> list[Any]:
             # A JSON array of documents (what `get -o json` prints for several) is read
             # as its items.
             docs.extend(d for d in (doc if isinstance(doc, list) else [doc]) if d is not None)
-            if len(docs) > MAX_DOCUMENTS:
+            if len(docs) > room:
                 raise InvalidArgumentError(
                     f"{source}: more than {MAX_DOCUMENTS} documents in one apply; split it")
     except yaml.YAMLError as exc:
@@ -69,11 +73,42 @@ def load(text: str, source: str = "request") -> list[Any]:
     return docs
 
 
-def _label(index: int, raw: Any) -> str:
+def load_files(files: Sequence[tuple[str, str]], objects: Sequence[Any] = ()
+               ) -> tuple[list[Any], list[str]]:
+    """The documents of every (name, text) file and the structured `objects`, with where
+    each came from ("tenants.yaml: document 2"); the bounds hold for them all together."""
+    _too_big(sum(len(text.encode("utf-8")) for _, text in files), "the files together")
+    raws: list[Any] = []
+    where: list[str] = []
+    for name, text in files:
+        found = load(text, name, MAX_DOCUMENTS - len(raws) - len(objects))
+        raws += found
+        where += [f"{name}: document {i}" for i in range(len(found))]
+    if len(raws) + len(objects) > MAX_DOCUMENTS:
+        raise InvalidArgumentError(f"more than {MAX_DOCUMENTS} documents in one apply; "
+                                   "split it")
+    raws += [integral(o) for o in objects]
+    where += [f"objects[{i}]" for i in range(len(objects))]
+    return raws, where
+
+
+def integral(value: Any) -> Any:
+    """A google.protobuf.Struct's numbers are all doubles: whole ones back to ints, as the
+    same document read from YAML holds them (the domain validators want integers)."""
+    if isinstance(value, dict):
+        return {k: integral(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [integral(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _label(where: str, raw: Any) -> str:
     kind = raw.get("kind") if isinstance(raw, dict) else None
     meta = raw.get("metadata") if isinstance(raw, dict) else None
     name = meta.get("name") if isinstance(meta, dict) else None
-    return f"document {index} ({kind or '?'}/{name or '?'})"
+    return f"{where} ({kind or '?'}/{name or '?'})"
 
 
 def _one(raw: Any) -> Document:
@@ -97,24 +132,26 @@ def explain(exc: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def validate(raws: Sequence[Any]) -> list[Document]:
-    """Every document validated; all errors reported at once, each naming its document."""
+def validate(raws: Sequence[Any], where: Sequence[str] = ()) -> list[Document]:
+    """Every document validated; all errors reported at once, each naming its document
+    (`where[i]`, else "document i")."""
     docs: list[Document] = []
     errors: list[str] = []
-    seen: dict[tuple[str, str], int] = {}
+    seen: dict[tuple[str, str], str] = {}
     for index, raw in enumerate(raws):
+        label = _label(where[index] if where else f"document {index}", raw)
         try:
             doc = _one(raw)
         except ValidationError as exc:
-            errors.append(f"{_label(index, raw)}: {explain(exc)}")
+            errors.append(f"{label}: {explain(exc)}")
             continue
         except ValueError as exc:
-            errors.append(f"{_label(index, raw)}: {exc}")
+            errors.append(f"{label}: {exc}")
             continue
         key = (doc.KIND, doc.metadata.name)
         if key in seen:
-            errors.append(f"{_label(index, raw)}: also defined by document {seen[key]}")
-        seen.setdefault(key, index)
+            errors.append(f"{label}: also defined by {seen[key]}")
+        seen.setdefault(key, label.rsplit(" (", 1)[0])
         docs.append(doc)
     if errors:
         raise InvalidArgumentError("\n".join(errors))

@@ -141,8 +141,8 @@ def test_bad_document_or_dry_run_writes_nothing(tmp_path: Path, start_sitsmesh: 
     bad = write(tmp_path, "bad.yaml", CONFIG + BAD_PIPELINE)
     refused = node.cli("apply", "-f", str(bad))
     assert refused.returncode == 1
-    assert "document 4 (Pipeline/broken): pipeline broken: stages[0]: match must have " \
-           "exactly one of upstream_cluster, route_name, header" in refused.stderr
+    assert "bad.yaml: document 4 (Pipeline/broken): pipeline broken: stages[0]: match must " \
+           "have exactly one of upstream_cluster, route_name, header" in refused.stderr
     assert ok(node.cli("get", "all")) == "no objects\n"
 
     config = write(tmp_path, "config.yaml", CONFIG)

@@ -32,12 +32,17 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Sitsmesh]
     started.kill()
 
 
+def one(text: str) -> config_pb2.ApplyFile:
+    return config_pb2.ApplyFile(name="t.yaml", documents=text)
+
+
 def apply(node: harness.Sitsmesh, text: str, metadata: tuple[tuple[str, str], ...] | None = None
           ) -> config_pb2.ApplyResponse:
     with grpc.insecure_channel(node.admin_addr, options=[
             ("grpc.max_send_message_length", 8 << 20)]) as channel:
         reply: config_pb2.ApplyResponse = config_pb2_grpc.ConfigServiceStub(channel).Apply(
-            config_pb2.ApplyRequest(documents=text, source="attack.yaml"), timeout=10,
+            config_pb2.ApplyRequest(
+                files=[config_pb2.ApplyFile(name="attack.yaml", documents=text)]), timeout=10,
             metadata=node.admin_metadata() if metadata is None else metadata)
         return reply
 
@@ -54,7 +59,7 @@ def nothing_stored(node: harness.Sitsmesh) -> None:
         stub = config_pb2_grpc.ConfigServiceStub(channel)
         reply = stub.Get(config_pb2.GetRequest(), timeout=5, metadata=node.admin_metadata())
         assert list(reply.documents) == []
-        dry = stub.Apply(config_pb2.ApplyRequest(documents=TENANT.format(n="ok"),
+        dry = stub.Apply(config_pb2.ApplyRequest(files=[one(TENANT.format(n="ok"))],
                                                  dry_run=True),
                          timeout=5, metadata=node.admin_metadata())
     assert [(r.name, r.action) for r in dry.results] == [("tok",
@@ -113,7 +118,7 @@ def test_prune_never_touches_unlabelled_records(node: harness.Sitsmesh) -> None:
         assert [r.name for r in reply.results] == ["tx"]
         with grpc.insecure_channel(node.admin_addr) as channel:
             pruned = config_pb2_grpc.ConfigServiceStub(channel).Apply(
-                config_pb2.ApplyRequest(documents=TENANT.format(n="x"), prune=True,
+                config_pb2.ApplyRequest(files=[one(TENANT.format(n="x"))], prune=True,
                                         prune_selector="sitsmesh.io/managed-by=team-a"),
                 timeout=5, metadata=node.admin_metadata())
         assert [r.action for r in pruned.results] == [config_pb2.APPLY_ACTION_UNCHANGED]

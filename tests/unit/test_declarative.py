@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 
 from sitsmesh.authz.model import APIKEY_KIND, InvalidObject, tenant_from
 from sitsmesh.chains.pipeline import InvalidPipeline, pipeline_from
@@ -67,7 +68,6 @@ def test_thresholds_messages_are_thresholds_from_s() -> None:
 def test_ratelimit_messages_are_the_loader_s() -> None:
     spec = {"descriptors": [{"key": "k", "rate_limit": {"unit": "fortnight",
                                                          "requests_per_unit": 1}}]}
-    import yaml
     with pytest.raises(ConfigError) as domain:
         parse_domain("api:dom", yaml.safe_dump({"domain": "dom", **spec}, sort_keys=False))
     assert refusal(doc("RateLimitConfig", "dom", spec)).endswith(domain.value.message)
@@ -199,3 +199,26 @@ def test_without_prune_nothing_is_deleted() -> None:
 def test_bad_selector(text: str) -> None:
     with pytest.raises(InvalidArgumentError, match="use key=value"):
         selector(text)
+
+
+def test_errors_name_the_file_and_the_bounds_hold_across_files() -> None:
+    raws, where = documents.load_files(
+        [("a.yaml", "---\n" + yaml.safe_dump(doc("Tenant", "ok", TENANT))),
+         ("b.yaml", yaml.safe_dump(doc("Tenant", "ok", TENANT)) + "---\n"
+          + yaml.safe_dump(doc("Tenant", "bad", {"models": []})))],
+        [{**doc("Tenant", "built", TENANT), "spec": {"models": ["m"], "priority": 1.0}}])
+    assert where == ["a.yaml: document 0", "b.yaml: document 0", "b.yaml: document 1",
+                     "objects[0]"]
+    assert raws[3]["spec"]["priority"] == 1  # a Struct's double, whole: an int again
+    with pytest.raises(InvalidArgumentError) as info:
+        documents.validate(raws, where)
+    assert info.value.message.splitlines() == [
+        "b.yaml: document 0 (Tenant/ok): also defined by a.yaml: document 0",
+        "b.yaml: document 1 (Tenant/bad): tenant bad: models must be a non-empty list of "
+        "globs"]
+    half = "a: 1\n---\n" * (documents.MAX_DOCUMENTS // 2 + 1)
+    with pytest.raises(InvalidArgumentError, match="more than 500 documents"):
+        documents.load_files([("a.yaml", half), ("b.yaml", half)])
+    big = "#" * (documents.MAX_BYTES // 2 + 1)
+    with pytest.raises(InvalidArgumentError, match=r"the files together: .* is more than"):
+        documents.load_files([("a.yaml", big), ("b.yaml", big)])

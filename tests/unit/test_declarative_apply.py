@@ -66,6 +66,10 @@ class RacingStore(SqliteStore):
         return await super().apply(writes)
 
 
+def request(text: str) -> config_pb2.ApplyRequest:
+    return config_pb2.ApplyRequest(files=[config_pb2.ApplyFile(name="c.yaml", documents=text)])
+
+
 def servicer(store: SqliteStore) -> ConfigServicer:
     return ConfigServicer(store, TenantDirectory(store), PipelineCatalog(store),
                           ThresholdLedger(store), ConfigManager([], store, None))
@@ -74,15 +78,15 @@ def servicer(store: SqliteStore) -> ConfigServicer:
 async def test_concurrent_change_aborts_the_whole_apply(tmp_path: Path) -> None:
     store = RacingStore(tmp_path / "state.db")
     config = servicer(store)
-    await config.Apply(config_pb2.ApplyRequest(documents=DOCS % 1), Context())
+    await config.Apply(request(DOCS % 1), Context())
     before = await store.revision()
     audits = len(await store.list(AUDIT_KIND))
 
     store.race = True
     context = Context()
     with pytest.raises(Aborted):
-        await config.Apply(config_pb2.ApplyRequest(
-            documents=(DOCS % 2).replace("policy: seed", "policy: 'off'")), context)
+        await config.Apply(request(
+            (DOCS % 2).replace("policy: seed", "policy: 'off'")), context)
     assert context.status is not None
     code, details = context.status
     assert code == grpc.StatusCode.ABORTED
@@ -102,7 +106,7 @@ async def test_apply_commits_every_document_and_audits_thresholds(tmp_path: Path
     store = SqliteStore(tmp_path / "state.db")
     config = servicer(store)
     before = await store.revision()
-    reply = await config.Apply(config_pb2.ApplyRequest(documents=DOCS % 1), Context())
+    reply = await config.Apply(request(DOCS % 1), Context())
     assert reply.applied
     assert reply.revision == before + 1  # one transaction, one revision
     assert [(r.kind, r.action) for r in reply.results] == [
@@ -110,6 +114,23 @@ async def test_apply_commits_every_document_and_audits_thresholds(tmp_path: Path
         ("Thresholds", config_pb2.APPLY_ACTION_CREATED)]
     (audit,) = await store.list(AUDIT_KIND)
     assert (audit.body["pipeline"], audit.body["actor"]) == ("checkout", "token")
-    again = await config.Apply(config_pb2.ApplyRequest(documents=DOCS % 1), Context())
+    again = await config.Apply(request(DOCS % 1), Context())
     assert not again.applied and again.revision == reply.revision
+    await store.close()
+
+
+async def test_structured_objects_apply_like_files(tmp_path: Path) -> None:
+    from google.protobuf.struct_pb2 import Struct
+
+    store = SqliteStore(tmp_path / "state.db")
+    config = servicer(store)
+    built = Struct()
+    built.update({"apiVersion": "sitsmesh.io/v1alpha1", "kind": "Tenant",
+                  "metadata": {"name": "team-a"}, "spec": {"models": ["bert"], "priority": 1}})
+    reply = await config.Apply(config_pb2.ApplyRequest(objects=[built]), Context())
+    assert [(r.name, r.action) for r in reply.results] == [
+        ("team-a", config_pb2.APPLY_ACTION_CREATED)]
+    # The same tenant as a file: unchanged (the Struct's 1.0 was read as the integer 1).
+    again = await config.Apply(request(DOCS.split("---", maxsplit=1)[0] % 1), Context())
+    assert again.results[0].action == config_pb2.APPLY_ACTION_UNCHANGED
     await store.close()

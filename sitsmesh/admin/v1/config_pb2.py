@@ -22,29 +22,32 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esitsmesh/admin/v1/config.proto\x12\x11sitsmesh.admin.v1\"i\n\x0c\x41pplyRequest\x12\x11\n\tdocuments\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x03 \x01(\x08\x12\r\n\x05prune\x18\x04 \x01(\x08\x12\x16\n\x0eprune_selector\x18\x05 \x01(\t\"j\n\x0e\x44ocumentResult\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12.\n\x06\x61\x63tion\x18\x03 \x01(\x0e\x32\x1e.sitsmesh.admin.v1.ApplyAction\x12\x0c\n\x04\x64iff\x18\x04 \x01(\t\"f\n\rApplyResponse\x12\x32\n\x07results\x18\x01 \x03(\x0b\x32!.sitsmesh.admin.v1.DocumentResult\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x10\n\x08revision\x18\x03 \x01(\x03\"(\n\nGetRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\":\n\x0e\x43onfigDocument\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04json\x18\x03 \x01(\t\"C\n\x0bGetResponse\x12\x34\n\tdocuments\x18\x01 \x03(\x0b\x32!.sitsmesh.admin.v1.ConfigDocument*\x97\x01\n\x0b\x41pplyAction\x12\x1c\n\x18\x41PPLY_ACTION_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41PPLY_ACTION_CREATED\x10\x01\x12\x1b\n\x17\x41PPLY_ACTION_CONFIGURED\x10\x02\x12\x1a\n\x16\x41PPLY_ACTION_UNCHANGED\x10\x03\x12\x17\n\x13\x41PPLY_ACTION_PRUNED\x10\x04\x32\xa1\x01\n\rConfigService\x12J\n\x05\x41pply\x12\x1f.sitsmesh.admin.v1.ApplyRequest\x1a .sitsmesh.admin.v1.ApplyResponse\x12\x44\n\x03Get\x12\x1d.sitsmesh.admin.v1.GetRequest\x1a\x1e.sitsmesh.admin.v1.GetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esitsmesh/admin/v1/config.proto\x12\x11sitsmesh.admin.v1\x1a\x1cgoogle/protobuf/struct.proto\",\n\tApplyFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tdocuments\x18\x02 \x01(\t\"\x9d\x01\n\x0c\x41pplyRequest\x12+\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x1c.sitsmesh.admin.v1.ApplyFile\x12(\n\x07objects\x18\x02 \x03(\x0b\x32\x17.google.protobuf.Struct\x12\x0f\n\x07\x64ry_run\x18\x03 \x01(\x08\x12\r\n\x05prune\x18\x04 \x01(\x08\x12\x16\n\x0eprune_selector\x18\x05 \x01(\t\"j\n\x0e\x44ocumentResult\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12.\n\x06\x61\x63tion\x18\x03 \x01(\x0e\x32\x1e.sitsmesh.admin.v1.ApplyAction\x12\x0c\n\x04\x64iff\x18\x04 \x01(\t\"f\n\rApplyResponse\x12\x32\n\x07results\x18\x01 \x03(\x0b\x32!.sitsmesh.admin.v1.DocumentResult\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x10\n\x08revision\x18\x03 \x01(\x03\"(\n\nGetRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\":\n\x0e\x43onfigDocument\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04json\x18\x03 \x01(\t\"C\n\x0bGetResponse\x12\x34\n\tdocuments\x18\x01 \x03(\x0b\x32!.sitsmesh.admin.v1.ConfigDocument*\x97\x01\n\x0b\x41pplyAction\x12\x1c\n\x18\x41PPLY_ACTION_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41PPLY_ACTION_CREATED\x10\x01\x12\x1b\n\x17\x41PPLY_ACTION_CONFIGURED\x10\x02\x12\x1a\n\x16\x41PPLY_ACTION_UNCHANGED\x10\x03\x12\x17\n\x13\x41PPLY_ACTION_PRUNED\x10\x04\x32\xa1\x01\n\rConfigService\x12J\n\x05\x41pply\x12\x1f.sitsmesh.admin.v1.ApplyRequest\x1a .sitsmesh.admin.v1.ApplyResponse\x12\x44\n\x03Get\x12\x1d.sitsmesh.admin.v1.GetRequest\x1a\x1e.sitsmesh.admin.v1.GetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sitsmesh.admin.v1.config_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_APPLYACTION']._serialized_start=544
-  _globals['_APPLYACTION']._serialized_end=695
-  _globals['_APPLYREQUEST']._serialized_start=53
-  _globals['_APPLYREQUEST']._serialized_end=158
-  _globals['_DOCUMENTRESULT']._serialized_start=160
-  _globals['_DOCUMENTRESULT']._serialized_end=266
-  _globals['_APPLYRESPONSE']._serialized_start=268
-  _globals['_APPLYRESPONSE']._serialized_end=370
-  _globals['_GETREQUEST']._serialized_start=372
-  _globals['_GETREQUEST']._serialized_end=412
-  _globals['_CONFIGDOCUMENT']._serialized_start=414
-  _globals['_CONFIGDOCUMENT']._serialized_end=472
-  _globals['_GETRESPONSE']._serialized_start=474
-  _globals['_GETRESPONSE']._serialized_end=541
-  _globals['_CONFIGSERVICE']._serialized_start=698
-  _globals['_CONFIGSERVICE']._serialized_end=859
+  _globals['_APPLYACTION']._serialized_start=673
+  _globals['_APPLYACTION']._serialized_end=824
+  _globals['_APPLYFILE']._serialized_start=83
+  _globals['_APPLYFILE']._serialized_end=127
+  _globals['_APPLYREQUEST']._serialized_start=130
+  _globals['_APPLYREQUEST']._serialized_end=287
+  _globals['_DOCUMENTRESULT']._serialized_start=289
+  _globals['_DOCUMENTRESULT']._serialized_end=395
+  _globals['_APPLYRESPONSE']._serialized_start=397
+  _globals['_APPLYRESPONSE']._serialized_end=499
+  _globals['_GETREQUEST']._serialized_start=501
+  _globals['_GETREQUEST']._serialized_end=541
+  _globals['_CONFIGDOCUMENT']._serialized_start=543
+  _globals['_CONFIGDOCUMENT']._serialized_end=601
+  _globals['_GETRESPONSE']._serialized_start=603
+  _globals['_GETRESPONSE']._serialized_end=670
+  _globals['_CONFIGSERVICE']._serialized_start=827
+  _globals['_CONFIGSERVICE']._serialized_end=988
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -20,19 +21,27 @@ APPLY_ACTION_CONFIGURED: ApplyAction
 APPLY_ACTION_UNCHANGED: ApplyAction
 APPLY_ACTION_PRUNED: ApplyAction
 
-class ApplyRequest(_message.Message):
-    __slots__ = ("documents", "source", "dry_run", "prune", "prune_selector")
+class ApplyFile(_message.Message):
+    __slots__ = ("name", "documents")
+    NAME_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
-    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    documents: str
+    def __init__(self, name: _Optional[str] = ..., documents: _Optional[str] = ...) -> None: ...
+
+class ApplyRequest(_message.Message):
+    __slots__ = ("files", "objects", "dry_run", "prune", "prune_selector")
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     PRUNE_FIELD_NUMBER: _ClassVar[int]
     PRUNE_SELECTOR_FIELD_NUMBER: _ClassVar[int]
-    documents: str
-    source: str
+    files: _containers.RepeatedCompositeFieldContainer[ApplyFile]
+    objects: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
     dry_run: bool
     prune: bool
     prune_selector: str
-    def __init__(self, documents: _Optional[str] = ..., source: _Optional[str] = ..., dry_run: _Optional[bool] = ..., prune: _Optional[bool] = ..., prune_selector: _Optional[str] = ...) -> None: ...
+    def __init__(self, files: _Optional[_Iterable[_Union[ApplyFile, _Mapping]]] = ..., objects: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., prune: _Optional[bool] = ..., prune_selector: _Optional[str] = ...) -> None: ...
 
 class DocumentResult(_message.Message):
     __slots__ = ("kind", "name", "action", "diff")

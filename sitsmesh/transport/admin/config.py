@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 from grpc import aio
 
 from sitsmesh import logs, workerguard
@@ -134,11 +135,12 @@ class ConfigServicer:
 
     async def _apply(self, request: config_pb2.ApplyRequest,
                      context: aio.ServicerContext[Any, Any]) -> config_pb2.ApplyResponse:
-        source = request.source or "request"
-        raws = documents.load(request.documents, source)
+        raws, where = documents.load_files(
+            [(f.name or f"files[{i}]", f.documents) for i, f in enumerate(request.files)],
+            [MessageToDict(o) for o in request.objects])
         if not raws:
-            raise InvalidArgumentError(f"{source}: no documents to apply")
-        docs = documents.validate(raws)
+            raise InvalidArgumentError("no documents to apply")
+        docs = documents.validate(raws, where)
         if request.prune_selector and not request.prune:
             raise InvalidArgumentError("prune_selector is only used with prune")
         prune = selector(request.prune_selector) if request.prune else None
