@@ -134,3 +134,37 @@ async def test_structured_objects_apply_like_files(tmp_path: Path) -> None:
     again = await config.Apply(request(DOCS.split("---", maxsplit=1)[0] % 1), Context())
     assert again.results[0].action == config_pb2.APPLY_ACTION_UNCHANGED
     await store.close()
+
+
+async def test_refused_like_the_imperative_rpcs(tmp_path: Path) -> None:
+    """--workers N refuses pipelines and capped tenants; a rate-limit domain a file owns
+    is changed in the file. Each refusal writes nothing."""
+    owned = tmp_path / "owned.yaml"
+    owned.write_text("domain: edge\ndescriptors:\n  - key: k\n"
+                     "    rate_limit: {unit: second, requests_per_unit: 1}\n")
+    store = SqliteStore(tmp_path / "state.db")
+    config = ConfigServicer(store, TenantDirectory(store), PipelineCatalog(store),
+                            ThresholdLedger(store), ConfigManager([owned], store, None),
+                            workers=2)
+    before = await store.revision()
+    pipeline = ("apiVersion: sitsmesh.io/v1alpha1\nkind: Pipeline\nmetadata: {name: p}\n"
+                "spec: {stages: [{name: s, match: {header: s}}]}\n")
+    capped = (DOCS.split("---", maxsplit=1)[0] % 1).replace(
+        "priority: 1}", "priority: 1, max_concurrency: 4}")
+    edge = ("apiVersion: sitsmesh.io/v1alpha1\nkind: RateLimitConfig\nmetadata: {name: edge}\n"
+            "spec: {descriptors: [{key: k, rate_limit: {unit: minute, "
+            "requests_per_unit: 5}}]}\n")
+    for text, code, message in (
+            (pipeline, grpc.StatusCode.FAILED_PRECONDITION,
+             "pipeline p: backpressure and latency chains"),
+            (capped, grpc.StatusCode.FAILED_PRECONDITION, "tenant team-a: max_concurrency needs"),
+            (edge, grpc.StatusCode.INVALID_ARGUMENT, "RateLimitConfig: api:edge: domain 'edge' "
+             f"is defined in file {owned}; change the file instead")):
+        context = Context()
+        with pytest.raises(Aborted):
+            await config.Apply(request(text), context)
+        assert context.status is not None
+        assert context.status[0] == code
+        assert message in context.status[1]
+    assert await store.revision() == before
+    await store.close()
