@@ -19,6 +19,7 @@ from sitsmesh.errors import InvalidArgumentError
 from sitsmesh.pressure.thresholds import THRESHOLDS_KIND
 from sitsmesh.ratelimit.reload import KIND as RATELIMIT_KIND
 from sitsmesh.state import Delete, Put, Record
+from sitsmesh.state.contract import ABSENT
 
 # Declarative kind -> the state store's kind, the one the imperative RPCs write.
 STORE_KIND = {"Tenant": TENANT_KIND, "ApiKeyPolicy": KEYPOLICY_KIND,
@@ -104,7 +105,7 @@ def _label_writes(stored: Stored, kind: str, name: str,
     if not labels:
         return [Delete(LABELS_KIND, key)] if record is not None else []
     return [Put(LABELS_KIND, key, {"labels": dict(labels)},
-                expect_revision=record.revision if record is not None else None)]
+                expect_revision=record.revision if record is not None else ABSENT)]
 
 
 def plan(docs: Sequence[Document], stored: Stored, *, prune: tuple[str, str] | None = None,
@@ -130,7 +131,7 @@ def plan(docs: Sequence[Document], stored: Stored, *, prune: tuple[str, str] | N
                                        unified(kind, name, before, after)))
         if record is None or KINDS[kind].spec_of(name, record.body) != after["spec"]:
             result.writes.append(Put(STORE_KIND[kind], name, body, expect_revision=(
-                record.revision if record is not None else None)))
+                record.revision if record is not None else ABSENT)))
         if labels != _labels_of(stored, kind, name):
             result.writes.extend(_label_writes(stored, kind, name, labels))
     if prune is not None:

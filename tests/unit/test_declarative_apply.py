@@ -168,3 +168,29 @@ async def test_refused_like_the_imperative_rpcs(tmp_path: Path) -> None:
         assert message in context.status[1]
     assert await store.revision() == before
     await store.close()
+
+
+class CreatingStore(SqliteStore):
+    """Another admin creates the tenant between Apply's read and its commit."""
+
+    race = False
+
+    async def apply(self, writes: Sequence[Put | Delete]) -> int:
+        if self.race:
+            self.race = False
+            await self.create("tenant", "team-a", {"models": ["*"], "uid": "theirs"})
+        return await super().apply(writes)
+
+
+async def test_a_record_created_meanwhile_is_not_overwritten(tmp_path: Path) -> None:
+    store = CreatingStore(tmp_path / "state.db")
+    store.race = True
+    context = Context()
+    with pytest.raises(Aborted):
+        await servicer(store).Apply(request(DOCS % 1), context)
+    assert context.status is not None and context.status[0] == grpc.StatusCode.ABORTED
+    assert "exists (at revision" in context.status[1]
+    tenant = await store.get("tenant", "team-a")
+    assert tenant is not None and tenant.body["uid"] == "theirs"
+    assert await store.get("thresholds", "checkout") is None
+    await store.close()
