@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,16 @@ def _request(args: argparse.Namespace, dry_run: bool) -> Any:
                                    prune_selector=args.selector)
 
 
+def _actor() -> tuple[str, str]:
+    """Who runs the CLI, for the audit of threshold changes (a claim beside the identity
+    the server can prove), as `thresholds set` sends it."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return ("x-sitsmesh-actor", f"{user}@{socket.gethostname()}")
+
+
 def call_config(args: argparse.Namespace, method: str, request: Any) -> Any:
     """One ConfigService call with the admin flags' address, TLS and token."""
     import grpc
@@ -125,7 +137,7 @@ def call_config(args: argparse.Namespace, method: str, request: Any) -> Any:
         bound = getattr(config_pb2_grpc.ConfigServiceStub(channel), method)
         try:
             return bound(request, timeout=args.timeout,
-                         metadata=(("authorization", f"Bearer {token}"),))
+                         metadata=(("authorization", f"Bearer {token}"), _actor()))
         except grpc.RpcError as exc:
             code = exc.code().name if exc.code() else "UNKNOWN"
             raise RpcFailed(f"{method} on {settings.admin_addr}: {code}: {exc.details()}"

@@ -51,6 +51,9 @@ class Context:
     def peer(self) -> str:
         return "ipv4:127.0.0.1:1"
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
 
 class RacingStore(SqliteStore):
     """Another admin changes the tenant between Apply's read and its commit."""

@@ -43,6 +43,7 @@ from sitsmesh.pressure.ledger import ThresholdLedger
 from sitsmesh.pressure.thresholds import AUDIT_KIND
 from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.state import Put, StateStore
+from sitsmesh.transport.admin.pressure import ACTOR_METADATA, MAX_ACTOR
 from sitsmesh.transport.admin.service import guarded
 from sitsmesh.transport.auth import admin_actor
 
@@ -151,7 +152,10 @@ class ConfigServicer:
         await self._check_ratelimit(docs, result)
         applied = not request.dry_run and bool(result.writes)
         if applied:
-            actor = admin_actor(context)
+            # As SetThresholds audits: who the server can vouch for; the header is a claim.
+            claimed = str(dict(context.invocation_metadata() or ()).get(ACTOR_METADATA, "")
+                          or "")[:MAX_ACTOR]
+            actor = admin_actor(context) + (f" (claims {claimed})" if claimed else "")
             writes = [*result.writes, *self._audit(result, stored, actor, context.peer())]
             try:
                 revision = await self._state.apply(writes)
