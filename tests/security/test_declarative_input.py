@@ -95,9 +95,15 @@ def test_yaml_bomb_is_refused_at_once(node: harness.Sitsmesh) -> None:
 
 
 def test_deep_nesting_is_refused_not_a_crash(node: harness.Sitsmesh) -> None:
-    # PyYAML's composer recurses per level: this used to end in RecursionError (INTERNAL).
-    error = refused(node, "[" * 50_000 + "]" * 50_000)
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # PyYAML's pure-Python composer recurses per level: this ended in RecursionError
+    # (UNKNOWN) before the depth check; libyaml refuses past 1000 levels itself.
+    for depth, message in ((100, "attack.yaml: line 1: nested deeper than 64 levels"),
+                           (50_000, "attack.yaml: invalid YAML")):
+        error = refused(node, "[" * depth + "]" * depth)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in (error.details() or "")
+    block = "".join(f"{' ' * i}k{i}:\n" for i in range(100)) + " " * 100 + "v: 1\n"
+    error = refused(node, block)
     assert "nested deeper than 64 levels" in (error.details() or "")
     nothing_stored(node)
 
