@@ -28,6 +28,8 @@ STORE_KIND = {"Tenant": TENANT_KIND, "ApiKeyPolicy": KEYPOLICY_KIND,
 # metadata.labels of applied objects, apart from their bodies (which the domain validators
 # keep strict): name "<Kind>/<name>", body {"labels": {...}}. Prune reads them.
 LABELS_KIND = "declarative-labels"
+# libyaml's emitter where PyYAML has it: a diff of 500 documents in tens of milliseconds.
+_DUMPER: type[yaml.SafeDumper] = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 CREATED, CONFIGURED, UNCHANGED, PRUNED = "created", "configured", "unchanged", "pruned"
 
 
@@ -84,7 +86,7 @@ def _text(doc: Mapping[str, Any] | None) -> list[str]:
         return []
     # Through JSON so the diff compares what get -o yaml would print.
     plain = json.loads(json.dumps(doc))
-    return yaml.safe_dump(plain, sort_keys=False).splitlines(keepends=True)
+    return yaml.dump(plain, Dumper=_DUMPER, sort_keys=False).splitlines(keepends=True)
 
 
 def unified(kind: str, name: str, before: Mapping[str, Any] | None,

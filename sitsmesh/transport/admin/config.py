@@ -146,7 +146,7 @@ class ConfigServicer:
         self._guard(docs)
         kinds = {d.KIND for d in docs}
         stored = await self._stored(kinds)
-        result = plan(docs, stored, prune=prune, new_uid=new_uid)
+        result = await asyncio.to_thread(plan, docs, stored, prune=prune, new_uid=new_uid)
         await self._check_ratelimit(docs, result)
         applied = not request.dry_run and bool(result.writes)
         if applied:
