@@ -217,3 +217,31 @@ def test_applied_tenant_admits_a_request_and_a_change_takes_effect(
     ok(node.cli("apikeys", "create", "--tenant", "team-a", "--expires", "30m"))
     assert yaml.safe_load(ok(node.cli("get", "apikeypolicy", "team-a", "-o", "yaml")))[
         "spec"] == {"max_ttl_s": 3600, "max_active_keys": 0}
+
+
+def test_workers_follow_an_apply_and_refuse_what_needs_one_process(
+        tmp_path: Path, start_sitsmesh: Start) -> None:
+    from google.rpc import code_pb2
+
+    node = start_sitsmesh("--workers", "2")
+    tenant = CONFIG.split("---\n", maxsplit=1)[0]
+    ok(node.cli("apply", "-f", str(write(tmp_path, "tenant.yaml", tenant))))
+    key = json.loads(ok(node.cli("apikeys", "create", "--tenant", "team-a", "-o", "json")))
+
+    def every_connection(model: str, code: int) -> bool:
+        # A fresh channel per call: the kernel spreads them over both workers.
+        return all(check(node, key["key"], model) == code for _ in range(12))
+
+    harness.wait_until(lambda: every_connection("bert", code_pb2.OK), 10,
+                       "both workers to admit the applied tenant")
+    moved = tenant.replace("models: [bert]", "models: [llama]")
+    ok(node.cli("apply", "-f", str(write(tmp_path, "moved.yaml", moved))))
+    harness.wait_until(lambda: every_connection("bert", code_pb2.PERMISSION_DENIED), 10,
+                       "both workers to follow the change")
+
+    refused = node.cli("apply", "-f", str(write(tmp_path, "all.yaml", CONFIG)))
+    assert refused.returncode == 1
+    assert "pipeline checkout: backpressure and latency chains needs --workers 1" in \
+        refused.stderr
+    assert json.loads(ok(node.cli("tenants", "get", "team-a", "-o", "json")))["models"] == [
+        "llama"]
