@@ -17,11 +17,16 @@ ARG VERSION=0.1.0
 ARG REVISION=unknown
 ARG SOURCE=""
 
-# The base is pinned by tag, not digest: no registry was reachable to read the real
-# digest. Pin python:3.11-slim-bookworm@sha256:... in both stages when you publish.
+# The base image, by tag; by digest too when PYTHON_DIGEST is given (both stages, so the
+# wheels match the interpreter they run on). Release builds pass the digest the tag
+# resolves to at release time (README, "Install"):
+#   --build-arg PYTHON_DIGEST="$(docker buildx imagetools inspect \
+#       python:3.11-slim-bookworm --format '{{json .Manifest.Digest}}' | tr -d '"')"
+# No digest is written here: none could be read offline, and a made-up one cannot pull.
+ARG PYTHON_DIGEST=""
 
 # ---- build: wheels for sitsmesh and every runtime dependency -------------------
-FROM python:3.11-slim-bookworm AS build
+FROM python:3.11-slim-bookworm${PYTHON_DIGEST:+@}${PYTHON_DIGEST} AS build
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -36,7 +41,7 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 # ---- runtime: install from the wheels only ------------------------------------
 # Same base as the build stage, so the wheels match this interpreter and platform.
-FROM python:3.11-slim-bookworm AS runtime
+FROM python:3.11-slim-bookworm${PYTHON_DIGEST:+@}${PYTHON_DIGEST} AS runtime
 
 ARG VERSION
 ARG REVISION

@@ -157,6 +157,8 @@ class Settings:
     gie_fairness_header: str = gie.FAIRNESS_HEADER
     gie_objective_label: str = gie.OBJECTIVE_LABEL
     gie_priority_objectives: Mapping[int, str] = field(default_factory=dict)
+    # --- admin access (per-team RBAC): README "Admin credentials and roles" ---
+    admin_credentials: Path | None = None  # YAML of named credentials; None: the one token
     config_file: Path | None = None
 
     @property
@@ -311,6 +313,8 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "gie_fairness_header": gie.header,
     "gie_objective_label": values.string,
     "gie_priority_objectives": gie.priority_objectives,
+    # admin access (per-team RBAC): README "Admin credentials and roles"
+    "admin_credentials": values.path,
 }
 FILE_KEYS = tuple(PARSERS)
 

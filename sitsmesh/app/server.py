@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from sitsmesh import __version__, logs
 from sitsmesh.admin.v1 import admin_pb2
-from sitsmesh.app import admintoken, compose, tls
+from sitsmesh.app import admincreds, admintoken, compose, tls
 from sitsmesh.app.background import DataService
 from sitsmesh.app.components import RateLimitComponent
 from sitsmesh.app.metrics import (
@@ -43,7 +43,8 @@ from sitsmesh.transport.accesslog import SERVICE_NAME as ACCESSLOG_SERVICE
 from sitsmesh.transport.admin import AdminServicer
 from sitsmesh.transport.admin.config import SERVICE_NAME as CONFIG_NAME
 from sitsmesh.transport.admin.config import ConfigServicer
-from sitsmesh.transport.auth import BearerTokenInterceptor, CallerGate
+from sitsmesh.transport.adminaccess import AdminAccess
+from sitsmesh.transport.auth import CallerGate
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
 from sitsmesh.transport.metrics import SERVICE_NAME as METRICS_SERVICE
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
@@ -147,17 +148,18 @@ async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetric
 
 async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMetrics,
                        servicer: AdminServicer, config: ConfigServicer,
-                       auth: BearerTokenInterceptor) -> tuple[aio.Server, str]:
-    # Auth runs first: the metrics interceptor caches handlers per method.
+                       access: AdminAccess) -> tuple[aio.Server, str]:
     server = aio.server(
-        interceptors=[auth, metrics.interceptor()],
+        interceptors=[metrics.interceptor()],
         options=[("grpc.so_reuseport", 0)],
     )
     registrar: Any = server
     if settings.admin_clients:  # mTLS identities allowed to call, on top of the token
         registrar = CallerGate({ADMIN_NAME: settings.admin_clients,
                                 CONFIG_NAME: settings.admin_clients}).registrar(server)
-    servicer.add_to_server(registrar)
+    # Each RPC is authenticated and authorized inside its handler: the check needs the
+    # request, which an interceptor never sees.
+    access.add_to_server(servicer, registrar)
     config.add_to_server(registrar)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -267,16 +269,25 @@ def _start_pool(settings: Settings, board: StatusBoard) -> WorkerPool:
     return pool
 
 
-def _reload_everywhere(component: RateLimitComponent,
-                       pools: list[WorkerPool]) -> Callable[[], None]:
+def _reload_everywhere(component: RateLimitComponent, pools: list[WorkerPool],
+                       also: Callable[[], None]) -> Callable[[], None]:
     reload_here = _reload_on_hup(component)
 
     def on_hup() -> None:
         reload_here()
+        also()
         for running in pools:  # each worker reloads its own snapshot
             running.signal(signal.SIGHUP)
 
     return on_hup
+
+
+async def _close(servers: list[aio.Server], httpd: Any) -> None:
+    for server in servers:
+        await server.stop(0)
+    if httpd is not None:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def _admin_token(settings: Settings) -> str:
@@ -311,12 +322,15 @@ async def run(settings: Settings) -> int:
     auth_failures = admin_auth_failures(metric_registry)
 
     store = await open_store(settings.state_url, settings.state_dir)
+    access = admincreds.build(settings, store, lambda: _admin_token(settings),
+                              on_reject=auth_failures.inc)
+    credentials_watch = admincreds.Watch(settings, access)
     role = compose.Role.SINGLE if settings.workers == 1 else compose.Role.SUPERVISOR
     graph = compose.build(settings, store, metric_registry, board, role)
     _register_state_metrics(registry, board, graph)
     pools: list[WorkerPool] = []
-    stop = _stop_event(_reload_everywhere(graph.ratelimit, pools))
-    token = _admin_token(settings)
+    stop = _stop_event(_reload_everywhere(graph.ratelimit, pools,
+                                          lambda: admincreds.reload(settings, access)))
 
     servers: list[aio.Server] = []
     bound: dict[str, str] = {}
@@ -324,6 +338,7 @@ async def run(settings: Settings) -> int:
     httpd = None
     try:
         await graph.start()
+        credentials_watch.start()
         await compose.check_workers(graph, settings)
         if role is compose.Role.SINGLE:
             data_server, bound["data"] = await _start_data(
@@ -336,8 +351,8 @@ async def run(settings: Settings) -> int:
         admin_server, bound["admin"] = await _start_admin(
             settings, board, metrics=rpc_metrics,
             servicer=compose.admin_servicer(graph, settings, board, store, bound),
-            config=compose.config_servicer(graph, settings, store),
-            auth=BearerTokenInterceptor(token, on_reject=auth_failures.inc))
+            config=compose.config_servicer(graph, settings, store, access),
+            access=access)
         servers.append(admin_server)
         httpd, bound["metrics"] = _start_metrics(settings, registry)
         if role is compose.Role.SUPERVISOR:
@@ -356,11 +371,8 @@ async def run(settings: Settings) -> int:
         if pool is not None:
             clean = await pool.wait(settings.drain_seconds + settings.grace_seconds + 5)
     finally:
-        for server in servers:
-            await server.stop(0)
-        if httpd is not None:
-            httpd.shutdown()
-            httpd.server_close()
+        await _close(servers, httpd)
+        await credentials_watch.stop()
         await graph.stop()
         await store.close()
     _log.info("stopped", clean=clean)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from sitsmesh import __version__
 from sitsmesh.cli import (
     completion,
+    credentials,
     declarative,
     dev,
     models,
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_commands(sub)
     pressure.add_commands(sub)
     declarative.add_commands(sub)
+    credentials.add_commands(sub)
     completion.add_commands(sub, parser)
     return parser
 

@@ -157,6 +157,10 @@ _FLAG_HELP = {
                            "(default inference-objective; wins over the priority map)",
     "gie_priority_objectives": "priority=objective pairs (comma-separated): a request gets "
                                "the objective of the highest priority at or below its own",
+    # admin access (per-team RBAC): README "Admin credentials and roles"
+    "admin_credentials": "YAML file of named admin credentials with roles (viewer, operator, "
+                         "admin); reloaded when it changes or on SIGHUP. Unset: the one admin "
+                         "token",
 }
 
 
@@ -182,6 +186,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = settings_from(args, list(PARSERS))
     tls.check_transport(settings)
+    if settings.admin_credentials is not None:  # a bad file stops the start here
+        from sitsmesh import access
+        access.load(settings.admin_credentials)
     for side in ("data", "admin"):
         tls.cert_files(settings, side)  # unreadable or mismatched files stop the start here
     tls.redis_url(settings)

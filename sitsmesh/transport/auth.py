@@ -1,72 +1,22 @@
-"""Who may call: the bearer token on every admin RPC, and per-service allowlists of
-mTLS client identities."""
+"""Who may call: per-service allowlists of mTLS client identities. (The admin API's
+credentials and roles: sitsmesh.transport.adminaccess.)"""
 
 from __future__ import annotations
 
-import hmac
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from grpc import aio
 
 from sitsmesh import logs
-from sitsmesh.errors import Code, SitsmeshError, UnauthenticatedError
+from sitsmesh.errors import Code, SitsmeshError
 from sitsmesh.transport.errors import abort
 from sitsmesh.transport.handlers import behaviour
 
-# Discovery and liveness carry no secrets and must work for probes and grpcurl.
-EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
 _log = logs.get("sitsmesh.admin.auth")
-_Req = TypeVar("_Req")
-_Resp = TypeVar("_Resp")
-
-_UNAUTHENTICATED = UnauthenticatedError(
-    "admin API needs 'authorization: Bearer <token>' with a valid token")
-
-
-class BearerTokenInterceptor(aio.ServerInterceptor):
-    def __init__(self, token: str, on_reject: Callable[[], None] = lambda: None) -> None:
-        self._expected = token.encode()
-        self._on_reject = on_reject
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails],
-                               Awaitable[grpc.RpcMethodHandler[_Req, _Resp] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
-        method: str = handler_call_details.method
-        if method.startswith(EXEMPT_PREFIXES):
-            return await continuation(handler_call_details)
-        presented = b""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                raw = value.encode() if isinstance(value, str) else value
-                scheme, _, credential = raw.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    presented = credential.strip()
-                break
-        # compare_digest: the time taken must not reveal how much of the token matched.
-        if presented and hmac.compare_digest(presented, self._expected):
-            return await continuation(handler_call_details)
-        self._on_reject()
-        handler = await continuation(handler_call_details)
-        # The interceptor cannot see the peer, so the handler that refuses logs it (built
-        # per refused call: refusals are rare and must not cost the accepted ones).
-        reason = "wrong bearer token" if presented else "missing bearer token"
-
-        async def refuse(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-            _log.warning("admin call rejected", method=method, peer=context.peer(),
-                         identities=list(peer_identities(context)), reason=reason)
-            await abort(context, _UNAUTHENTICATED)
-
-        if handler is not None and handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(refuse)
-        return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 # --- Who may call: identities from the mTLS peer certificate ------------------------
@@ -86,13 +36,6 @@ def peer_identities(context: aio.ServicerContext[Any, Any]) -> tuple[str, ...]:
     """The SANs of the caller's verified client certificate; () without mTLS."""
     sans = context.auth_context().get(SAN_PROPERTY) or ()
     return tuple(s.decode(errors="replace") for s in sans)
-
-
-def admin_actor(context: aio.ServicerContext[Any, Any]) -> str:
-    """Who made an admin call, as far as the server can prove: the client certificate's
-    first SAN under mTLS, otherwise "token" (whoever holds the bearer token)."""
-    identities = peer_identities(context)
-    return identities[0] if identities else "token"
 
 
 class CallerGate:

@@ -117,9 +117,9 @@ def test_apply_then_get_round_trips_and_the_imperative_api_sees_it(
     assert "team-a-limits" in ok(node.cli("ratelimit", "get", "-o", "json"))
     thresholds = yaml.safe_load(ok(node.cli("thresholds", "get", "checkout", "-o", "yaml")))
     assert thresholds["thresholds"]["policy"] == "seed"
-    # Audited as `thresholds set` audits: the identity the server vouches for, and a claim.
+    # Audited as `thresholds set` audits: the credential, and whom the CLI acts for.
     history = ok(node.cli("thresholds", "history", "checkout", "-o", "json"))
-    assert "token (claims " in history
+    assert '"actor": "admin (on behalf of ' in history
 
     live = write(tmp_path, "live.yaml", ok(node.cli("get", "all", "-o", "yaml")))
     docs = list(yaml.safe_load_all(live.read_text()))

@@ -1,6 +1,6 @@
 """ConfigService sits behind the admin mTLS allowlist like Admin: a certificate not on
 --admin-clients is refused before anything is read, and the audit of a declarative
-threshold change names the certificate, not a header the client sends."""
+threshold change names the credential, the header only as an 'on behalf of' note."""
 
 from __future__ import annotations
 
@@ -55,4 +55,5 @@ def test_config_service_is_behind_the_admin_allowlist_and_audits_the_certificate
         changes = admin_pb2_grpc.AdminStub(ch).ListThresholdChanges(
             admin_pb2.ListThresholdChangesRequest(pipeline="demo"),
             metadata=sitsmesh.admin_metadata(), timeout=5).changes
-    assert [c.actor for c in changes] == ["spiffe://test/sre (claims root@somewhere)"]
+    assert [c.actor for c in changes] == ["admin via spiffe://test/sre (on behalf of "
+                                          "root@somewhere)"]

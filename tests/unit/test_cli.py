@@ -21,6 +21,7 @@ from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.cli import (
     build_parser,
     completion,
+    credentials,
     declarative,
     dev,
     main,
@@ -45,7 +46,7 @@ from sitsmesh.cli.common import (
 
 GROUPS = ["serve", "status", "health", "ratelimit", "tenants", "apikeys", "pipelines", "chain",
           "dev", "models", "swaps", "thresholds", "pressure", "simulate", "apply", "diff", "get",
-          "schemas", "completion"]
+          "schemas", "admin-credentials", "completion"]
 
 # Every leaf command with the fewest arguments it parses with, and the function it runs.
 COMMANDS: list[tuple[list[str], Callable[[argparse.Namespace], int]]] = [
@@ -83,6 +84,9 @@ COMMANDS: list[tuple[list[str], Callable[[argparse.Namespace], int]]] = [
     (["diff", "-f", "c.yaml"], declarative.cmd_diff),
     (["get", "tenants"], declarative.cmd_get),
     (["schemas", "write"], declarative.cmd_schemas),
+    (["admin-credentials", "generate"], credentials.cmd_generate),
+    (["admin-credentials", "hash"], credentials.cmd_hash),
+    (["admin-credentials", "check", "c.yaml"], credentials.cmd_check),
     (["completion", "bash"], completion.cmd_completion),
 ]
 
@@ -137,7 +141,7 @@ def test_the_list_above_has_every_command() -> None:
     listed = {next(tuple(argv[:n]) for n in range(len(argv), 0, -1) if tuple(argv[:n]) in leaves)
               for argv, _ in COMMANDS}
     assert listed == leaves
-    assert len(leaves) == len(COMMANDS) == 35
+    assert len(leaves) == len(COMMANDS) == 38
 
 
 def test_help_lists_every_group_in_order(monkeypatch: pytest.MonkeyPatch,
@@ -150,7 +154,7 @@ def test_help_lists_every_group_in_order(monkeypatch: pytest.MonkeyPatch,
     assert out.startswith("usage: sitsmesh [-h] [--version]")
     assert ("The `sitsmesh` command: `serve` runs the control plane; the rest speak to a "
             "running one.") in " ".join(out.split())
-    match = re.search(r"\{([a-z,]+)\}", out)
+    match = re.search(r"\{([a-z,-]+)\}", out)
     assert match is not None, out
     assert match.group(1).split(",") == GROUPS
     for group in GROUPS:

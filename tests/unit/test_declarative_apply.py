@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
+from sitsmesh.access import builtin
 from sitsmesh.admin.v1 import config_pb2
 from sitsmesh.authz.directory import TenantDirectory
 from sitsmesh.chains.catalog import PipelineCatalog
@@ -18,7 +19,8 @@ from sitsmesh.pressure.thresholds import AUDIT_KIND
 from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.state import Delete, Put
 from sitsmesh.state.sqlite import SqliteStore
-from sitsmesh.transport.admin.config import ConfigServicer
+from sitsmesh.transport.admin.config import ACCESS_KIND, ConfigServicer
+from sitsmesh.transport.adminaccess import AdminAccess
 
 DOCS = """\
 apiVersion: sitsmesh.io/v1alpha1
@@ -31,6 +33,10 @@ kind: Thresholds
 metadata: {name: checkout}
 spec: {policy: seed}
 """
+
+
+TOKEN = "t" * 40
+ACCESS = AdminAccess(builtin(TOKEN), {})
 
 
 class Aborted(Exception):
@@ -52,7 +58,7 @@ class Context:
         return "ipv4:127.0.0.1:1"
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ()
+        return (("authorization", f"Bearer {TOKEN}"),)
 
 
 class RacingStore(SqliteStore):
@@ -75,7 +81,7 @@ def request(text: str) -> config_pb2.ApplyRequest:
 
 def servicer(store: SqliteStore) -> ConfigServicer:
     return ConfigServicer(store, TenantDirectory(store), PipelineCatalog(store),
-                          ThresholdLedger(store), ConfigManager([], store, None))
+                          ThresholdLedger(store), ConfigManager([], store, None), access=ACCESS)
 
 
 async def test_concurrent_change_aborts_the_whole_apply(tmp_path: Path) -> None:
@@ -116,7 +122,7 @@ async def test_apply_commits_every_document_and_audits_thresholds(tmp_path: Path
         ("Tenant", config_pb2.APPLY_ACTION_CREATED),
         ("Thresholds", config_pb2.APPLY_ACTION_CREATED)]
     (audit,) = await store.list(AUDIT_KIND)
-    assert (audit.body["pipeline"], audit.body["actor"]) == ("checkout", "token")
+    assert (audit.body["pipeline"], audit.body["actor"]) == ("checkout", "admin")
     again = await config.Apply(request(DOCS % 1), Context())
     assert not again.applied and again.revision == reply.revision
     await store.close()
@@ -148,7 +154,7 @@ async def test_refused_like_the_imperative_rpcs(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "state.db")
     config = ConfigServicer(store, TenantDirectory(store), PipelineCatalog(store),
                             ThresholdLedger(store), ConfigManager([owned], store, None),
-                            workers=2)
+                            access=ACCESS, workers=2)
     before = await store.revision()
     pipeline = ("apiVersion: sitsmesh.io/v1alpha1\nkind: Pipeline\nmetadata: {name: p}\n"
                 "spec: {stages: [{name: s, match: {header: s}}]}\n")
@@ -197,3 +203,9 @@ async def test_a_record_created_meanwhile_is_not_overwritten(tmp_path: Path) -> 
     assert tenant is not None and tenant.body["uid"] == "theirs"
     assert await store.get("thresholds", "checkout") is None
     await store.close()
+
+
+def test_every_kind_is_judged_by_the_access_policy() -> None:
+    from sitsmesh.declarative.models import KINDS
+
+    assert set(ACCESS_KIND) == set(KINDS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -79,10 +80,45 @@ def test_hadolint_does_report_a_bad_dockerfile(tmp_path: Path) -> None:
     assert "DL3006" in result.stdout, result.stdout
 
 
-def test_stages_share_one_tagged_slim_base() -> None:
-    bases = [args.split()[0] for stage in _stages() for args in _args(stage, "FROM")]
+def _global_args() -> dict[str, str]:
+    """The ARGs before the first FROM (the only ones FROM can use), with their defaults."""
+    out: dict[str, str] = {}
+    for keyword, args in _instructions(DOCKERFILE.read_text()):
+        if keyword == "FROM":
+            break
+        if keyword == "ARG":
+            name, _, default = args.partition("=")
+            out[name] = default.strip("\"'")
+    return out
+
+
+def _expand(word: str, values: dict[str, str]) -> str:
+    """Dockerfile variable expansion: ${X}, ${X:-word} and ${X:+word}."""
+    def one(m: re.Match[str]) -> str:
+        value = values.get(m["name"], "")
+        if m["op"] == ":-":
+            return value or m["word"]
+        if m["op"] == ":+":
+            return m["word"] if value else ""
+        return value
+    return re.sub(r"\$\{(?P<name>\w+)(?:(?P<op>:[-+])(?P<word>[^}]*))?\}", one, word)
+
+
+def _bases(**build_args: str) -> set[str]:
+    values = _global_args() | build_args
+    bases = [_expand(args.split()[0], values)
+             for stage in _stages() for args in _args(stage, "FROM")]
     assert len(bases) >= 2, "expected a multi-stage build"
-    assert set(bases) == {"python:3.11-slim-bookworm"}
+    return set(bases)
+
+
+def test_stages_share_one_tagged_slim_base() -> None:
+    assert _bases() == {"python:3.11-slim-bookworm"}
+
+
+def test_a_given_digest_pins_every_stage_by_digest() -> None:
+    digest = "sha256:" + "0" * 64  # any well-formed digest; a release passes the real one
+    assert _bases(PYTHON_DIGEST=digest) == {f"python:3.11-slim-bookworm@{digest}"}
 
 
 def test_final_stage_runs_sitsmesh_as_non_root() -> None:

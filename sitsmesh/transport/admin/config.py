@@ -20,6 +20,7 @@ from google.protobuf.json_format import MessageToDict
 from grpc import aio
 
 from sitsmesh import logs, workerguard
+from sitsmesh.access import GLOBAL, PIPELINE, TENANT, WRITE, Credential, denial
 from sitsmesh.admin.v1 import config_pb2, config_pb2_grpc
 from sitsmesh.authz.directory import TenantDirectory
 from sitsmesh.authz.model import APIKEY_KIND, new_uid
@@ -46,21 +47,29 @@ from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.state import Put, StateStore
 from sitsmesh.transport.admin.pressure import ACTOR_METADATA, MAX_ACTOR
 from sitsmesh.transport.admin.service import guarded
-from sitsmesh.transport.auth import admin_actor
+from sitsmesh.transport.adminaccess import AdminAccess
+from sitsmesh.transport.auth import PermissionDeniedError
+from sitsmesh.transport.errors import abort
 
 SERVICE_NAME = config_pb2.DESCRIPTOR.services_by_name["ConfigService"].full_name
 ACTIONS = {CREATED: config_pb2.APPLY_ACTION_CREATED,
            CONFIGURED: config_pb2.APPLY_ACTION_CONFIGURED,
            UNCHANGED: config_pb2.APPLY_ACTION_UNCHANGED, PRUNED: config_pb2.APPLY_ACTION_PRUNED}
+# Each kind's resource for the access policy, as the Admin RPCs writing it are judged:
+# (resource kind, whether the object's name is the resource's name).
+ACCESS_KIND = {"Tenant": (TENANT, True), "ApiKeyPolicy": (TENANT, True),
+               "Pipeline": (PIPELINE, True), "Thresholds": (PIPELINE, True),
+               "RateLimitConfig": (GLOBAL, False)}
 _log = logs.get("sitsmesh.admin")
 
 
 class ConfigServicer:
     def __init__(self, state: StateStore, directory: TenantDirectory,
                  pipelines: PipelineCatalog, thresholds: ThresholdLedger,
-                 ratelimit: ConfigManager, *, workers: int = 1,
+                 ratelimit: ConfigManager, *, access: AdminAccess, workers: int = 1,
                  clock: Callable[[], float] = time.time) -> None:
         self._state = state
+        self._access = access
         self._directory = directory
         self._pipelines = pipelines
         self._thresholds = thresholds
@@ -84,6 +93,22 @@ class ConfigServicer:
             labels[(kind, name)] = r
         keys = await self._state.list(APIKEY_KIND) if "Tenant" in kinds else []
         return Stored(records, labels, keys)
+
+    async def _authorize(self, credential: Credential, docs: list[Document], result: Plan,
+                         context: aio.ServicerContext[Any, Any]) -> None:
+        """Write access to every object the apply names or prunes (a dry run too: it
+        shows what the caller could not otherwise change), judged as the Admin RPCs that
+        write them are; every refusal listed, nothing applied."""
+        named = [(d.KIND, d.metadata.name) for d in docs]
+        pruned = [(o.kind, o.name) for o in result.outcomes if o.action == PRUNED]
+        refusals = []
+        for kind, name in [*named, *pruned]:
+            resource, scoped = ACCESS_KIND[kind]
+            reason = denial(credential, WRITE, resource, name if scoped else "")
+            if reason is not None:
+                refusals.append(f"{kind}/{name}: {reason}")
+        if refusals:
+            await abort(context, PermissionDeniedError("Apply: " + "; ".join(refusals)))
 
     def _guard(self, docs: list[Document]) -> None:
         """What --workers N refuses through the imperative RPCs, refused here alike."""
@@ -139,6 +164,7 @@ class ConfigServicer:
                      context: aio.ServicerContext[Any, Any]) -> config_pb2.ApplyResponse:
         # Up to 1 MiB of YAML is tens of milliseconds of CPU: off the event loop, which
         # also serves Check and ShouldRateLimit in a single process.
+        credential, actor = await self._access.authenticate("ConfigService/Apply", context)
         docs = await asyncio.to_thread(_read, request)
         if request.prune_selector and not request.prune:
             raise InvalidArgumentError("prune_selector is only used with prune")
@@ -147,13 +173,14 @@ class ConfigServicer:
         kinds = {d.KIND for d in docs}
         stored = await self._stored(kinds)
         result = await asyncio.to_thread(plan, docs, stored, prune=prune, new_uid=new_uid)
+        await self._authorize(credential, docs, result, context)
         await self._check_ratelimit(docs, result)
         applied = not request.dry_run and bool(result.writes)
         if applied:
-            # As SetThresholds audits: who the server can vouch for; the header is a claim.
+            # As SetThresholds audits: the authenticated credential; the header is a note.
             claimed = str(dict(context.invocation_metadata() or ()).get(ACTOR_METADATA, "")
                           or "")[:MAX_ACTOR]
-            actor = admin_actor(context) + (f" (claims {claimed})" if claimed else "")
+            actor += f" (on behalf of {claimed})" if claimed else ""
             writes = [*result.writes, *self._audit(result, stored, actor, context.peer())]
             try:
                 revision = await self._state.apply(writes)
@@ -175,6 +202,7 @@ class ConfigServicer:
 
     async def _get(self, request: config_pb2.GetRequest,
                    context: aio.ServicerContext[Any, Any]) -> config_pb2.GetResponse:
+        await self._access.authenticate("ConfigService/Get", context)  # every role reads
         if request.kind and request.kind not in KINDS:
             raise InvalidArgumentError(f"kind must be one of {', '.join(KINDS)}, got "
                                        f"{request.kind!r}")

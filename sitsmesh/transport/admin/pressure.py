@@ -14,7 +14,7 @@ from sitsmesh.pressure.controller import Decision, Snapshot
 from sitsmesh.pressure.ledger import ThresholdLedger
 from sitsmesh.pressure.runtime import PressureRuntime
 from sitsmesh.transport.admin.common import read_yaml, timestamp, yaml_text
-from sitsmesh.transport.auth import admin_actor
+from sitsmesh.transport.adminaccess import caller
 
 ACTOR_METADATA = "x-sitsmesh-actor"
 MAX_ACTOR = 200
@@ -62,9 +62,10 @@ class PressureAdmin:
         _require_pipeline(request.pipeline)
         body = read_yaml(request.yaml, source) if request.yaml.strip() else {}
         metadata = dict(context.invocation_metadata() or ())
-        # The audit names who the server can vouch for; the header is only a claim.
+        # The audit names the credential the call authenticated as; the header is only
+        # a note of whom it says it acts for.
         claimed = str(metadata.get(ACTOR_METADATA, "") or "")[:MAX_ACTOR]
-        actor = admin_actor(context) + (f" (claims {claimed})" if claimed else "")
+        actor = caller() + (f" (on behalf of {claimed})" if claimed else "")
         thresholds = await self._thresholds.set(
             request.pipeline, body, source=source, actor=actor, peer=context.peer(),
             dry_run=request.dry_run)
