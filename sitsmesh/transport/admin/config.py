@@ -162,9 +162,9 @@ class ConfigServicer:
 
     async def _apply(self, request: config_pb2.ApplyRequest,
                      context: aio.ServicerContext[Any, Any]) -> config_pb2.ApplyResponse:
+        credential, actor = await self._access.authenticate("ConfigService/Apply", context)
         # Up to 1 MiB of YAML is tens of milliseconds of CPU: off the event loop, which
         # also serves Check and ShouldRateLimit in a single process.
-        credential, actor = await self._access.authenticate("ConfigService/Apply", context)
         docs = await asyncio.to_thread(_read, request)
         if request.prune_selector and not request.prune:
             raise InvalidArgumentError("prune_selector is only used with prune")
