@@ -16,6 +16,7 @@ import pytest
 
 from sitsmesh.errors import ConflictError, NotFoundError
 from sitsmesh.state import Delete, Put, StateStore
+from sitsmesh.state.contract import ABSENT
 
 OpenStore = Callable[[], Awaitable[StateStore]]
 
@@ -72,6 +73,18 @@ class StateContract:
         got = await store.get("tenant", "acme")
         assert got is not None and got.body == {"v": 2}
         assert await store.revision() == 2
+
+    async def test_expect_absent_creates_only_what_does_not_exist(
+            self, store: StateStore) -> None:
+        await store.put("tenant", "new", {"v": 1}, expect_revision=ABSENT)
+        with pytest.raises(ConflictError, match="tenant 'new' exists \\(at revision 1\\), "
+                           "expected none"):
+            await store.apply([Put("tenant", "other", {}, expect_revision=ABSENT),
+                               Put("tenant", "new", {"v": 2}, expect_revision=ABSENT)])
+        assert await store.get("tenant", "other") is None
+        got = await store.get("tenant", "new")
+        assert got is not None and got.body == {"v": 1}
+        assert await store.revision() == 1
 
     async def test_apply_writes_all_or_nothing(self, store: StateStore) -> None:
         acme = await store.create("tenant", "acme", {"v": 1})

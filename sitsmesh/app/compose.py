@@ -32,12 +32,14 @@ from sitsmesh.state import StateStore
 from sitsmesh.status import StatusBoard
 from sitsmesh.transport.admin import AdminServicer
 from sitsmesh.transport.admin.chains import ChainAdmin
+from sitsmesh.transport.admin.config import ConfigServicer
 from sitsmesh.transport.admin.paging import PageTokens
 from sitsmesh.transport.admin.pressure import PressureAdmin
 from sitsmesh.transport.admin.ratelimit import RateLimitAdmin
 from sitsmesh.transport.admin.status import StatusAdmin
 from sitsmesh.transport.admin.swaps import SwapAdmin
 from sitsmesh.transport.admin.tenants import TenantAdmin
+from sitsmesh.transport.adminaccess import AdminAccess
 from sitsmesh.transport.streams import OpenStreams
 
 if TYPE_CHECKING:
@@ -175,3 +177,15 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
         SwapAdmin(graph.swaps.manager, tokens),
         PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime, tokens),
     )
+
+
+def config_servicer(graph: Graph, settings: Settings, store: StateStore,
+                    access: AdminAccess) -> ConfigServicer:
+    """The declarative ConfigService over the same views the Admin RPCs write through,
+    each call checked against the same credentials."""
+    if graph.pressure is None:
+        raise ValueError("the admin API is served where pressure and swaps are composed")
+    workers = 1 if settings.shared_runtime == "redis" else settings.workers
+    return ConfigServicer(store, graph.authz.directory, graph.chains.pipelines,
+                          graph.pressure.thresholds, graph.ratelimit.config, access=access,
+                          workers=workers)

@@ -41,6 +41,8 @@ from sitsmesh.state.open import open_store
 from sitsmesh.status import ServiceState, Serving, StatusBoard
 from sitsmesh.transport.accesslog import SERVICE_NAME as ACCESSLOG_SERVICE
 from sitsmesh.transport.admin import AdminServicer
+from sitsmesh.transport.admin.config import SERVICE_NAME as CONFIG_NAME
+from sitsmesh.transport.admin.config import ConfigServicer
 from sitsmesh.transport.adminaccess import AdminAccess
 from sitsmesh.transport.auth import CallerGate
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
@@ -145,7 +147,7 @@ async def _start_data(settings: Settings, board: StatusBoard, metrics: RpcMetric
 
 
 async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMetrics,
-                       servicer: AdminServicer,
+                       servicer: AdminServicer, config: ConfigServicer,
                        access: AdminAccess) -> tuple[aio.Server, str]:
     server = aio.server(
         interceptors=[metrics.interceptor()],
@@ -153,15 +155,17 @@ async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMe
     )
     registrar: Any = server
     if settings.admin_clients:  # mTLS identities allowed to call, on top of the token
-        registrar = CallerGate({ADMIN_NAME: settings.admin_clients}).registrar(server)
+        registrar = CallerGate({ADMIN_NAME: settings.admin_clients,
+                                CONFIG_NAME: settings.admin_clients}).registrar(server)
     # Each RPC is authenticated and authorized inside its handler: the check needs the
     # request, which an interceptor never sees.
     access.add_to_server(servicer, registrar)
+    config.add_to_server(registrar)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     board.add_listener(_health_listener(health, "admin"))
-    reflection.enable_server_reflection([ADMIN_NAME, HEALTH_NAME, reflection.SERVICE_NAME],
-                                        server)
+    reflection.enable_server_reflection(
+        [ADMIN_NAME, CONFIG_NAME, HEALTH_NAME, reflection.SERVICE_NAME], server)
     board.register(ADMIN_NAME, "admin")
     bound = _bind(server, "admin_addr", settings.admin_addr, "admin", settings)
     await server.start()
@@ -347,6 +351,7 @@ async def run(settings: Settings) -> int:
         admin_server, bound["admin"] = await _start_admin(
             settings, board, metrics=rpc_metrics,
             servicer=compose.admin_servicer(graph, settings, board, store, bound),
+            config=compose.config_servicer(graph, settings, store, access),
             access=access)
         servers.append(admin_server)
         httpd, bound["metrics"] = _start_metrics(settings, registry)

@@ -14,6 +14,7 @@ from typing import Any
 from sitsmesh import logs
 from sitsmesh.authz.admission import AdmissionPolicy
 from sitsmesh.authz.check import AuthzSnapshot
+from sitsmesh.authz.keypolicy import KEYPOLICY_KIND, key_policy_from
 from sitsmesh.authz.model import (
     APIKEY_KIND,
     TENANT_KIND,
@@ -105,6 +106,10 @@ class TenantDirectory(RevisionFollower):
             raise NotFoundError(f"tenant {tenant} does not exist")
         if expires_at is not None and expires_at <= self._clock():
             raise InvalidObject("expires_at is in the past")
+        policy = await self._state.get(KEYPOLICY_KIND, tenant)
+        if policy is not None:
+            key_policy_from(tenant, policy.body).check_issue(
+                expires_at, self._clock(), await self.list_keys(tenant))
         key_id, secret = new_key()
         key = ApiKey(key_id, tenant, digest(secret), self._clock(), expires_at, False, name,
                      str(record.body.get("uid", "")))

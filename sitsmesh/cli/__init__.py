@@ -9,6 +9,7 @@ from sitsmesh import __version__
 from sitsmesh.cli import (
     completion,
     credentials,
+    declarative,
     dev,
     models,
     pipelines,
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_commands(sub)
     models.add_commands(sub)
     pressure.add_commands(sub)
+    declarative.add_commands(sub)
     credentials.add_commands(sub)
     completion.add_commands(sub, parser)
     return parser

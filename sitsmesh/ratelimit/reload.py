@@ -123,9 +123,11 @@ class ConfigManager:
                 _log.warning("config watch failed", error=str(exc))
                 await asyncio.sleep(interval_s)
 
-    async def apply(self, files: Sequence[tuple[str, str]], *, dry_run: bool
-                    ) -> tuple[RateLimitConfig, list[str]]:
-        """Validate `files` with everything else; persist and go live unless dry_run."""
+    async def check(self, files: Sequence[tuple[str, str]], drop_domains: Iterable[str] = ()
+                    ) -> tuple[RateLimitConfig, list[tuple[str, str, str]]]:
+        """The config `files` (name, text) would make with everything else, and each one's
+        (source, text, domain); ConfigError when a file already owns a domain or the whole
+        does not validate. Writes nothing."""
         file_domains = {rlconfig.parse_domain(src, text)[0]: src
                         for src, text in await asyncio.to_thread(rlconfig.read_files,
                                                                  self._paths)}
@@ -137,7 +139,12 @@ class ConfigManager:
                 raise ConfigError(f"{source}: domain '{domain}' is defined in file "
                                   f"{file_domains[domain]}; change the file instead")
             named.append((source, text, domain))
-        config = await self.build([(s, t) for s, t, _ in named])
+        return await self.build([(s, t) for s, t, _ in named], drop_domains), named
+
+    async def apply(self, files: Sequence[tuple[str, str]], *, dry_run: bool
+                    ) -> tuple[RateLimitConfig, list[str]]:
+        """Validate `files` with everything else; persist and go live unless dry_run."""
+        config, named = await self.check(files)
         domains = sorted(d for _, _, d in named)
         if not dry_run:
             for source, text, domain in named:

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from sitsmesh.errors import ConflictError
+
 
 @dataclass(frozen=True, slots=True)
 class Record:
@@ -17,12 +19,30 @@ class Record:
     updated_at: float
 
 
+# expect_revision=ABSENT: the write creates the record, and fails if it exists by then
+# (revisions start at 1, so no stored record is ever at 0).
+ABSENT = 0
+
+
 @dataclass(frozen=True, slots=True)
 class Put:
     kind: str
     name: str
     body: dict[str, Any]
     expect_revision: int | None = None
+
+
+def check_expected(kind: str, name: str, stored: int | None, expected: int | None) -> None:
+    """Every backend's expect_revision rule: ConflictError unless the stored revision is
+    the expected one (ABSENT: no stored record)."""
+    if expected is None:
+        return
+    if expected == ABSENT:
+        if stored is not None:
+            raise ConflictError(f"{kind} '{name}' exists (at revision {stored}), expected none")
+    elif stored != expected:
+        current = "absent" if stored is None else f"at revision {stored}"
+        raise ConflictError(f"{kind} '{name}' is {current}, not at revision {expected}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +65,8 @@ class StateStore(Protocol):
     async def put(
         self, kind: str, name: str, body: dict[str, Any], *, expect_revision: int | None = None
     ) -> Record:
-        """Upsert. With expect_revision, raises ConflictError unless the stored record has it."""
+        """Upsert. With expect_revision, raises ConflictError unless the stored record has it
+        (ABSENT: unless there is none)."""
         ...
 
     async def delete(self, kind: str, name: str) -> bool: ...

@@ -28,7 +28,7 @@ from sitsmesh.errors import ConflictError, NotFoundError, StartupError, Unavaila
 from sitsmesh.settingvalues import redact_url
 from sitsmesh.state import pgschema
 from sitsmesh.state.changes import ChangeSignal
-from sitsmesh.state.contract import Delete, Put, Record
+from sitsmesh.state.contract import Delete, Put, Record, check_expected
 
 CONNECT_TIMEOUT_S = 3
 # Admin calls take milliseconds; this only bounds a server that stopped answering.
@@ -76,12 +76,6 @@ async def _stored_revision(conn: Conn, kind: str, name: str) -> int | None:
         "SELECT revision FROM sitsmesh_objects WHERE kind = %s AND name = %s", (kind, name))
     row = await cur.fetchone()
     return None if row is None else int(row[0])
-
-
-def _check_expected(kind: str, name: str, stored: int | None, expected: int | None) -> None:
-    if expected is not None and stored != expected:
-        current = "absent" if stored is None else f"at revision {stored}"
-        raise ConflictError(f"{kind} '{name}' is {current}, not at revision {expected}")
 
 
 async def _read_revision(conn: Conn) -> int:
@@ -185,7 +179,7 @@ class PostgresStore:
                 stored = await _stored_revision(conn, kind, name)
                 if create and stored is not None:
                     raise ConflictError(f"{kind} '{name}' already exists")
-                _check_expected(kind, name, stored, expect_revision)
+                check_expected(kind, name, stored, expect_revision)
                 now = time.time()
                 await conn.execute(_UPSERT, (kind, name, blob, revision, now))
             return Record(kind, name, json.loads(blob), revision, now)
@@ -226,7 +220,7 @@ class PostgresStore:
                         await conn.execute("DELETE FROM sitsmesh_objects WHERE kind = %s "
                                            "AND name = %s", (write.kind, write.name))
                         continue
-                    _check_expected(write.kind, write.name, stored, write.expect_revision)
+                    check_expected(write.kind, write.name, stored, write.expect_revision)
                     await conn.execute(_UPSERT, (write.kind, write.name, blob, revision, now))
             return revision
         return await self._run(op, write=True)

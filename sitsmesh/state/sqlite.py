@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from sitsmesh.errors import ConflictError, NotFoundError, StartupError
 from sitsmesh.state.changes import ChangeSignal
-from sitsmesh.state.contract import Delete, Put, Record
+from sitsmesh.state.contract import Delete, Put, Record, check_expected
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 10.0
@@ -105,11 +105,7 @@ class SqliteStore:
             ).fetchone()
             if mode == "create" and row is not None:
                 raise ConflictError(f"{kind} '{name}' already exists")
-            if expect_revision is not None and (row is None or row[0] != expect_revision):
-                current = "absent" if row is None else f"at revision {row[0]}"
-                raise ConflictError(
-                    f"{kind} '{name}' is {current}, not at revision {expect_revision}"
-                )
+            check_expected(kind, name, row[0] if row is not None else None, expect_revision)
             revision = self._bump()
             now = time.time()
             conn.execute(
@@ -157,11 +153,8 @@ class SqliteStore:
                     conn.execute("DELETE FROM objects WHERE kind=? AND name=?",
                                  (write.kind, write.name))
                     continue
-                if write.expect_revision is not None and (
-                        row is None or row[0] != write.expect_revision):
-                    current = "absent" if row is None else f"at revision {row[0]}"
-                    raise ConflictError(f"{write.kind} '{write.name}' is {current}, not at "
-                                        f"revision {write.expect_revision}")
+                check_expected(write.kind, write.name, row[0] if row is not None else None,
+                               write.expect_revision)
                 conn.execute(
                     "INSERT INTO objects (kind, name, body, revision, updated_at) "
                     "VALUES (?,?,?,?,?) ON CONFLICT(kind, name) DO UPDATE SET "

@@ -152,9 +152,11 @@ class AdminAccess:
 
         return unary
 
-    async def _check(self, method: str, wanted: Rule, request: Any,
-                     context: aio.ServicerContext[Any, Any]) -> str:
-        """The caller's audit name if it may make this call; aborts the call otherwise."""
+    async def authenticate(self, method: str, context: aio.ServicerContext[Any, Any]
+                           ) -> tuple[Credential, str]:
+        """(the caller's credential, its audit name); aborts UNAUTHENTICATED otherwise.
+        Services beside Admin whose requests name many resources (ConfigService) call
+        this, then `denial` for each resource."""
         identities = peer_identities(context)
         credential, by_token = self._authenticate(context, identities)
         if credential is None:
@@ -168,6 +170,12 @@ class AdminAccess:
         actor = credential.name
         if by_token and identities:
             actor += f" via {identities[0]}"
+        return credential, actor
+
+    async def _check(self, method: str, wanted: Rule, request: Any,
+                     context: aio.ServicerContext[Any, Any]) -> str:
+        """The caller's audit name if it may make this call; aborts the call otherwise."""
+        credential, actor = await self.authenticate(method, context)
         if wanted.verb == READ:
             return actor
         name = ""

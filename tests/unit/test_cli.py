@@ -22,6 +22,7 @@ from sitsmesh.cli import (
     build_parser,
     completion,
     credentials,
+    declarative,
     dev,
     main,
     models,
@@ -44,8 +45,8 @@ from sitsmesh.cli.common import (
 )
 
 GROUPS = ["serve", "status", "health", "ratelimit", "tenants", "apikeys", "pipelines", "chain",
-          "dev", "models", "swaps", "thresholds", "pressure", "simulate", "admin-credentials",
-          "completion"]
+          "dev", "models", "swaps", "thresholds", "pressure", "simulate", "apply", "diff", "get",
+          "schemas", "admin-credentials", "completion"]
 
 # Every leaf command with the fewest arguments it parses with, and the function it runs.
 COMMANDS: list[tuple[list[str], Callable[[argparse.Namespace], int]]] = [
@@ -79,6 +80,10 @@ COMMANDS: list[tuple[list[str], Callable[[argparse.Namespace], int]]] = [
     (["thresholds", "history"], pressure.cmd_thresholds_history),
     (["pressure", "watch"], pressure.cmd_pressure_watch),
     (["simulate", "--pipeline", "p.yaml", "--load", "l.yaml"], pressure.cmd_simulate),
+    (["apply", "-f", "c.yaml"], declarative.cmd_apply),
+    (["diff", "-f", "c.yaml"], declarative.cmd_diff),
+    (["get", "tenants"], declarative.cmd_get),
+    (["schemas", "write"], declarative.cmd_schemas),
     (["admin-credentials", "generate"], credentials.cmd_generate),
     (["admin-credentials", "hash"], credentials.cmd_hash),
     (["admin-credentials", "check", "c.yaml"], credentials.cmd_check),
@@ -136,7 +141,7 @@ def test_the_list_above_has_every_command() -> None:
     listed = {next(tuple(argv[:n]) for n in range(len(argv), 0, -1) if tuple(argv[:n]) in leaves)
               for argv, _ in COMMANDS}
     assert listed == leaves
-    assert len(leaves) == len(COMMANDS) == 34
+    assert len(leaves) == len(COMMANDS) == 38
 
 
 def test_help_lists_every_group_in_order(monkeypatch: pytest.MonkeyPatch,

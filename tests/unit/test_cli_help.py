@@ -49,7 +49,7 @@ def _argv(example: str) -> list[str]:
 def test_every_group_has_two_or_three_examples() -> None:
     counts = {name: len(_examples(parser)) for name, parser in _groups()}
     assert all(2 <= n <= 3 for n in counts.values()), counts
-    assert len(counts) == 16
+    assert len(counts) == 20
 
 
 @pytest.mark.parametrize("example", [e for _, p in _groups() for e in _examples(p)])

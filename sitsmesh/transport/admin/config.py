@@ -1,0 +1,234 @@
+"""sitsmesh.admin.v1.ConfigService: declarative documents applied in one transaction.
+
+Apply validates every document with the models (the domain validators' messages),
+plans the writes against the stored records, and commits them with one
+StateStore.apply; every existing record carries its revision, so a concurrent change
+fails the whole apply with ABORTED. Then the views the imperative RPCs refresh are
+refreshed here too, and other processes follow the store's revision as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from grpc import aio
+
+from sitsmesh import logs, workerguard
+from sitsmesh.access import GLOBAL, PIPELINE, TENANT, WRITE, Credential, denial
+from sitsmesh.admin.v1 import config_pb2, config_pb2_grpc
+from sitsmesh.authz.directory import TenantDirectory
+from sitsmesh.authz.model import APIKEY_KIND, new_uid
+from sitsmesh.chains.catalog import PipelineCatalog
+from sitsmesh.declarative import documents
+from sitsmesh.declarative.models import KINDS, Document
+from sitsmesh.declarative.plan import (
+    CONFIGURED,
+    CREATED,
+    LABELS_KIND,
+    PRUNED,
+    STORE_KIND,
+    UNCHANGED,
+    Plan,
+    Stored,
+    document,
+    plan,
+    selector,
+)
+from sitsmesh.errors import ConfigError, ConflictError, InvalidArgumentError, NotFoundError
+from sitsmesh.pressure.ledger import ThresholdLedger
+from sitsmesh.pressure.thresholds import AUDIT_KIND
+from sitsmesh.ratelimit.reload import ConfigManager
+from sitsmesh.state import Put, StateStore
+from sitsmesh.transport.admin.pressure import ACTOR_METADATA, MAX_ACTOR
+from sitsmesh.transport.admin.service import guarded
+from sitsmesh.transport.adminaccess import AdminAccess
+from sitsmesh.transport.auth import PermissionDeniedError
+from sitsmesh.transport.errors import abort
+
+SERVICE_NAME = config_pb2.DESCRIPTOR.services_by_name["ConfigService"].full_name
+ACTIONS = {CREATED: config_pb2.APPLY_ACTION_CREATED,
+           CONFIGURED: config_pb2.APPLY_ACTION_CONFIGURED,
+           UNCHANGED: config_pb2.APPLY_ACTION_UNCHANGED, PRUNED: config_pb2.APPLY_ACTION_PRUNED}
+# Each kind's resource for the access policy, as the Admin RPCs writing it are judged:
+# (resource kind, whether the object's name is the resource's name).
+ACCESS_KIND = {"Tenant": (TENANT, True), "ApiKeyPolicy": (TENANT, True),
+               "Pipeline": (PIPELINE, True), "Thresholds": (PIPELINE, True),
+               "RateLimitConfig": (GLOBAL, False)}
+_log = logs.get("sitsmesh.admin")
+
+
+class ConfigServicer:
+    def __init__(self, state: StateStore, directory: TenantDirectory,
+                 pipelines: PipelineCatalog, thresholds: ThresholdLedger,
+                 ratelimit: ConfigManager, *, access: AdminAccess, workers: int = 1,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._state = state
+        self._access = access
+        self._directory = directory
+        self._pipelines = pipelines
+        self._thresholds = thresholds
+        self._ratelimit = ratelimit
+        self._workers = workers
+        self._clock = clock
+        self._sequence = 0
+        self.Apply = guarded(self._apply)
+        self.Get = guarded(self._get)
+
+    def add_to_server(self, server: aio.Server) -> None:
+        config_pb2_grpc.add_ConfigServiceServicer_to_server(
+            cast(config_pb2_grpc.ConfigServiceServicer, self), server)
+
+    async def _stored(self, kinds: set[str]) -> Stored:
+        records = {(r.kind, r.name): r for kind in sorted(kinds)
+                   for r in await self._state.list(STORE_KIND[kind])}
+        labels = {}
+        for r in await self._state.list(LABELS_KIND):
+            kind, _, name = r.name.partition("/")
+            labels[(kind, name)] = r
+        keys = await self._state.list(APIKEY_KIND) if "Tenant" in kinds else []
+        return Stored(records, labels, keys)
+
+    async def _authorize(self, credential: Credential, docs: list[Document], result: Plan,
+                         context: aio.ServicerContext[Any, Any]) -> None:
+        """Write access to every object the apply names or prunes (a dry run too: it
+        shows what the caller could not otherwise change), judged as the Admin RPCs that
+        write them are; every refusal listed, nothing applied."""
+        named = [(d.KIND, d.metadata.name) for d in docs]
+        pruned = [(o.kind, o.name) for o in result.outcomes if o.action == PRUNED]
+        refusals = []
+        for kind, name in [*named, *pruned]:
+            resource, scoped = ACCESS_KIND[kind]
+            reason = denial(credential, WRITE, resource, name if scoped else "")
+            if reason is not None:
+                refusals.append(f"{kind}/{name}: {reason}")
+        if refusals:
+            await abort(context, PermissionDeniedError("Apply: " + "; ".join(refusals)))
+
+    def _guard(self, docs: list[Document]) -> None:
+        """What --workers N refuses through the imperative RPCs, refused here alike."""
+        if self._workers <= 1:
+            return
+        for doc in docs:
+            if doc.KIND == "Pipeline":
+                raise workerguard.refuse_pipeline(doc.metadata.name)
+            if doc.KIND == "Tenant" and doc.body()["max_concurrency"] > 0:
+                raise workerguard.refuse_cap(doc.metadata.name)
+
+    async def _check_ratelimit(self, docs: list[Document], result: Plan) -> None:
+        """Rate-limit configs validate together with the live ones (replaces, file
+        domains), as ApplyRateLimitConfig does."""
+        changed = {o.name for o in result.touched("RateLimitConfig") if o.action != PRUNED}
+        dropped = [o.name for o in result.touched("RateLimitConfig") if o.action == PRUNED]
+        if not changed and not dropped:
+            return
+        files = [(d.metadata.name, d.body()["yaml"]) for d in docs
+                 if d.KIND == "RateLimitConfig" and d.metadata.name in changed]
+        try:
+            await self._ratelimit.check(files, dropped)
+        except ConfigError as exc:
+            raise InvalidArgumentError(f"RateLimitConfig: {exc.message}") from None
+
+    def _audit(self, result: Plan, stored: Stored, actor: str, peer: str) -> list[Put]:
+        """Threshold changes are audited as SetThresholds audits them, in the same
+        transaction as the change."""
+        entries = []
+        now = self._clock()
+        for write in result.writes:
+            if not isinstance(write, Put) or write.kind != STORE_KIND["Thresholds"]:
+                continue
+            before = stored.records.get((write.kind, write.name))
+            self._sequence += 1
+            entries.append(Put(AUDIT_KIND, f"{now:017.6f}-{self._sequence:04d}-{write.name}", {
+                "pipeline": write.name, "actor": actor, "peer": peer, "at": now,
+                "before": before.body if before is not None else None, "after": write.body}))
+        return entries
+
+    async def _refresh(self, result: Plan) -> None:
+        kinds = {o.kind for o in result.outcomes if o.action != UNCHANGED}
+        if "Tenant" in kinds:
+            await self._directory.refresh()
+        if "Pipeline" in kinds:
+            await self._pipelines.refresh()
+        if "Thresholds" in kinds:
+            await self._thresholds.refresh()
+        if "RateLimitConfig" in kinds:
+            await self._ratelimit.reload("declarative apply")
+
+    async def _apply(self, request: config_pb2.ApplyRequest,
+                     context: aio.ServicerContext[Any, Any]) -> config_pb2.ApplyResponse:
+        credential, actor = await self._access.authenticate("ConfigService/Apply", context)
+        # Up to 1 MiB of YAML is tens of milliseconds of CPU: off the event loop, which
+        # also serves Check and ShouldRateLimit in a single process.
+        docs = await asyncio.to_thread(_read, request)
+        if request.prune_selector and not request.prune:
+            raise InvalidArgumentError("prune_selector is only used with prune")
+        prune = selector(request.prune_selector) if request.prune else None
+        self._guard(docs)
+        kinds = {d.KIND for d in docs}
+        stored = await self._stored(kinds)
+        result = await asyncio.to_thread(plan, docs, stored, prune=prune, new_uid=new_uid)
+        await self._authorize(credential, docs, result, context)
+        await self._check_ratelimit(docs, result)
+        applied = not request.dry_run and bool(result.writes)
+        if applied:
+            # As SetThresholds audits: the authenticated credential; the header is a note.
+            claimed = str(dict(context.invocation_metadata() or ()).get(ACTOR_METADATA, "")
+                          or "")[:MAX_ACTOR]
+            actor += f" (on behalf of {claimed})" if claimed else ""
+            writes = [*result.writes, *self._audit(result, stored, actor, context.peer())]
+            try:
+                revision = await self._state.apply(writes)
+            except (ConflictError, NotFoundError) as exc:
+                await context.abort(grpc.StatusCode.ABORTED,
+                                    f"changed while applying ({exc.message}); nothing was "
+                                    "applied: apply again")
+            await self._refresh(result)
+            _log.info("declarative config applied", actor=actor, revision=revision,
+                      changed=[f"{o.kind}/{o.name}:{o.action}" for o in result.outcomes
+                               if o.action != UNCHANGED])
+        else:
+            revision = await self._state.revision()
+        return config_pb2.ApplyResponse(
+            results=[config_pb2.DocumentResult(kind=o.kind, name=o.name,
+                                               action=ACTIONS[o.action], diff=o.diff)
+                     for o in result.outcomes],
+            applied=applied, revision=revision)
+
+    async def _get(self, request: config_pb2.GetRequest,
+                   context: aio.ServicerContext[Any, Any]) -> config_pb2.GetResponse:
+        await self._access.authenticate("ConfigService/Get", context)  # every role reads
+        if request.kind and request.kind not in KINDS:
+            raise InvalidArgumentError(f"kind must be one of {', '.join(KINDS)}, got "
+                                       f"{request.kind!r}")
+        if request.name and not request.kind:
+            raise InvalidArgumentError("a name needs its kind")
+        kinds = [request.kind] if request.kind else list(KINDS)
+        stored = await self._stored(set(kinds))
+        found = []
+        for kind in kinds:
+            for (store_kind, name), record in sorted(stored.records.items()):
+                if store_kind != STORE_KIND[kind] or (request.name and name != request.name):
+                    continue
+                labels = stored.labels.get((kind, name))
+                doc = document(kind, name, record.body,
+                               labels.body.get("labels", {}) if labels is not None else {})
+                found.append(config_pb2.ConfigDocument(kind=kind, name=name,
+                                                       json=json.dumps(doc)))
+        if request.name and not found:
+            raise NotFoundError(f"{request.kind} {request.name} does not exist")
+        return config_pb2.GetResponse(documents=found)
+
+
+def _read(request: config_pb2.ApplyRequest) -> list[Document]:
+    raws, where = documents.load_files(
+        [(f.name or f"files[{i}]", f.documents) for i, f in enumerate(request.files)],
+        [MessageToDict(o) for o in request.objects])
+    if not raws:
+        raise InvalidArgumentError("no documents to apply")
+    return documents.validate(raws, where)
