@@ -1,10 +1,10 @@
 # syntax=docker/dockerfile:1
 # sitsmesh control plane image.
 #
-#   docker build -t sitsmesh:0.1.0 --build-arg VERSION=0.1.0 \
+#   docker build -t sitsmesh:0.2.0 --build-arg VERSION=0.2.0 \
 #     --build-arg REVISION="$(git rev-parse HEAD)" .
 #   docker run --rm -p 50051:50051 -p 9464:9464 \
-#     -v sitsmesh-state:/var/lib/sitsmesh --stop-timeout 20 sitsmesh:0.1.0
+#     -v sitsmesh-state:/var/lib/sitsmesh --stop-timeout 20 sitsmesh:0.2.0
 #
 # Shutdown takes up to SITSMESH_DRAIN_SECONDS + SITSMESH_GRACE_SECONDS (5 + 10 by
 # default), longer than `docker stop`'s 10 s default, hence --stop-timeout above.
@@ -13,7 +13,7 @@
 # The image's OCI labels. VERSION's default is pyproject's version (tests/unit/
 # test_version.py keeps every copy equal); REVISION is the commit the image is built from.
 # SOURCE is the repository's URL, left empty rather than guessed: pass it when you publish.
-ARG VERSION=0.1.0
+ARG VERSION=0.2.0
 ARG REVISION=unknown
 ARG SOURCE=""
 

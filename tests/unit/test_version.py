@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 RELEASE = re.compile(r"^## \[(?P<version>[^\]]+)\](?: - (?P<date>\d{4}-\d{2}-\d{2}))?$")
 SECTIONS = {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}
-# `sitsmesh:0.1.0` as an image reference in comments and docs (not host:port).
+# `sitsmesh:0.2.0` as an image reference in comments and docs (not host:port).
 IMAGE_TAG = re.compile(r"(?<![\w.-])sitsmesh:(\d+\.\d+\.\d+\S*?)(?=[\s\"'`]|$)", re.MULTILINE)
 BUILD_ARG = re.compile(r"--build-arg VERSION=([^\s\"'`]+)")
 WHEEL = re.compile(r"\bsitsmesh-(\d+\.\d+\.\d+[^-\s]*)-py3-none-any\.whl")
