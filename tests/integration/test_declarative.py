@@ -164,7 +164,7 @@ def test_bad_document_or_dry_run_writes_nothing(tmp_path: Path, start_sitsmesh: 
     assert "-  priority: 2\n" in diff.stdout and "+  priority: 4\n" in diff.stdout
     reply = json.loads(ok(node.cli("apply", "-f", str(changed), "-o", "json")))
     assert [r["action"] for r in reply["results"]] == [
-        "APPLY_ACTION_CONFIGURED", *["APPLY_ACTION_UNCHANGED"] * 3]
+        "configured", *["unchanged"] * 3]
     assert (reply["applied"], reply["dry_run"]) == (True, False)
     assert json.loads(ok(node.cli("tenants", "get", "team-a", "-o", "json")))["priority"] == 4
 

@@ -81,8 +81,8 @@ def test_thresholds_set_get_audit_and_bad_input_changes_nothing(
     assert dry.returncode == 0 and "dry run" in dry.stderr
     history = json.loads(node.cli("thresholds", "history", "demo", "--output", "json").stdout)
     assert len(history) == 1  # neither the refused nor the dry-run sets were recorded
-    # Proven by the token only; the CLI's user@host is recorded as a claim beside it.
-    assert history[0]["actor"].startswith("token (claims sre-alice@")
+    # The credential the token proved; the CLI's user@host is only a claim beside it.
+    assert history[0]["actor"].startswith("admin (on behalf of sre-alice@")
     assert history[0]["peer"].startswith("ipv4:127.0.0.1:")
     assert history[0]["before"] is None and history[0]["after"]["policy"] == "seed"
 
