@@ -56,5 +56,5 @@ def test_a_swap_is_a_span_with_a_child_per_phase(tmp_path: Path,
         started = step.started_at.seconds * 10**9 + step.started_at.nanos
         assert abs(span.start_ns - started) < 1000  # the record's time, to the µs
         assert swap.start_ns <= span.start_ns <= span.end_ns <= swap.end_ns
-        assert span.attributes["sitsmesh.swap.phase_state"] == step.state
+        assert span.attributes["sitsmesh.swap.phase_state"] == word(admin_pb2.StepState, step.state)
     assert spans["sitsmesh.swap.load"].end_ns - spans["sitsmesh.swap.load"].start_ns > 0
