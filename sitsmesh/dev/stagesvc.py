@@ -246,7 +246,18 @@ class StageService:
         return float("inf") if mean_s == 0 else self.parallelism / mean_s
 
     def stats(self) -> StageStats:
-        # Plain int reads from another thread: each is atomic, the set is close enough.
+        # Read on the stage's own loop, between its steps: a reply the caller already has
+        # is then always counted (the count and the write share one step).
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return self._stats()
+
+        async def read() -> StageStats:
+            return self._stats()
+
+        return asyncio.run_coroutine_threadsafe(read(), loop).result(10)
+
+    def _stats(self) -> StageStats:
         return StageStats(self._served, self._answered, self._failed, self._in_flight,
                           self._in_flight_max, self._busy_max, self._calls,
                           self._call_failures)
@@ -322,8 +333,10 @@ class StageService:
                          or request.header("connection").lower() == "close")
                 status, body = await self._handle(parts[0], parts[1], request)
                 writer.write(_reply(status, body, close=close))
-                await writer.drain()
+                # Counted once handed to the transport: the client may read the reply
+                # (and ask for stats) before drain() gives this task the loop back.
                 self._answered += 1
+                await writer.drain()
                 if close:
                     return
         except (ConnectionError, asyncio.CancelledError):
