@@ -7,18 +7,21 @@ and answers the admin API.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from sitsmesh import logs
 from sitsmesh.app.background import HOUSEKEEPING_S, Background, DataService
 from sitsmesh.app.tls import redis_url
 from sitsmesh.authz.admission import Admission, AdmissionPolicy
 from sitsmesh.authz.check import Authorizer, AuthzSettings, AuthzSnapshot
 from sitsmesh.authz.directory import TenantDirectory
 from sitsmesh.authz.gie import GieSettings
+from sitsmesh.batching.service import AUTO_EVERY_S, BatchingService
 from sitsmesh.chains.assembler import Assembler, Hop
 from sitsmesh.chains.catalog import PipelineCatalog
 from sitsmesh.chains.metrics import ChainMetrics
@@ -142,6 +145,8 @@ class RateLimitComponent:
             self._metrics.flush()
         if self.store is not None:
             await self.store.close()
+
+_log = logs.get("sitsmesh.app")
 
 
 def _counter_store(settings: Settings, registry: CollectorRegistry | None,
@@ -372,12 +377,28 @@ class SwapsComponent:
         self.manager = SwapManager(settings.triton_endpoints, SwapHistory(state),
                                    TritonServer, registry,
                                    pressure=pressure.model_pressure if pressure else None)
+        self.batching = BatchingService(self.manager, state, pressure)
+        self._pressure = pressure
+        self._background = Background()
 
     def services(self) -> list[DataService]:
         return []
 
     async def start(self) -> None:
         await self.manager.start()
+        pressure = self._pressure
+        if pressure is not None:
+            # Automatic batching: a look a second at the pipelines that opted in.
+            self._background.spawn(self._auto(pressure))
+
+    async def _auto(self, pressure: PressureRuntime) -> None:
+        while True:
+            await asyncio.sleep(AUTO_EVERY_S)
+            try:
+                await self.batching.auto_step(pressure.triton_models())
+            except Exception as exc:
+                _log.warning("automatic batching look failed", error=str(exc))
 
     async def stop(self) -> None:
+        await self._background.stop()
         await self.manager.stop()

@@ -31,6 +31,7 @@ from sitsmesh.errors import StartupError
 from sitsmesh.state import StateStore
 from sitsmesh.status import StatusBoard
 from sitsmesh.transport.admin import AdminServicer
+from sitsmesh.transport.admin.batching import BatchingAdmin
 from sitsmesh.transport.admin.chains import ChainAdmin
 from sitsmesh.transport.admin.config import ConfigServicer
 from sitsmesh.transport.admin.paging import PageTokens
@@ -175,6 +176,7 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
         ChainAdmin(graph.chains.pipelines, graph.chains.assembler, tokens, workers=workers,
                    report=graph.chains.report),
         SwapAdmin(graph.swaps.manager, tokens),
+        BatchingAdmin(graph.swaps.batching, tokens),
         PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime, tokens),
     )
 

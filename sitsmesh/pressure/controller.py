@@ -127,6 +127,14 @@ class Controller:
         for gone in set(self._states) - set(self.pipelines):
             del self._states[gone]
 
+    def set_capacity(self, pipeline: str, stage: str, rate: float, service_s: float) -> None:
+        """A stage's capacity known from outside (a batching change with its measured
+        curve): taken at once instead of being learned again over the next windows."""
+        state = self._states.get(pipeline)
+        own = state.stages.get(stage) if state is not None else None
+        if own is not None and rate > 0 and service_s > 0:
+            own.mu, own.triton_service_s = rate, service_s
+
     def tick(self) -> Snapshot:
         now = self._clock()
         decisions = {}

@@ -14,11 +14,12 @@ INSTANCES_EVERY_S = 30.0  # how often Triton's model configs are re-read
 
 async def learn_instances(runtime: PressureRuntime,
                           endpoints: Sequence[TritonEndpoint]) -> None:
-    """Each staged Triton model's instance count, summed over the endpoints serving it,
-    becomes its stage's parallelism (unless the thresholds set one); re-read now and
+    """Each staged Triton model's instance count (times the batch it executes, with
+    dynamic batching), summed over the endpoints serving it, becomes its stage's
+    parallelism (unless the thresholds set one); re-read now and
     then, since a swap or an operator may change it."""
     # Imported here: tritonclient loads only where Triton is configured.
-    from sitsmesh.triton.client import TritonServer, instance_count
+    from sitsmesh.triton.client import TritonServer, execute_slots
 
     servers = [TritonServer(e.name, e.url) for e in endpoints]
     try:
@@ -27,7 +28,7 @@ async def learn_instances(runtime: PressureRuntime,
                 total = 0
                 for server in servers:
                     try:
-                        total += instance_count(await server.model_config(model))
+                        total += execute_slots(await server.model_config(model))
                     except ServerError:
                         continue  # not served there, or down: the scrape says so
                 if total:

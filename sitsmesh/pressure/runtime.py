@@ -15,11 +15,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sitsmesh import logs
 from sitsmesh.chains.assembler import Hop
-from sitsmesh.chains.pipeline import Pipeline
+from sitsmesh.chains.pipeline import Pipeline, Stage
 from sitsmesh.pressure import scrape
 from sitsmesh.pressure.controller import Controller, Snapshot
 from sitsmesh.pressure.gate import PressureGate
 from sitsmesh.pressure.signals import EnvoySample, Signals, TritonSample
+from sitsmesh.pressure.stages import StagePressure
 from sitsmesh.pressure.thresholds import Thresholds
 
 _log = logs.get("sitsmesh.pressure")
@@ -119,6 +120,25 @@ class PressureRuntime:
             self._instances[model] = count
             _log.info("triton instances", model=model, count=count)
             self._configure()
+
+    def stages_of(self, model: str) -> list[tuple[Pipeline, Stage]]:
+        """The pipeline stages a Triton model serves."""
+        return [(self._pipelines[p], stage) for p, name in self._models.get(model, ())
+                for stage in self._pipelines[p].stages if stage.name == name]
+
+    def stage_view(self, pipeline: str, stage: str) -> StagePressure | None:
+        """The live controller's view of one stage (None before its first decision)."""
+        decision = self.gate.snapshot.decisions.get(pipeline)
+        if decision is None:
+            return None
+        return next((v for v in decision.stages if v.name == stage), None)
+
+    def set_capacity(self, model: str, slots: int, rate: float, service_s: float) -> None:
+        """A batching change took effect: `slots` items execute at once, and every stage
+        of the model can serve `rate` items/s, from now, not once relearned."""
+        self.set_instances(model, slots)
+        for pipeline, stage in self._models.get(model, ()):
+            self.controller.set_capacity(pipeline, stage, rate, service_s)
 
     def _configure(self) -> None:
         effective = dict(self._thresholds)

@@ -68,6 +68,26 @@ class Hooks:
     first_request_seconds: Callable[[float], None] = lambda seconds: None
 
 
+@dataclass(frozen=True, slots=True)
+class ConfigChange:
+    """A swap of the serving version's config rather than of its version: a new
+    dynamic_batching block. Triton keeps a model's config per model, not per version,
+    so the new config cannot serve beside the old as another version; instead Triton's
+    reload loads and warms new instances beside the serving ones and moves traffic to
+    them once they are ready. The swap vets the config on the sandbox first, verifies it
+    against the prediction, and reloads the old config (warm too) if it falls short."""
+
+    dynamic_batching: dict[str, Any] | None   # the block to put in force; None removes it
+    capacity: float = 0.0          # predicted items/s saturated; 0 = not checked
+    sla_ms: float = 0.0            # the stage's p99 SLA: the live check's bound (0 = none)
+    watch_s: float = 0.0           # how long the live p99 is watched after the reload
+    live_p99: Callable[[], float | None] = lambda: None   # the stage's measured p99 (ms)
+
+
+BURST_PER_BATCH = 4   # the capacity check sends this many largest batches' worth at once
+CAPACITY_SHARE = 0.5  # ... and wants at least this share of the predicted capacity
+
+
 class Swap:
     def __init__(self, record: SwapRecord, prod: ModelServer, preflight: ModelServer | None,
                  options: SwapOptions, history: SwapHistory, *,
@@ -75,8 +95,11 @@ class Swap:
                  clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                  hooks: Hooks | None = None,
-                 pressure: Callable[[str], str] | None = None) -> None:
+                 pressure: Callable[[str], str] | None = None,
+                 change: ConfigChange | None = None) -> None:
         self.record = record
+        self._change = change
+        self._original: dict[str, Any] = {}   # a config change's rollback: the old config
         # Why the backpressure controller says a swap should wait ("" when it need not).
         self._pressure = pressure or (lambda model: "")
         self._prod = prod
@@ -189,7 +212,9 @@ class Swap:
                           "replaces a serving version, so load one first")
         current = max(ready)
         record.from_version = current
-        if target == current:
+        if self._change is not None:
+            record.to_version = target = current
+        elif target == current:
             raise _Failed(f"version {target} of {model} is already serving on {prod.label}")
         for version in known:
             if version.version == target and version.state == "UNAVAILABLE" and version.reason:
@@ -208,7 +233,8 @@ class Swap:
                           "when it drops")
         try:
             config = await prod.model_config(model)
-            self._override = swap_override(config, options)
+            self._override = swap_override(self._changed(config), options)
+            self._original = swap_override(config, options)
             self._probe = probe_inputs(config, options)
         except InvalidSwapInput as exc:
             raise _Failed(str(exc)) from None
@@ -253,7 +279,10 @@ class Swap:
             step.detail["load_ms"] = round((self._clock() - started) * 1000, 1)
             answers = await self._probes(sandbox, target, options.verify_probes,
                                          "preflight candidate")
-            self._gate_warm(answers, "preflight")
+            self._gate_warm(answers, "preflight", self._delay_s() + self._bound(answers)
+                            if self._change is not None else None)
+            if self._change is not None:
+                await self._check_capacity(sandbox, step, "preflight")
             step.detail["first_ms"] = round(answers[0].seconds * 1000, 3)
             step.detail["p50_ms"] = round(statistics.median(a.seconds for a in answers) * 1000, 3)
         except ServerError as exc:
@@ -272,7 +301,7 @@ class Swap:
         model, target, current = record.model, record.to_version, self._current
         self._touched_prod = True
         started = self._clock()
-        await prod.load(model, with_versions(self._override, [current, target]),
+        await prod.load(model, with_versions(self._override, sorted({current, target})),
                         self._options.load_timeout_s)
         seconds = self._clock() - started
         ready = await prod.ready_versions(model)
@@ -285,6 +314,9 @@ class Swap:
             raise _Failed(f"v{current} stopped serving during the load on {prod.label}")
         self._hooks.warmup_seconds(seconds)
         step.detail["load_ms"] = round(seconds * 1000, 1)
+        if self._change is not None:
+            return (f"v{current} reloaded with the new config, its new instances warmed "
+                    f"beside the serving ones, in {seconds:.2f} s")
         return f"v{target} loaded and warmed beside v{current} in {seconds:.2f} s"
 
     async def _verify(self, step: Step) -> str:
@@ -294,7 +326,10 @@ class Swap:
         p50 = statistics.median(a.seconds for a in answers)
         step.detail["first_ms"] = round(answers[0].seconds * 1000, 3)
         step.detail["p50_ms"] = round(p50 * 1000, 3)
-        limit = self._baseline_s * options.max_latency_ratio + options.latency_slack_ms / 1000
+        # A batching config may hold a lone request for its queue delay: that is the
+        # config working, not the version being slow.
+        limit = (self._baseline_s * options.max_latency_ratio + options.latency_slack_ms / 1000
+                 + self._delay_s())
         step.detail["limit_ms"] = round(limit * 1000, 3)
         if p50 > limit:
             raise _Failed(f"verify: v{record.to_version} p50 {p50 * 1000:.1f} ms is over "
@@ -302,12 +337,67 @@ class Swap:
                           f"version's {self._baseline_s * 1000:.1f} ms + "
                           f"{options.latency_slack_ms:g} ms)")
         self._gate_warm(answers, "verify", limit)
+        checked = ""
+        if self._change is not None:
+            checked = await self._verify_change(step)
         return (f"{len(answers)} probes ok: first {answers[0].seconds * 1000:.1f} ms, "
-                f"p50 {p50 * 1000:.1f} ms (limit {limit * 1000:.1f} ms)")
+                f"p50 {p50 * 1000:.1f} ms (limit {limit * 1000:.1f} ms){checked}")
+
+    async def _verify_change(self, step: Step) -> str:
+        """The reloaded config is the one sent, it batches as predicted, and the stage's
+        live p99 stays within its SLA for the watch window."""
+        change, prod, model = self._change, self._prod, self.record.model
+        assert change is not None
+        in_force = (await prod.model_config(model)).get("dynamic_batching")
+        if not _same_batching(in_force, change.dynamic_batching):
+            raise _Failed(f"verify: Triton serves dynamic_batching {in_force} after the "
+                          f"reload, not {change.dynamic_batching}")
+        text = ""
+        if self._preflight is None:
+            text += await self._check_capacity(prod, step, "verify")
+        if change.watch_s > 0 and change.sla_ms > 0:
+            await self._sleep(change.watch_s)
+            live = change.live_p99()
+            if live is not None:
+                step.detail["live_p99_ms"] = round(live, 1)
+                if live > change.sla_ms:
+                    raise _Failed(f"verify: the stage's p99 is {live:.1f} ms after the change, "
+                                  f"over its {change.sla_ms:g} ms SLA")
+                text += f"; live p99 {live:.1f} ms within {change.sla_ms:g} ms"
+        return text
+
+    async def _check_capacity(self, server: ModelServer, step: Step, phase: str) -> str:
+        """A burst of single-item requests is served at a good share of the predicted
+        capacity: the batches form as the curve says they will."""
+        change = self._change
+        assert change is not None
+        block = change.dynamic_batching
+        if not change.capacity or block is None:
+            return ""
+        largest = max(block.get("preferred_batch_size") or [1])
+        count = max(8, BURST_PER_BATCH * largest)
+        started = self._clock()
+        answers = await asyncio.gather(*(self._probe_once(server, self.record.to_version)
+                                         for _ in range(count)))
+        seconds = max(self._clock() - started, *(a.seconds for a in answers), 1e-6)
+        rate = count / seconds
+        step.detail["burst_items_per_s"] = round(rate, 1)
+        step.detail["predicted_items_per_s"] = round(change.capacity, 1)
+        if rate < CAPACITY_SHARE * change.capacity:
+            raise _Failed(f"{phase}: a burst of {count} requests was served at {rate:.0f} "
+                          f"items/s, under {CAPACITY_SHARE:g}x the predicted "
+                          f"{change.capacity:.0f}: the batches do not form as predicted")
+        return f"; burst {rate:.0f} items/s (predicted {change.capacity:.0f})"
 
     async def _promote(self, step: Step) -> str:
         record, prod = self.record, self._prod
         target, current = record.to_version, self._current
+        if self._change is not None:
+            answer = await self._probe_once(prod, None)
+            self._hooks.first_request_seconds(answer.seconds)
+            step.detail["first_request_ms"] = round(answer.seconds * 1000, 3)
+            return (f"traffic on the new config since the reload; an unversioned request "
+                    f"{answer.seconds * 1000:.1f} ms")
         if target < current:
             # Unversioned requests go to the highest READY version, so an older target
             # takes the traffic only once the newer one is unloaded. Triton finishes the
@@ -327,6 +417,10 @@ class Swap:
     async def _drain(self, step: Step) -> str:
         record, prod = self.record, self._prod
         current = self._current
+        if self._change is not None:
+            # The old instances finish what they hold and unload inside Triton.
+            await self._settled(prod, record.model)
+            return "the old config's instances finished and unloaded"
         deadline = self._clock() + self._options.drain_timeout_s
         last: int | None = None
         while True:
@@ -348,6 +442,8 @@ class Swap:
     async def _retire(self, step: Step) -> str:
         record, prod = self.record, self._prod
         current, target = self._current, record.to_version
+        if self._change is not None:
+            return f"skipped: v{current} serves on with the new config"
         if target < current:
             return f"skipped: v{current} was unloaded at promote"
         await prod.load(record.model, with_versions(self._override, [target]),
@@ -369,14 +465,39 @@ class Swap:
     async def _rollback(self, step: Step) -> str:
         record, prod = self.record, self._prod
         current = self._current
-        await prod.load(record.model, with_versions(self._override, [current]),
+        config = self._original if self._change is not None else self._override
+        await prod.load(record.model, with_versions(config, [current]),
                         self._options.load_timeout_s)
         ready = await prod.ready_versions(record.model)
         if current not in ready:
             raise _Failed(f"v{current} is not READY after the rollback")
+        if self._change is not None:
+            return f"v{current} serving with its old config again (reloaded warm)"
         return f"v{record.to_version} unloaded; v{current} serving"
 
     # --- helpers -------------------------------------------------------
+
+    def _changed(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The config the swap puts in force: a config change's batching, or as it is."""
+        if self._change is None:
+            return config
+        if int(config.get("max_batch_size", 0) or 0) <= 1:
+            raise InvalidSwapInput(f"model {config.get('name')!r} has max_batch_size "
+                                   f"{config.get('max_batch_size', 0)}: Triton batches "
+                                   "nothing for it")
+        changed = {k: v for k, v in config.items() if k != "dynamic_batching"}
+        if self._change.dynamic_batching is not None:
+            changed["dynamic_batching"] = dict(self._change.dynamic_batching)
+        return changed
+
+    def _delay_s(self) -> float:
+        block = self._change.dynamic_batching if self._change is not None else None
+        return int((block or {}).get("max_queue_delay_microseconds", 0) or 0) / 1e6
+
+    def _bound(self, answers: list[Answer]) -> float:
+        options = self._options
+        return (statistics.median(a.seconds for a in answers) * options.max_latency_ratio
+                + options.latency_slack_ms / 1000)
 
     @property
     def _current(self) -> int:
@@ -421,3 +542,15 @@ class Swap:
             await call
         except ServerError as exc:
             _log.warning("preflight cleanup failed", error=exc.message)
+
+
+def _same_batching(in_force: Any, sent: dict[str, Any] | None) -> bool:
+    """Triton's protobuf JSON gives int64 as strings and defaults as absent."""
+    if not in_force and not sent:
+        return True
+    if not in_force or not sent:
+        return False
+    return (int(in_force.get("max_queue_delay_microseconds", 0) or 0)
+            == int(sent.get("max_queue_delay_microseconds", 0) or 0)
+            and [int(x) for x in in_force.get("preferred_batch_size", []) or []]
+            == [int(x) for x in sent.get("preferred_batch_size", []) or []])

@@ -17,7 +17,7 @@ from sitsmesh import logs
 from sitsmesh.config import TritonEndpoint
 from sitsmesh.errors import Code, NotFoundError, SitsmeshError
 from sitsmesh.swap.contract import ModelServer, ServerError, VersionState
-from sitsmesh.swap.machine import Hooks, Swap, SwapEvent
+from sitsmesh.swap.machine import ConfigChange, Hooks, Swap, SwapEvent
 from sitsmesh.swap.override import InvalidSwapInput, SwapOptions
 from sitsmesh.swap.record import (
     FAILED,
@@ -171,11 +171,24 @@ class SwapManager:
                 result.append(EndpointModels(item.config.name, versions))
         return result
 
+    def servers(self, endpoint: str) -> tuple[str, ModelServer, ModelServer | None]:
+        """(endpoint name, production server, preflight sandbox or None) for `endpoint`
+        ("" when only one is configured)."""
+        chosen = self._endpoint(endpoint)
+        return chosen.config.name, chosen.server, chosen.preflight
+
+    def running(self, model: str) -> bool:
+        return model in self._running
+
     def begin(self, model: str, target: int, endpoint: str,
-              options: SwapOptions, traceparent: str = "") -> RunningSwap:
-        """Start a swap in the background; raises before anything runs if it may not."""
+              options: SwapOptions, traceparent: str = "", *,
+              change: ConfigChange | None = None) -> RunningSwap:
+        """Start a swap in the background; raises before anything runs if it may not.
+        With `change`, the serving version's config changes instead (target is ignored)."""
         if not model:
             raise SwapInvalid("model is required")
+        if change is not None:
+            target = max(target, 1)  # the precheck sets it to the serving version
         if target < 1:
             raise SwapInvalid(f"target_version must be a version number >= 1, got {target}")
         try:
@@ -188,12 +201,15 @@ class SwapManager:
             raise SwapRefused(f"swap {running.swap.record.id} is already running on model "
                               f"{model} (phase {running.swap.record.phase}); one swap per "
                               "model at a time")
+        body = _options_body(options)
+        if change is not None:
+            body["dynamic_batching"] = change.dynamic_batching
         record = SwapRecord(new_id(), model, chosen.config.name, target,
-                            started_at=self._clock(), options=_options_body(options))
+                            started_at=self._clock(), options=body)
         queue: asyncio.Queue[SwapEvent | None] = asyncio.Queue()
         swap = Swap(record, chosen.server, chosen.preflight, options, self.history,
                     emit=queue.put_nowait, clock=self._clock, hooks=self._metrics.hooks(),
-                    pressure=self._pressure)
+                    pressure=self._pressure, change=change)
         handle = RunningSwap(swap, queue, traceparent=traceparent)
         self._running[model] = handle
         handle.task = asyncio.get_running_loop().create_task(self._run(model, handle))

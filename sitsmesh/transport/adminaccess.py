@@ -83,6 +83,13 @@ RULES: Mapping[str, Rule] = {
     "SetThresholds": Rule(WRITE, PIPELINE, "pipeline"),
     "ListThresholdChanges": Rule(READ, PIPELINE, "pipeline"),
     "WatchPressure": Rule(READ, PIPELINE, "pipeline"),
+    "ProfileModel": Rule(WRITE, MODEL, "model"),
+    "GetModelProfile": Rule(READ, MODEL, "model"),
+    # A dry run too: it reads the model's live config and the stage's live rate.
+    "TuneModel": Rule(WRITE, MODEL, "model"),
+    "SetAutoTuning": Rule(WRITE, PIPELINE, "auto_tuning.pipeline"),
+    "GetAutoTuning": Rule(READ, PIPELINE, "pipeline"),
+    "ListBatchingChanges": Rule(READ, MODEL, "model"),
 }
 _ADMIN_ONLY = Rule(WRITE)
 

@@ -132,3 +132,15 @@ def instance_count(config: dict[str, Any]) -> int:
         gpus = group.get("gpus") or []
         total += count * len(gpus) if group.get("kind") == "KIND_GPU" and gpus else count
     return total or 1
+
+
+def execute_slots(config: dict[str, Any]) -> int:
+    """Items a model executes at once: its instances times the batch each takes when a
+    queue stands (dynamic batching's largest preferred size, else its max batch)."""
+    instances = instance_count(config)
+    block = config.get("dynamic_batching")
+    largest = int(config.get("max_batch_size", 0) or 0)
+    if block is None or largest <= 1:
+        return instances
+    preferred = [int(s) for s in block.get("preferred_batch_size", []) or []]
+    return instances * (max(preferred) if preferred else largest)

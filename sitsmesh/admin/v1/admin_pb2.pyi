@@ -11,6 +11,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ProfileTarget(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROFILE_TARGET_UNSPECIFIED: _ClassVar[ProfileTarget]
+    PROFILE_TARGET_PREFLIGHT: _ClassVar[ProfileTarget]
+    PROFILE_TARGET_PRODUCTION: _ClassVar[ProfileTarget]
+
+class RateSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RATE_SOURCE_UNSPECIFIED: _ClassVar[RateSource]
+    RATE_SOURCE_LIVE: _ClassVar[RateSource]
+    RATE_SOURCE_GIVEN: _ClassVar[RateSource]
+    RATE_SOURCE_ASSUMED: _ClassVar[RateSource]
+
 class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SERVING_STATE_UNSPECIFIED: _ClassVar[ServingState]
@@ -89,6 +102,13 @@ class Listener(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LISTENER_UNSPECIFIED: _ClassVar[Listener]
     LISTENER_DATA: _ClassVar[Listener]
     LISTENER_ADMIN: _ClassVar[Listener]
+PROFILE_TARGET_UNSPECIFIED: ProfileTarget
+PROFILE_TARGET_PREFLIGHT: ProfileTarget
+PROFILE_TARGET_PRODUCTION: ProfileTarget
+RATE_SOURCE_UNSPECIFIED: RateSource
+RATE_SOURCE_LIVE: RateSource
+RATE_SOURCE_GIVEN: RateSource
+RATE_SOURCE_ASSUMED: RateSource
 SERVING_STATE_UNSPECIFIED: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_NOT_SERVING: ServingState
@@ -138,6 +158,252 @@ WARMUP_DATA_RANDOM: WarmupData
 LISTENER_UNSPECIFIED: Listener
 LISTENER_DATA: Listener
 LISTENER_ADMIN: Listener
+
+class ProfileModelRequest(_message.Message):
+    __slots__ = ("model", "endpoint", "batch_sizes", "concurrency", "requests", "seconds", "target", "allow_production", "max_rate")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_PRODUCTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_RATE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    endpoint: str
+    batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    concurrency: int
+    requests: int
+    seconds: float
+    target: ProfileTarget
+    allow_production: bool
+    max_rate: float
+    def __init__(self, model: _Optional[str] = ..., endpoint: _Optional[str] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., concurrency: _Optional[int] = ..., requests: _Optional[int] = ..., seconds: _Optional[float] = ..., target: _Optional[_Union[ProfileTarget, str]] = ..., allow_production: _Optional[bool] = ..., max_rate: _Optional[float] = ...) -> None: ...
+
+class BatchPoint(_message.Message):
+    __slots__ = ("batch_size", "throughput", "p50_ms", "p99_ms", "requests")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    P50_MS_FIELD_NUMBER: _ClassVar[int]
+    P99_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    throughput: float
+    p50_ms: float
+    p99_ms: float
+    requests: int
+    def __init__(self, batch_size: _Optional[int] = ..., throughput: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., requests: _Optional[int] = ...) -> None: ...
+
+class BatchingCurve(_message.Message):
+    __slots__ = ("model", "endpoint", "target", "instances", "max_batch_size", "concurrency", "measured_at", "points", "knee", "pareto")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    KNEE_FIELD_NUMBER: _ClassVar[int]
+    PARETO_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    endpoint: str
+    target: ProfileTarget
+    instances: int
+    max_batch_size: int
+    concurrency: int
+    measured_at: _timestamp_pb2.Timestamp
+    points: _containers.RepeatedCompositeFieldContainer[BatchPoint]
+    knee: int
+    pareto: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., endpoint: _Optional[str] = ..., target: _Optional[_Union[ProfileTarget, str]] = ..., instances: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., concurrency: _Optional[int] = ..., measured_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., points: _Optional[_Iterable[_Union[BatchPoint, _Mapping]]] = ..., knee: _Optional[int] = ..., pareto: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProfileModelResponse(_message.Message):
+    __slots__ = ("point", "curve")
+    POINT_FIELD_NUMBER: _ClassVar[int]
+    CURVE_FIELD_NUMBER: _ClassVar[int]
+    point: BatchPoint
+    curve: BatchingCurve
+    def __init__(self, point: _Optional[_Union[BatchPoint, _Mapping]] = ..., curve: _Optional[_Union[BatchingCurve, _Mapping]] = ...) -> None: ...
+
+class GetModelProfileRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class GetModelProfileResponse(_message.Message):
+    __slots__ = ("curve",)
+    CURVE_FIELD_NUMBER: _ClassVar[int]
+    curve: BatchingCurve
+    def __init__(self, curve: _Optional[_Union[BatchingCurve, _Mapping]] = ...) -> None: ...
+
+class DynamicBatching(_message.Message):
+    __slots__ = ("enabled", "preferred_batch_size", "max_queue_delay_microseconds")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    preferred_batch_size: _containers.RepeatedScalarFieldContainer[int]
+    max_queue_delay_microseconds: int
+    def __init__(self, enabled: _Optional[bool] = ..., preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ...) -> None: ...
+
+class BatchingPrediction(_message.Message):
+    __slots__ = ("batching", "p99_ms", "p50_ms", "throughput", "mean_batch", "headroom", "stable")
+    BATCHING_FIELD_NUMBER: _ClassVar[int]
+    P99_MS_FIELD_NUMBER: _ClassVar[int]
+    P50_MS_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_FIELD_NUMBER: _ClassVar[int]
+    HEADROOM_FIELD_NUMBER: _ClassVar[int]
+    STABLE_FIELD_NUMBER: _ClassVar[int]
+    batching: DynamicBatching
+    p99_ms: float
+    p50_ms: float
+    throughput: float
+    mean_batch: float
+    headroom: float
+    stable: bool
+    def __init__(self, batching: _Optional[_Union[DynamicBatching, _Mapping]] = ..., p99_ms: _Optional[float] = ..., p50_ms: _Optional[float] = ..., throughput: _Optional[float] = ..., mean_batch: _Optional[float] = ..., headroom: _Optional[float] = ..., stable: _Optional[bool] = ...) -> None: ...
+
+class BatchingRecommendation(_message.Message):
+    __slots__ = ("model", "rate", "rate_source", "sla_ms", "knee", "current", "proposed", "capacity", "reason", "changes", "pipeline", "stage")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    RATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SLA_MS_FIELD_NUMBER: _ClassVar[int]
+    KNEE_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    rate: float
+    rate_source: RateSource
+    sla_ms: float
+    knee: int
+    current: BatchingPrediction
+    proposed: BatchingPrediction
+    capacity: float
+    reason: str
+    changes: bool
+    pipeline: str
+    stage: str
+    def __init__(self, model: _Optional[str] = ..., rate: _Optional[float] = ..., rate_source: _Optional[_Union[RateSource, str]] = ..., sla_ms: _Optional[float] = ..., knee: _Optional[int] = ..., current: _Optional[_Union[BatchingPrediction, _Mapping]] = ..., proposed: _Optional[_Union[BatchingPrediction, _Mapping]] = ..., capacity: _Optional[float] = ..., reason: _Optional[str] = ..., changes: _Optional[bool] = ..., pipeline: _Optional[str] = ..., stage: _Optional[str] = ...) -> None: ...
+
+class TuneModelRequest(_message.Message):
+    __slots__ = ("model", "endpoint", "dry_run", "rate", "sla_ms", "pipeline", "options", "batching", "watch_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    SLA_MS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCHING_FIELD_NUMBER: _ClassVar[int]
+    WATCH_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    endpoint: str
+    dry_run: bool
+    rate: float
+    sla_ms: float
+    pipeline: str
+    options: SwapOptions
+    batching: DynamicBatching
+    watch_s: float
+    def __init__(self, model: _Optional[str] = ..., endpoint: _Optional[str] = ..., dry_run: _Optional[bool] = ..., rate: _Optional[float] = ..., sla_ms: _Optional[float] = ..., pipeline: _Optional[str] = ..., options: _Optional[_Union[SwapOptions, _Mapping]] = ..., batching: _Optional[_Union[DynamicBatching, _Mapping]] = ..., watch_s: _Optional[float] = ...) -> None: ...
+
+class TuneModelResponse(_message.Message):
+    __slots__ = ("recommendation", "progress")
+    RECOMMENDATION_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    recommendation: BatchingRecommendation
+    progress: SwapModelResponse
+    def __init__(self, recommendation: _Optional[_Union[BatchingRecommendation, _Mapping]] = ..., progress: _Optional[_Union[SwapModelResponse, _Mapping]] = ...) -> None: ...
+
+class AutoTuning(_message.Message):
+    __slots__ = ("pipeline", "enabled", "hold_s", "cooldown_s")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    COOLDOWN_S_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    enabled: bool
+    hold_s: float
+    cooldown_s: float
+    def __init__(self, pipeline: _Optional[str] = ..., enabled: _Optional[bool] = ..., hold_s: _Optional[float] = ..., cooldown_s: _Optional[float] = ...) -> None: ...
+
+class SetAutoTuningRequest(_message.Message):
+    __slots__ = ("auto_tuning",)
+    AUTO_TUNING_FIELD_NUMBER: _ClassVar[int]
+    auto_tuning: AutoTuning
+    def __init__(self, auto_tuning: _Optional[_Union[AutoTuning, _Mapping]] = ...) -> None: ...
+
+class SetAutoTuningResponse(_message.Message):
+    __slots__ = ("auto_tuning",)
+    AUTO_TUNING_FIELD_NUMBER: _ClassVar[int]
+    auto_tuning: AutoTuning
+    def __init__(self, auto_tuning: _Optional[_Union[AutoTuning, _Mapping]] = ...) -> None: ...
+
+class GetAutoTuningRequest(_message.Message):
+    __slots__ = ("pipeline",)
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    def __init__(self, pipeline: _Optional[str] = ...) -> None: ...
+
+class GetAutoTuningResponse(_message.Message):
+    __slots__ = ("auto_tuning",)
+    AUTO_TUNING_FIELD_NUMBER: _ClassVar[int]
+    auto_tuning: AutoTuning
+    def __init__(self, auto_tuning: _Optional[_Union[AutoTuning, _Mapping]] = ...) -> None: ...
+
+class BatchingChange(_message.Message):
+    __slots__ = ("model", "actor", "at", "previous", "batching", "reason", "swap_id", "outcome", "automatic", "pipeline", "rate")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    BATCHING_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SWAP_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    actor: str
+    at: _timestamp_pb2.Timestamp
+    previous: DynamicBatching
+    batching: DynamicBatching
+    reason: str
+    swap_id: str
+    outcome: SwapState
+    automatic: bool
+    pipeline: str
+    rate: float
+    def __init__(self, model: _Optional[str] = ..., actor: _Optional[str] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., previous: _Optional[_Union[DynamicBatching, _Mapping]] = ..., batching: _Optional[_Union[DynamicBatching, _Mapping]] = ..., reason: _Optional[str] = ..., swap_id: _Optional[str] = ..., outcome: _Optional[_Union[SwapState, str]] = ..., automatic: _Optional[bool] = ..., pipeline: _Optional[str] = ..., rate: _Optional[float] = ...) -> None: ...
+
+class ListBatchingChangesRequest(_message.Message):
+    __slots__ = ("model", "page_size", "page_token")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    page_size: int
+    page_token: str
+    def __init__(self, model: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListBatchingChangesResponse(_message.Message):
+    __slots__ = ("changes", "next_page_token")
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    changes: _containers.RepeatedCompositeFieldContainer[BatchingChange]
+    next_page_token: str
+    def __init__(self, changes: _Optional[_Iterable[_Union[BatchingChange, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetThresholdsRequest(_message.Message):
     __slots__ = ("pipeline",)

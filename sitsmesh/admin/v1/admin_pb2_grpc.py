@@ -164,6 +164,36 @@ class AdminServiceStub:
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureResponse.FromString,
                 _registered_method=True)
+        self.ProfileModel = channel.unary_stream(
+                '/sitsmesh.admin.v1.AdminService/ProfileModel',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ProfileModelRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ProfileModelResponse.FromString,
+                _registered_method=True)
+        self.GetModelProfile = channel.unary_unary(
+                '/sitsmesh.admin.v1.AdminService/GetModelProfile',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetModelProfileRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetModelProfileResponse.FromString,
+                _registered_method=True)
+        self.TuneModel = channel.unary_stream(
+                '/sitsmesh.admin.v1.AdminService/TuneModel',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.TuneModelRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.TuneModelResponse.FromString,
+                _registered_method=True)
+        self.SetAutoTuning = channel.unary_unary(
+                '/sitsmesh.admin.v1.AdminService/SetAutoTuning',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetAutoTuningRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetAutoTuningResponse.FromString,
+                _registered_method=True)
+        self.GetAutoTuning = channel.unary_unary(
+                '/sitsmesh.admin.v1.AdminService/GetAutoTuning',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetAutoTuningRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetAutoTuningResponse.FromString,
+                _registered_method=True)
+        self.ListBatchingChanges = channel.unary_unary(
+                '/sitsmesh.admin.v1.AdminService/ListBatchingChanges',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListBatchingChangesRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListBatchingChangesResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -346,6 +376,50 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProfileModel(self, request, context):
+        """Dynamic batching. Measure a model's throughput and latency per batch size on the
+        preflight sandbox (or, with consent, on production at a bounded rate); streams each
+        point as measured, the last message carries the stored curve with its knee.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModelProfile(self, request, context):
+        """The stored curve of a model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TuneModel(self, request, context):
+        """Recommend batching from the curve, the stage's live arrival rate and its SLA; unless
+        dry_run, apply it through a warm config swap (streams its progress) and audit it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetAutoTuning(self, request, context):
+        """Turn automatic re-tuning on or off for a pipeline's Triton stages (audited).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAutoTuning(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBatchingChanges(self, request, context):
+        """Who changed which model's batching (by hand or automatically), newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -478,6 +552,36 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.WatchPressure,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureRequest.FromString,
                     response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureResponse.SerializeToString,
+            ),
+            'ProfileModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.ProfileModel,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ProfileModelRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ProfileModelResponse.SerializeToString,
+            ),
+            'GetModelProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelProfile,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetModelProfileRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetModelProfileResponse.SerializeToString,
+            ),
+            'TuneModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.TuneModel,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.TuneModelRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.TuneModelResponse.SerializeToString,
+            ),
+            'SetAutoTuning': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetAutoTuning,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetAutoTuningRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetAutoTuningResponse.SerializeToString,
+            ),
+            'GetAutoTuning': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAutoTuning,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetAutoTuningRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetAutoTuningResponse.SerializeToString,
+            ),
+            'ListBatchingChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBatchingChanges,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListBatchingChangesRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListBatchingChangesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1182,6 +1286,168 @@ class AdminService:
             '/sitsmesh.admin.v1.AdminService/WatchPressure',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.WatchPressureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProfileModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sitsmesh.admin.v1.AdminService/ProfileModel',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ProfileModelRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ProfileModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.AdminService/GetModelProfile',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetModelProfileRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetModelProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TuneModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sitsmesh.admin.v1.AdminService/TuneModel',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.TuneModelRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.TuneModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetAutoTuning(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.AdminService/SetAutoTuning',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetAutoTuningRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.SetAutoTuningResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAutoTuning(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.AdminService/GetAutoTuning',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetAutoTuningRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetAutoTuningResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBatchingChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.AdminService/ListBatchingChanges',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListBatchingChangesRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ListBatchingChangesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -84,6 +84,22 @@ class AdminServiceStub:
     """Who changed which thresholds, newest first."""
     WatchPressure: _grpc.UnaryStreamMultiCallable[_admin_pb2.WatchPressureRequest, _admin_pb2.WatchPressureResponse]
     """The controller's decisions, each tick (or every interval_ms), as they are published."""
+    ProfileModel: _grpc.UnaryStreamMultiCallable[_admin_pb2.ProfileModelRequest, _admin_pb2.ProfileModelResponse]
+    """Dynamic batching. Measure a model's throughput and latency per batch size on the
+    preflight sandbox (or, with consent, on production at a bounded rate); streams each
+    point as measured, the last message carries the stored curve with its knee.
+    """
+    GetModelProfile: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetModelProfileRequest, _admin_pb2.GetModelProfileResponse]
+    """The stored curve of a model."""
+    TuneModel: _grpc.UnaryStreamMultiCallable[_admin_pb2.TuneModelRequest, _admin_pb2.TuneModelResponse]
+    """Recommend batching from the curve, the stage's live arrival rate and its SLA; unless
+    dry_run, apply it through a warm config swap (streams its progress) and audit it.
+    """
+    SetAutoTuning: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetAutoTuningRequest, _admin_pb2.SetAutoTuningResponse]
+    """Turn automatic re-tuning on or off for a pipeline's Triton stages (audited)."""
+    GetAutoTuning: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetAutoTuningRequest, _admin_pb2.GetAutoTuningResponse]
+    ListBatchingChanges: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListBatchingChangesRequest, _admin_pb2.ListBatchingChangesResponse]
+    """Who changed which model's batching (by hand or automatically), newest first."""
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -139,6 +155,22 @@ class AdminServiceAsyncStub(AdminServiceStub):
     """Who changed which thresholds, newest first."""
     WatchPressure: _aio.UnaryStreamMultiCallable[_admin_pb2.WatchPressureRequest, _admin_pb2.WatchPressureResponse]  # type: ignore[assignment]
     """The controller's decisions, each tick (or every interval_ms), as they are published."""
+    ProfileModel: _aio.UnaryStreamMultiCallable[_admin_pb2.ProfileModelRequest, _admin_pb2.ProfileModelResponse]  # type: ignore[assignment]
+    """Dynamic batching. Measure a model's throughput and latency per batch size on the
+    preflight sandbox (or, with consent, on production at a bounded rate); streams each
+    point as measured, the last message carries the stored curve with its knee.
+    """
+    GetModelProfile: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetModelProfileRequest, _admin_pb2.GetModelProfileResponse]  # type: ignore[assignment]
+    """The stored curve of a model."""
+    TuneModel: _aio.UnaryStreamMultiCallable[_admin_pb2.TuneModelRequest, _admin_pb2.TuneModelResponse]  # type: ignore[assignment]
+    """Recommend batching from the curve, the stage's live arrival rate and its SLA; unless
+    dry_run, apply it through a warm config swap (streams its progress) and audit it.
+    """
+    SetAutoTuning: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetAutoTuningRequest, _admin_pb2.SetAutoTuningResponse]  # type: ignore[assignment]
+    """Turn automatic re-tuning on or off for a pipeline's Triton stages (audited)."""
+    GetAutoTuning: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetAutoTuningRequest, _admin_pb2.GetAutoTuningResponse]  # type: ignore[assignment]
+    ListBatchingChanges: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListBatchingChangesRequest, _admin_pb2.ListBatchingChangesResponse]  # type: ignore[assignment]
+    """Who changed which model's batching (by hand or automatically), newest first."""
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -347,5 +379,57 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_admin_pb2.WatchPressureResponse], _abc.AsyncIterator[_admin_pb2.WatchPressureResponse]]:
         """The controller's decisions, each tick (or every interval_ms), as they are published."""
+
+    @_abc_1.abstractmethod
+    def ProfileModel(
+        self,
+        request: _admin_pb2.ProfileModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_admin_pb2.ProfileModelResponse], _abc.AsyncIterator[_admin_pb2.ProfileModelResponse]]:
+        """Dynamic batching. Measure a model's throughput and latency per batch size on the
+        preflight sandbox (or, with consent, on production at a bounded rate); streams each
+        point as measured, the last message carries the stored curve with its knee.
+        """
+
+    @_abc_1.abstractmethod
+    def GetModelProfile(
+        self,
+        request: _admin_pb2.GetModelProfileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetModelProfileResponse, _abc.Awaitable[_admin_pb2.GetModelProfileResponse]]:
+        """The stored curve of a model."""
+
+    @_abc_1.abstractmethod
+    def TuneModel(
+        self,
+        request: _admin_pb2.TuneModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_admin_pb2.TuneModelResponse], _abc.AsyncIterator[_admin_pb2.TuneModelResponse]]:
+        """Recommend batching from the curve, the stage's live arrival rate and its SLA; unless
+        dry_run, apply it through a warm config swap (streams its progress) and audit it.
+        """
+
+    @_abc_1.abstractmethod
+    def SetAutoTuning(
+        self,
+        request: _admin_pb2.SetAutoTuningRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.SetAutoTuningResponse, _abc.Awaitable[_admin_pb2.SetAutoTuningResponse]]:
+        """Turn automatic re-tuning on or off for a pipeline's Triton stages (audited)."""
+
+    @_abc_1.abstractmethod
+    def GetAutoTuning(
+        self,
+        request: _admin_pb2.GetAutoTuningRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetAutoTuningResponse, _abc.Awaitable[_admin_pb2.GetAutoTuningResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListBatchingChanges(
+        self,
+        request: _admin_pb2.ListBatchingChangesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListBatchingChangesResponse, _abc.Awaitable[_admin_pb2.ListBatchingChangesResponse]]:
+        """Who changed which model's batching (by hand or automatically), newest first."""
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

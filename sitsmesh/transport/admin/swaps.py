@@ -11,7 +11,7 @@ from grpc import aio
 from sitsmesh.admin.enums import label, word
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.swap.machine import SwapEvent
-from sitsmesh.swap.manager import SwapManager
+from sitsmesh.swap.manager import RunningSwap, SwapManager
 from sitsmesh.swap.override import SwapOptions
 from sitsmesh.swap.record import SwapRecord
 from sitsmesh.transport.admin.common import timestamp
@@ -100,6 +100,12 @@ class SwapAdmin:
                             if k == "traceparent"), "")
         handle = self._swaps.begin(request.model, request.target_version, request.endpoint,
                                    options_from(request.options), traceparent)
+        async for event in self.follow(handle):
+            yield event
+
+    @staticmethod
+    async def follow(handle: RunningSwap) -> AsyncIterator[admin_pb2.SwapModelResponse]:
+        """A running swap's progress, the last event carrying its finished record."""
         last: admin_pb2.SwapModelResponse | None = None
         async for event in handle.stream():
             if last is not None:
