@@ -18,7 +18,8 @@ SERIAL = frozenset({
     "integration/test_pressure_plain.py", "integration/test_pressure_e2e.py",
     "integration/test_shared_overload.py", "integration/test_shared_pressure.py",
     "integration/test_rlqs_envoy.py", "integration/test_replicas_envoy.py",
-    "integration/test_swap_triton.py", "integration/test_tracing_swap_triton.py",
+    "integration/test_swap_triton.py", "integration/test_batching_triton.py",
+    "integration/test_tracing_swap_triton.py",
     "integration/test_chains_envoy.py", "integration/test_prometheus_live.py",
     "integration/test_dev.py", "integration/test_shutdown.py",
 })

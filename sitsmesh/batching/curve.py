@@ -17,6 +17,7 @@ from sitsmesh.errors import Code, SitsmeshError
 CURVE_KIND = "batching-curve"
 MAX_POINTS = 16
 MAX_BATCH = 4096
+PLATEAU = 0.97  # within 3 % of the best throughput counts as the same
 
 
 class InvalidCurve(SitsmeshError):
@@ -132,8 +133,10 @@ def knee(points: Sequence[Point]) -> int:
     past a peak (throughput falling) the peak itself is the knee."""
     if len(points) < 2:
         raise InvalidCurve("a knee needs at least two measured batch sizes")
-    peak = max(range(len(points)), key=lambda i: points[i].throughput)
-    considered = points[:peak + 1]
+    top = max(p.throughput for p in points)
+    # A plateau stays in (it is what the bend leads to); a real fall past the peak does not.
+    last = max(i for i, p in enumerate(points) if p.throughput >= PLATEAU * top)
+    considered = points[:last + 1]
     if len(considered) < 3:
         return considered[-1].batch_size
     x0, x1 = considered[0].batch_size, considered[-1].batch_size

@@ -33,6 +33,9 @@ SIM_MIN_SECONDS = 4.0
 MAX_SIM_ARRIVALS = 6000
 # A queue this many batches deep means the config cannot keep up: no stable p99.
 UNSTABLE_QUEUE = 2000
+# Serving less than this share of the offered rate over the run is falling behind.
+KEEPS_UP = 0.9
+MATERIAL = 0.1  # a p99 this much lower, at equal headroom, is worth a change
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +160,9 @@ def simulate(curve: Curve, batching: Batching, rate: float, *, seed: int = 1,
     latencies.sort()
     span = max(free) - times[0] if free else 0.0
     served = len(latencies) / span if span > 0 else 0.0
+    if served < KEEPS_UP * rate:
+        # The backlog grew all along: its p99 is the run's length, not the config's.
+        return math.inf, math.inf, served, len(latencies) / batches
     return (latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)],
             served, len(latencies) / batches)
 
@@ -228,7 +234,11 @@ def recommend(curve: Curve, current: Batching, *, rate: float, sla_ms: float,
         # Most headroom, then lowest p99, then the smaller batch (less to lose on a change).
         best = min(fit, key=lambda p: (-p.headroom, p.p99_ms,
                                        max(p.batching.preferred, default=0)))
-        if best is now or best.batching == current:
+        # A reload costs a warmup and a moment of doubled instances: a change must buy
+        # headroom or a p99 that is materially lower, not a rounding of the simulation.
+        marginal = (now in fit and best.headroom <= now.headroom
+                    and best.p99_ms > (1 - MATERIAL) * now.p99_ms)
+        if best is now or best.batching == current or marginal:
             best = now
             reason = (f"keep {current.label()}: p99 {_ms(now.p99_ms)} within {sla_ms:g} ms "
                       f"at {rate:.1f} items/s with the most headroom "

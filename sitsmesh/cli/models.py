@@ -10,6 +10,7 @@ from typing import Any, TextIO
 
 from sitsmesh.admin.enums import label, word
 from sitsmesh.admin.v1 import admin_pb2
+from sitsmesh.cli import batching
 from sitsmesh.cli.common import (
     EXIT_FAILED,
     RpcFailed,
@@ -33,8 +34,8 @@ def add_commands(sub: Subcommands) -> None:
     models = sub.add_parser("models", help="Triton models and hot swaps (admin API)",
                             **examples("sitsmesh models list --endpoint gpu-a",
                                        "sitsmesh models swap resnet --to 7 --warmup-count 2",
-                                       "sitsmesh models swap resnet --to 6 --probes 50 "
-                                       "--max-latency-ratio 1.5 -o json")
+                                       "sitsmesh models profile resnet --plot curve.png",
+                                       "sitsmesh models tune resnet --dry-run")
                             ).add_subparsers(dest="models_command", required=True)
     p = models.add_parser("list", help="every endpoint's models and version states")
     p.add_argument("--endpoint", default="", help="only this Triton endpoint")
@@ -46,16 +47,10 @@ def add_commands(sub: Subcommands) -> None:
     p.add_argument("model")
     p.add_argument("--to", dest="target", type=int, required=True, metavar="VERSION")
     p.add_argument("--endpoint", default="", help="Triton endpoint (needed when several)")
-    p.add_argument("--warmup-count", type=int, default=0, help="warmup runs per instance")
-    p.add_argument("--warmup-data", choices=("zero", "random"), default="")
-    p.add_argument("--sample", metavar="FILE.json",
-                   help='probe values: {"INPUT0": [1, 2, 3, 4]} (flattened)')
-    p.add_argument("--probes", type=int, default=0, help="verify probes (default 20)")
-    p.add_argument("--max-latency-ratio", type=float, default=0.0)
-    p.add_argument("--drain-timeout", type=float, default=0.0, help="seconds (default 30)")
-    p.add_argument("--load-timeout", type=float, default=0.0, help="seconds (default 300)")
+    swap_flags(p)
     add_common_admin(p, timeout=SWAP_TIMEOUT_S)
     p.set_defaults(func=cmd_models_swap)
+    batching.add_model_commands(models, swap_flags)
 
     swaps = sub.add_parser("swaps", help="the history of model swaps (admin API)",
                            **examples("sitsmesh swaps list --model resnet --limit 5",
@@ -70,6 +65,18 @@ def add_commands(sub: Subcommands) -> None:
     p.add_argument("id")
     add_common_admin(p)
     p.set_defaults(func=cmd_swaps_get)
+
+
+def swap_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a swap's options, for `models swap` and `models tune`."""
+    p.add_argument("--warmup-count", type=int, default=0, help="warmup runs per instance")
+    p.add_argument("--warmup-data", choices=("zero", "random"), default="")
+    p.add_argument("--sample", metavar="FILE.json",
+                   help='probe values: {"INPUT0": [1, 2, 3, 4]} (flattened)')
+    p.add_argument("--probes", type=int, default=0, help="verify probes (default 20)")
+    p.add_argument("--max-latency-ratio", type=float, default=0.0)
+    p.add_argument("--drain-timeout", type=float, default=0.0, help="seconds (default 30)")
+    p.add_argument("--load-timeout", type=float, default=0.0, help="seconds (default 300)")
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:

@@ -1,0 +1,241 @@
+"""Dynamic batching through `sitsmesh serve` against real Triton: profile on the preflight
+sandbox, tune from the curve and the SLA, apply as a warm config swap under load.
+
+The model (sitsmesh.dev.batch_model) costs 20 ms per execute plus 0.5 ms per item up to
+16 items, time growing with the items past them: one at a time it serves ~48 items/s,
+in batches of 16 about 570. The knee is at 16.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+
+from sitsmesh.dev import harness
+from sitsmesh.dev.batch_model import write_batch_model
+from sitsmesh.dev.triton import TritonServer
+
+pytestmark = pytest.mark.integration
+
+MODEL = "bm"
+SLA_MS = 100.0
+RATE = 150.0        # items/s: three times what the model serves one at a time
+PIPELINE = """\
+name: infer
+stages:
+  - name: model
+    match: {upstream_cluster: triton}
+    sla_p99_ms: 100
+    triton_model: bm
+"""
+
+
+@dataclass
+class OpenLoop:
+    """Poisson arrivals of one-item requests at `rate` for `seconds`, bounded: every
+    outcome is kept (latency in s, or the error)."""
+
+    url: str
+    rate: float
+    seconds: float
+    seed: int = 7
+    latencies: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.sent = 0
+
+    def _run(self) -> None:
+        client = triton_grpc.InferenceServerClient(self.url)
+        data = triton_grpc.InferInput("INPUT0", [1, 4], "FP32")
+        data.set_data_from_numpy(np.ones((1, 4), np.float32))
+        rng = np.random.default_rng(self.seed)
+        began = time.perf_counter()
+        at = began
+        while at - began < self.seconds:
+            at += float(rng.exponential(1 / self.rate))
+            wait = at - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            sent = time.perf_counter()
+
+            def done(result: Any, error: Any, sent: float = sent) -> None:
+                with self._lock:
+                    if error is not None:
+                        self.errors.append(str(error))
+                    else:
+                        self.latencies.append(time.perf_counter() - sent)
+
+            client.async_infer(MODEL, [data], done, client_timeout=20)
+            self.sent += 1
+        deadline = time.monotonic() + 30
+        while len(self.latencies) + len(self.errors) < self.sent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client.close()
+
+    def __enter__(self) -> OpenLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join(self.seconds + 40)
+
+    def p99_ms(self) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[int(len(ordered) * 0.99)] * 1000 if ordered else float("inf")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer,
+                                                                       harness.Sitsmesh]]:
+    tmp = tmp_path_factory.mktemp("batching")
+    repo = tmp / "models"
+    write_batch_model(repo, MODEL)
+    prod, sandbox = TritonServer(tmp / "prod", repo), TritonServer(tmp / "sandbox", repo)
+    prod.start()
+    sandbox.start()
+    node = None
+    try:
+        client = triton_grpc.InferenceServerClient(prod.grpc_url)
+        client.load_model(MODEL)
+        client.close()
+        node = harness.start_sitsmesh(tmp, "--triton-url", prod.grpc_url,
+                                      "--triton-metrics-url", prod.metrics_url,
+                                      "--triton-preflight-url", sandbox.grpc_url)
+        pipeline = tmp / "pipeline.yaml"
+        pipeline.write_text(PIPELINE)
+        applied = node.cli("pipelines", "apply", str(pipeline))
+        assert applied.returncode == 0, applied.stderr
+        yield prod, node
+    finally:
+        if node is not None:
+            node.kill()
+        prod.kill()
+        sandbox.kill()
+
+
+def _json(result: Any) -> Any:
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    return json.loads(result.stdout)
+
+
+def _batching_in_force(triton: TritonServer) -> Any:
+    client = triton_grpc.InferenceServerClient(triton.grpc_url)
+    try:
+        return client.get_model_config(MODEL, as_json=True)["config"].get("dynamic_batching")
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def profiled(stack: tuple[TritonServer, harness.Sitsmesh],
+             tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """The sandbox profile every test here tunes from, and its plot."""
+    _, node = stack
+    plot = tmp_path_factory.mktemp("plot") / "curve.png"
+    curve = _json(node.cli("models", "profile", MODEL, "--requests", "12", "--plot", str(plot),
+                           "-o", "json", timeout=300))
+    return curve, plot
+
+
+def test_profile_on_the_sandbox_finds_the_knee_and_plots_it(
+        stack: tuple[TritonServer, harness.Sitsmesh], profiled: tuple[Any, Path]) -> None:
+    prod, node = stack
+    curve, plot = profiled
+    sizes = [p["batch_size"] for p in curve["points"]]
+    assert sizes == [1, 2, 4, 8, 16, 32]
+    assert curve["knee"] == 16
+    throughput = {p["batch_size"]: p["throughput"] for p in curve["points"]}
+    assert throughput[16] > 8 * throughput[1]          # batching pays ...
+    assert throughput[32] < 1.2 * throughput[16]       # ... up to the knee
+    assert curve["target"] == "preflight"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Stored: the curve reads back; production was not touched.
+    stored = _json(node.cli("models", "curve", MODEL, "-o", "json"))
+    assert stored["knee"] == 16 and stored["points"] == curve["points"]
+    assert _batching_in_force(prod) is None
+    # Production without consent is refused, and a table shows the knee.
+    refused = node.cli("models", "profile", MODEL, "--production")
+    assert refused.returncode != 0 and "consent" in refused.stderr
+    table = node.cli("models", "curve", MODEL)
+    assert "knee B* = 16" in table.stdout and "pareto" in table.stdout
+
+
+def test_tuned_batching_holds_the_sla_where_untuned_collapses_and_applies_without_a_failure(
+        stack: tuple[TritonServer, harness.Sitsmesh], profiled: tuple[Any, Path]) -> None:
+    prod, node = stack
+    dry = _json(node.cli("models", "tune", MODEL, "--dry-run", "--rate", str(RATE), "-o",
+                         "json", timeout=60))["recommendation"]
+    assert dry["sla_ms"] == SLA_MS and dry["stage"] == "model"  # the stage's own SLA
+    assert not dry["current"].get("stable", False)             # untuned cannot keep up
+    proposed = dry["proposed"]
+    assert proposed["batching"]["enabled"] and proposed["p99_ms"] <= SLA_MS
+    assert _batching_in_force(prod) is None                    # a dry run changes nothing
+
+    with OpenLoop(prod.grpc_url, RATE, 3.0) as untuned:
+        pass
+    # One at a time the queue only grows: most requests miss the SLA.
+    assert untuned.p99_ms() > 5 * SLA_MS, untuned.p99_ms()
+
+    # The change under load, the load within what the untuned config serves.
+    with OpenLoop(prod.grpc_url, 25.0, 12.0, seed=3) as during:
+        time.sleep(1.0)
+        result = node.cli("models", "tune", MODEL, "--rate", str(RATE), "--watch", "0",
+                          "-o", "json", timeout=240)
+    doc = _json(result)
+    assert doc["swap"]["state"] == "succeeded", doc["swap"]
+    assert during.errors == [] and len(during.latencies) == during.sent > 200
+    # Warm: no request paid the 300 ms context of a cold instance.
+    assert max(during.latencies) * 1000 < 250, max(during.latencies)
+    in_force = _batching_in_force(prod)
+    assert [int(s) for s in in_force["preferred_batch_size"]] == \
+        proposed["batching"]["preferred_batch_size"]
+
+    with OpenLoop(prod.grpc_url, RATE, 3.0, seed=11) as tuned:
+        pass
+    assert tuned.errors == []
+    assert tuned.p99_ms() <= SLA_MS, tuned.p99_ms()
+
+    history = _json(node.cli("models", "batching-history", "--model", MODEL, "-o", "json"))
+    change = history["changes"][0]
+    assert change["outcome"] == "succeeded" and change["actor"].startswith("admin")
+    assert change["batching"]["enabled"] and not change["previous"].get("enabled", False)
+
+
+def test_a_config_triton_refuses_is_stopped_on_the_sandbox(
+        stack: tuple[TritonServer, harness.Sitsmesh], profiled: tuple[Any, Path]) -> None:
+    prod, node = stack
+    before = _batching_in_force(prod)
+    # A preferred size over max_batch_size 32: Triton will not load it.
+    result = node.cli("models", "tune", MODEL, "--preferred", "64", "--delay-us", "1000",
+                      "-o", "json", timeout=120)
+    assert result.returncode != 0
+    swap = json.loads(result.stdout)["swap"]
+    assert swap["state"] == "failed" and swap["phase"] == "preflight"
+    assert _batching_in_force(prod) == before
+
+
+def test_auto_tuning_is_audited_and_bad_settings_are_refused(
+        stack: tuple[TritonServer, harness.Sitsmesh]) -> None:
+    _, node = stack
+    shown = _json(node.cli("models", "autotune", "infer", "on", "--hold", "5", "-o", "json"))
+    assert shown["enabled"] and shown["hold_s"] == 5
+    assert _json(node.cli("models", "autotune", "infer", "-o", "json"))["enabled"]
+    bad = node.cli("models", "autotune", "infer", "on", "--hold", "0.1")
+    assert bad.returncode != 0 and "hold_s" in bad.stderr
+    off = _json(node.cli("models", "autotune", "infer", "off", "-o", "json"))
+    assert not off.get("enabled", False)
+    history = _json(node.cli("models", "batching-history", "-o", "json"))
+    reasons = [c["reason"] for c in history["changes"]]
+    assert any(r.startswith("automatic tuning on") for r in reasons)
