@@ -32,10 +32,18 @@ from sitsmesh.dev.batch_model import execute_ms
 from sitsmesh.swap.contract import Tensor
 from sitsmesh.swap.machine import ConfigChange, Swap, SwapEvent
 from sitsmesh.swap.override import SwapOptions
+from sitsmesh.state.sqlite import SqliteStore
 from sitsmesh.swap.record import FAILED, ROLLED_BACK, SUCCEEDED, SwapHistory, SwapRecord
-from tests.unit.test_swap import Clock, FakeTriton, _nosleep, history  # noqa: F401
+from tests.unit.test_swap import Clock, FakeTriton, _nosleep
 
 SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@pytest.fixture
+async def history(tmp_path: Any) -> Any:
+    store = SqliteStore(tmp_path / "state.db")
+    yield SwapHistory(store)
+    await store.close()
 
 
 def _ms(items: int) -> float:
@@ -107,7 +115,7 @@ def test_batch_sizes_are_checked(text: str, message: str) -> None:
 def test_the_simulation_collapses_past_capacity_and_batching_lifts_it() -> None:
     untuned = simulate(MODEL, Batching(), 150.0)
     assert untuned[1] == math.inf  # 150 items/s against ~49 one at a time
-    p50, p99, served, mean_batch = simulate(MODEL, Batching((8, 16), 10_000), 150.0)
+    _, p99, served, mean_batch = simulate(MODEL, Batching((8, 16), 10_000), 150.0)
     assert p99 < 0.1 and served == pytest.approx(150, rel=0.1) and mean_batch > 2
     # Below capacity a single item runs about its own service time.
     assert simulate(MODEL, Batching(), 5.0)[0] == pytest.approx(0.0205, rel=0.1)
@@ -218,7 +226,7 @@ BLOCK: dict[str, Any] = {"preferred_batch_size": [8, 16], "max_queue_delay_micro
 
 
 async def test_a_config_change_reloads_the_serving_version_warm_and_verifies(
-        history: Any) -> None:  # noqa: F811
+        history: Any) -> None:
     prod, sandbox = _batching_triton(), _batching_triton()
     record = await _change(history, prod, ConfigChange(BLOCK), preflight=sandbox)
     assert record.state == SUCCEEDED, record.error
@@ -230,7 +238,7 @@ async def test_a_config_change_reloads_the_serving_version_warm_and_verifies(
 
 
 async def test_a_config_change_over_the_sla_is_rolled_back_to_the_old_config(
-        history: Any) -> None:  # noqa: F811
+        history: Any) -> None:
     prod = _batching_triton()
     change = ConfigChange(BLOCK, sla_ms=100, watch_s=3, live_p99=lambda: 250.0)
     record = await _change(history, prod, change)
@@ -240,7 +248,7 @@ async def test_a_config_change_over_the_sla_is_rolled_back_to_the_old_config(
 
 
 async def test_a_config_change_that_does_not_batch_as_predicted_is_rolled_back(
-        history: Any) -> None:  # noqa: F811
+        history: Any) -> None:
     prod = _batching_triton()
     # The double answers each request in 2 ms one at a time: nowhere near 100k items/s.
     record = await _change(history, prod, ConfigChange(BLOCK, capacity=100_000.0))
@@ -248,7 +256,7 @@ async def test_a_config_change_that_does_not_batch_as_predicted_is_rolled_back(
     assert "the batches do not form as predicted" in record.error
 
 
-async def test_a_model_that_cannot_batch_is_refused_untouched(history: Any) -> None:  # noqa: F811
+async def test_a_model_that_cannot_batch_is_refused_untouched(history: Any) -> None:
     prod = FakeTriton()
     prod.ready = {1: True}
     record = await _change(history, prod, ConfigChange(BLOCK))
