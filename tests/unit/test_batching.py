@@ -29,10 +29,10 @@ from sitsmesh.batching.recommend import (
     simulate,
 )
 from sitsmesh.dev.batch_model import execute_ms
+from sitsmesh.state.sqlite import SqliteStore
 from sitsmesh.swap.contract import Tensor
 from sitsmesh.swap.machine import ConfigChange, Swap, SwapEvent
 from sitsmesh.swap.override import SwapOptions
-from sitsmesh.state.sqlite import SqliteStore
 from sitsmesh.swap.record import FAILED, ROLLED_BACK, SUCCEEDED, SwapHistory, SwapRecord
 from tests.unit.test_swap import Clock, FakeTriton, _nosleep
 
