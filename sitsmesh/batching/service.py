@@ -79,8 +79,9 @@ class Tuning:
 
 class BatchingService:
     def __init__(self, swaps: SwapManager, state: StateStore, stages: StageSource | None, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, auto_watch_s: float = WATCH_S) -> None:
         self._swaps = swaps
+        self._auto_watch_s = auto_watch_s
         self._state = state
         self._stages = stages
         self._clock = clock
@@ -335,7 +336,8 @@ class BatchingService:
                 self._policy.tuned(model, curve, view.arrival_rate, now)
                 try:
                     tuning = await self.tune(model, "", SwapOptions(), actor=AUTOMATIC,
-                                             pipeline=pipeline.name, automatic=True)
+                                             pipeline=pipeline.name, automatic=True,
+                                             watch_s=self._auto_watch_s)
                 except SitsmeshError as exc:
                     _log.warning("automatic re-tune not started", model=model,
                                  pipeline=pipeline.name, error=exc.message)

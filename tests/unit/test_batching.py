@@ -4,6 +4,7 @@ The real Triton runs in tests/integration/test_batching_triton.py."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 
 from sitsmesh.batching.auto import AutoPolicy, AutoSettings, region
 from sitsmesh.batching.curve import (
+    CURVE_KIND,
     Curve,
     InvalidCurve,
     Point,
@@ -28,12 +30,20 @@ from sitsmesh.batching.recommend import (
     saturated_capacity,
     simulate,
 )
+from sitsmesh.batching.service import AUTOMATIC, BatchingRefused, BatchingService
+from sitsmesh.chains.pipeline import Pipeline, Stage
+from sitsmesh.config import TritonEndpoint
 from sitsmesh.dev.batch_model import execute_ms
+from sitsmesh.errors import NotFoundError
+from sitsmesh.pressure.runtime import PressureRuntime
+from sitsmesh.pressure.stages import StagePressure
 from sitsmesh.state.sqlite import SqliteStore
 from sitsmesh.swap.contract import Tensor
 from sitsmesh.swap.machine import ConfigChange, Swap, SwapEvent
+from sitsmesh.swap.manager import SwapManager
 from sitsmesh.swap.override import SwapOptions
 from sitsmesh.swap.record import FAILED, ROLLED_BACK, SUCCEEDED, SwapHistory, SwapRecord
+from sitsmesh.triton.client import execute_slots
 from tests.unit.test_swap import Clock, FakeTriton, _nosleep
 
 SIZES = (1, 2, 4, 8, 16, 32)
@@ -263,3 +273,121 @@ async def test_a_model_that_cannot_batch_is_refused_untouched(history: Any) -> N
     assert record.state == FAILED and "max_batch_size" in record.error
     assert prod.loads == []
 
+
+
+class Stages:
+    """The pressure runtime as the batching service reads it: one stage serving m."""
+
+    def __init__(self) -> None:
+        self.stage = Stage("model", "upstream_cluster", "triton", sla_p99_ms=100.0,
+                           triton_model="m")
+        self.pipeline = Pipeline("infer", (self.stage,))
+        self.rate, self.level = 2.0, "ok"
+        self.capacity: list[tuple[str, int, float, float]] = []
+
+    def stages_of(self, model: str) -> list[tuple[Pipeline, Stage]]:
+        return [(self.pipeline, self.stage)] if model == "m" else []
+
+    def stage_view(self, pipeline: str, stage: str) -> StagePressure:
+        return StagePressure(stage, self.level, 0.1, self.rate, 48.0, 0.1, 0, 0, 30.0, 30.0,
+                             10.0, False)
+
+    def set_capacity(self, model: str, slots: int, rate: float, service_s: float) -> None:
+        self.capacity.append((model, slots, rate, service_s))
+
+
+async def test_auto_mode_retunes_after_the_hold_never_under_overload_and_audits(
+        tmp_path: Any) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    servers: list[FakeTriton] = []
+
+    def factory(name: str, url: str, metrics: str) -> FakeTriton:
+        servers.append(_batching_triton())
+        return servers[-1]
+
+    manager = SwapManager([TritonEndpoint("prod", "127.0.0.1:1")], SwapHistory(store),
+                          factory, None)
+    now = [1000.0]
+    stages = Stages()
+    service = BatchingService(manager, store, stages, clock=lambda: now[0], auto_watch_s=0)
+    await store.put(CURVE_KIND, "m", MODEL.to_body())
+    try:
+        assert await service.auto_step(["m"]) == []  # off until a pipeline opts in
+        await service.set_auto(AutoSettings("infer", True, hold_s=5, cooldown_s=60), "ops")
+        assert await service.auto_step(["m"]) == []  # light load: the config stands
+        stages.rate = 300.0
+        assert await service.auto_step(["m"]) == []  # moved: the hold starts
+        now[0] += 6
+        stages.level = "overloaded"
+        assert await service.auto_step(["m"]) == []  # never while overloaded
+        stages.level = "ok"
+        assert await service.auto_step(["m"]) == []  # the hold starts over
+        now[0] += 6
+        assert await service.auto_step(["m"]) == ["m"]
+        while manager.running("m"):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the audit is written after the swap's end
+        record = (await manager.recent("m"))[0]
+        assert record.state == SUCCEEDED, record.error
+        assert servers[0].config["dynamic_batching"]["preferred_batch_size"]
+        # The controller takes the new capacity at once: instances x the largest batch.
+        model, slots, rate, service_s = stages.capacity[-1]
+        assert model == "m" and slots > 1 and rate == pytest.approx(MODEL.capacity(slots))
+        assert service_s == pytest.approx(MODEL.service_s(slots))
+        change = next(c for c in await service.changes("m") if c.get("swap_id") == record.id)
+        assert change["automatic"] and change["actor"] == AUTOMATIC
+        assert change["outcome"] == SUCCEEDED and change["pipeline"] == "infer"
+        # Inside the cool-down nothing more, however the rate moves.
+        stages.rate = 2.0
+        now[0] += 30
+        assert await service.auto_step(["m"]) == []
+        assert await service.auto_step(["m"]) == []
+    finally:
+        await manager.stop()
+        await store.close()
+
+
+async def test_tune_refuses_without_a_curve_or_an_sla(tmp_path: Any) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    manager = SwapManager([TritonEndpoint("prod", "127.0.0.1:1")], SwapHistory(store),
+                          lambda *names: _batching_triton(), None)
+    service = BatchingService(manager, store, None)
+    try:
+        with pytest.raises(NotFoundError, match="models profile m"):
+            await service.plan("m", "")
+        await store.put(CURVE_KIND, "m", MODEL.to_body())
+        with pytest.raises(InvalidCurve, match="no SLA for m"):
+            await service.plan("m", "")
+        tuning = await service.plan("m", "", sla_ms=100)
+        assert tuning.recommendation.rate_source == "assumed"
+        with pytest.raises(BatchingRefused, match="consent"):
+            await service.profile("m", "", ProfilePlan((1, 2)), production=True,
+                                  allow_production=False)
+        with pytest.raises(BatchingRefused, match="no preflight sandbox"):
+            await service.profile("m", "", ProfilePlan((1, 2)), production=False,
+                                  allow_production=False)
+    finally:
+        await manager.stop()
+        await store.close()
+
+
+def test_the_controller_takes_a_batching_change_s_capacity_at_once() -> None:
+    now = [100.0]
+    runtime = PressureRuntime(None, clock=lambda: now[0], wall=lambda: now[0] + 1e6)
+    stage = Stage("model", "upstream_cluster", "triton", sla_p99_ms=100.0, triton_model="m")
+    runtime.set_pipelines({"infer": Pipeline("infer", (stage,))})
+    assert runtime.tick().decisions["infer"].stages[0].capacity == 0  # nothing learned yet
+    runtime.set_capacity("m", 16, 571.0, 0.028)
+    now[0] += 0.1
+    view = runtime.tick().decisions["infer"].stages[0]
+    assert view.capacity == pytest.approx(571.0)
+    assert runtime.stages_of("m") == [(runtime.stages_of("m")[0][0], stage)]
+
+
+def test_execute_slots_count_the_batch_a_standing_queue_forms() -> None:
+    base: dict[str, Any] = {"max_batch_size": 32,
+                            "instance_group": [{"count": 2, "kind": "KIND_CPU"}]}
+    assert execute_slots(base) == 2
+    assert execute_slots(base | {"dynamic_batching": {"preferred_batch_size": [8, 16]}}) == 32
+    assert execute_slots(base | {"dynamic_batching": {}}) == 64
+    assert execute_slots({"max_batch_size": 0, "dynamic_batching": {}}) == 1
