@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 
+from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.dev.batch_model import write_batch_model
 from sitsmesh.dev.triton import TritonServer
@@ -239,3 +241,45 @@ def test_auto_tuning_is_audited_and_bad_settings_are_refused(
     history = _json(node.cli("models", "batching-history", "-o", "json"))
     reasons = [c["reason"] for c in history["changes"]]
     assert any(r.startswith("automatic tuning on") for r in reasons)
+
+
+def test_bad_batching_requests_get_precise_errors_and_change_nothing(
+        stack: tuple[TritonServer, harness.Sitsmesh]) -> None:
+    prod, node = stack
+    before = _batching_in_force(prod)
+    channel = grpc.insecure_channel(node.admin_addr)
+    stub = admin_pb2_grpc.AdminServiceStub(channel)
+
+    def code(method: str, request: Any) -> tuple[grpc.StatusCode, str]:
+        try:
+            reply = getattr(stub, method)(request, metadata=node.admin_metadata(), timeout=20)
+            list(reply)
+        except grpc.RpcError as err:
+            return err.code(), err.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    try:
+        assert code("ProfileModel", admin_pb2.ProfileModelRequest(
+            model=MODEL, batch_sizes=list(range(1, 18)))) == (
+            bad, "batch_sizes: at most 16 distinct sizes, each >= 1")
+        assert code("ProfileModel", admin_pb2.ProfileModelRequest(
+            model=MODEL, concurrency=100_000))[0] == bad
+        assert code("ProfileModel", admin_pb2.ProfileModelRequest(
+            model=MODEL, seconds=1e9))[1] == "seconds must be 0.5-120, got 1000000000.0"
+        assert code("ProfileModel", admin_pb2.ProfileModelRequest(
+            model=MODEL, target=admin_pb2.PROFILE_TARGET_PRODUCTION, allow_production=True,
+            max_rate=1e6))[1].startswith("max_rate 1e+06 is over 1000")
+        assert code("TuneModel", admin_pb2.TuneModelRequest(
+            model=MODEL, batching=admin_pb2.DynamicBatching(
+                enabled=True, preferred_batch_size=[16, 8]))) == (
+            bad, "preferred_batch_size: at most 16 distinct ascending sizes >= 1")
+        assert code("TuneModel", admin_pb2.TuneModelRequest(
+            model=MODEL, batching=admin_pb2.DynamicBatching(
+                enabled=True, max_queue_delay_microseconds=10**12)))[0] == bad
+        assert code("TuneModel", admin_pb2.TuneModelRequest(model=MODEL, watch_s=1e6))[0] == bad
+        assert code("TuneModel", admin_pb2.TuneModelRequest(model="nope", dry_run=True))[0] == \
+            grpc.StatusCode.NOT_FOUND
+    finally:
+        channel.close()
+    assert _batching_in_force(prod) == before

@@ -96,6 +96,11 @@ def test_a_team_token_cannot_touch_another_teams_tenant_keys_pipeline_or_model(
         ("CreateApiKey", admin_pb2.CreateApiKeyRequest(tenant="team-b")),
         ("RevokeApiKey", admin_pb2.RevokeApiKeyRequest(id=b_key.key.id)),
         ("SwapModel", admin_pb2.SwapModelRequest(model="model-b", target_version=0)),
+        ("ProfileModel", admin_pb2.ProfileModelRequest(model="model-b")),
+        ("TuneModel", admin_pb2.TuneModelRequest(model="model-b")),
+        ("TuneModel", admin_pb2.TuneModelRequest(model="model-b", dry_run=True)),
+        ("SetAutoTuning", admin_pb2.SetAutoTuningRequest(
+            auto_tuning=admin_pb2.AutoTuning(pipeline="pipe-b", enabled=True))),
         ("SetThresholds", admin_pb2.SetThresholdsRequest(pipeline="pipe-b", yaml="")),
         ("ApplyPipeline", admin_pb2.ApplyPipelineRequest(yaml=PIPELINE.format("pipe-b"))),
         ("DeletePipeline", admin_pb2.DeletePipelineRequest(name="pipe-b")),
