@@ -22,14 +22,13 @@ from sitsmesh.cli.common import (
     render,
     table,
 )
+from sitsmesh.cli.swapview import SWAP_TIMEOUT_S, Progress, swap_options, swap_summary
 
 PROFILE_TIMEOUT_S = 1800.0
 
 
 def add_model_commands(models: Any, swap_options: Any) -> None:
     """Under `sitsmesh models`; `swap_options(p)` adds the swap's own flags."""
-    from sitsmesh.cli.models import SWAP_TIMEOUT_S  # models imports this module
-
     p = models.add_parser("profile", help="measure throughput and p50/p99 per batch size "
                           "(on the preflight sandbox unless --production)")
     p.add_argument("model")
@@ -206,19 +205,17 @@ def _given(args: argparse.Namespace) -> Any:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from sitsmesh.cli.models import _options, _Progress, _summary
-
     request = admin_pb2.TuneModelRequest(
         model=args.model, endpoint=args.endpoint, dry_run=args.dry_run,
         rate=max(0.0, args.rate), sla_ms=max(0.0, args.sla_ms), pipeline=args.pipeline,
-        options=_options(args))
+        options=swap_options(args))
     given = _given(args)
     if given is not None:
         request.batching.CopyFrom(given)
     if args.watch >= 0:
         request.watch_s = args.watch
     found = final = None
-    progress = _Progress(sys.stderr, live=sys.stderr.isatty())
+    progress = Progress(sys.stderr, live=sys.stderr.isatty())
     try:
         with admin_call(args, "TuneModel") as call:
             for reply in call(request):
@@ -237,7 +234,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     doc: dict[str, Any] = {"recommendation": message_dict(found)}
     if final is not None:
         doc["swap"] = message_dict(final)
-    render(args, doc, lambda: _summary(final) if final is not None else None)
+    render(args, doc, lambda: swap_summary(final) if final is not None else None)
     if final is not None and final.state != admin_pb2.SWAP_STATE_SUCCEEDED:
         return EXIT_FAILED
     return 0

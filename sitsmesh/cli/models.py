@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
-from typing import Any, TextIO
 
-from sitsmesh.admin.enums import label, word
+from sitsmesh.admin.enums import word
 from sitsmesh.admin.v1 import admin_pb2
-from sitsmesh.cli import batching
+from sitsmesh.cli.batching import add_model_commands
 from sitsmesh.cli.common import (
     EXIT_FAILED,
     RpcFailed,
     Subcommands,
-    UsageError,
     add_common_admin,
     admin_call,
     all_pages,
@@ -25,16 +21,19 @@ from sitsmesh.cli.common import (
     render,
     table,
 )
-
-SWAP_TIMEOUT_S = 1800.0  # a whole swap: loads, drain and all
-BAR_WIDTH = 30
+from sitsmesh.cli.swapview import (
+    SWAP_TIMEOUT_S,
+    Progress,
+    swap_flags,
+    swap_options,
+    swap_summary,
+)
 
 
 def add_commands(sub: Subcommands) -> None:
     models = sub.add_parser("models", help="Triton models and hot swaps (admin API)",
                             **examples("sitsmesh models list --endpoint gpu-a",
                                        "sitsmesh models swap resnet --to 7 --warmup-count 2",
-                                       "sitsmesh models profile resnet --plot curve.png",
                                        "sitsmesh models tune resnet --dry-run")
                             ).add_subparsers(dest="models_command", required=True)
     p = models.add_parser("list", help="every endpoint's models and version states")
@@ -50,7 +49,7 @@ def add_commands(sub: Subcommands) -> None:
     swap_flags(p)
     add_common_admin(p, timeout=SWAP_TIMEOUT_S)
     p.set_defaults(func=cmd_models_swap)
-    batching.add_model_commands(models, swap_flags)
+    add_model_commands(models, swap_flags)
 
     swaps = sub.add_parser("swaps", help="the history of model swaps (admin API)",
                            **examples("sitsmesh swaps list --model resnet --limit 5",
@@ -67,18 +66,6 @@ def add_commands(sub: Subcommands) -> None:
     p.set_defaults(func=cmd_swaps_get)
 
 
-def swap_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of a swap's options, for `models swap` and `models tune`."""
-    p.add_argument("--warmup-count", type=int, default=0, help="warmup runs per instance")
-    p.add_argument("--warmup-data", choices=("zero", "random"), default="")
-    p.add_argument("--sample", metavar="FILE.json",
-                   help='probe values: {"INPUT0": [1, 2, 3, 4]} (flattened)')
-    p.add_argument("--probes", type=int, default=0, help="verify probes (default 20)")
-    p.add_argument("--max-latency-ratio", type=float, default=0.0)
-    p.add_argument("--drain-timeout", type=float, default=0.0, help="seconds (default 30)")
-    p.add_argument("--load-timeout", type=float, default=0.0, help="seconds (default 300)")
-
-
 def cmd_models_list(args: argparse.Namespace) -> int:
     reply = call_admin(args, "ListModels", admin_pb2.ListModelsRequest(endpoint=args.endpoint))
     rows = [("ENDPOINT", "MODEL", "VERSION", "STATE", "REASON")]
@@ -91,30 +78,10 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     return EXIT_FAILED if reply.errors else 0
 
 
-def _options(args: argparse.Namespace) -> Any:
-    options = admin_pb2.SwapOptions(
-        warmup_count=max(0, args.warmup_count),
-        warmup_data=label(admin_pb2.WarmupData, args.warmup_data),
-        verify_probes=max(0, args.probes), max_latency_ratio=args.max_latency_ratio,
-        drain_timeout_s=args.drain_timeout, load_timeout_s=args.load_timeout)
-    if args.sample:
-        try:
-            sample = json.loads(Path(args.sample).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UsageError(f"{args.sample}: cannot read sample: {exc}") from None
-        if not isinstance(sample, dict) or not all(
-                isinstance(v, list) and all(isinstance(x, int | float) for x in v)
-                for v in sample.values()):
-            raise UsageError(f"{args.sample}: expected {{input name: [numbers]}}")
-        for name, values in sample.items():
-            options.sample[name].values.extend(float(x) for x in values)
-    return options
-
-
 def cmd_models_swap(args: argparse.Namespace) -> int:
     request = admin_pb2.SwapModelRequest(model=args.model, target_version=args.target,
-                                         endpoint=args.endpoint, options=_options(args))
-    progress = _Progress(sys.stderr, live=sys.stderr.isatty())
+                                         endpoint=args.endpoint, options=swap_options(args))
+    progress = Progress(sys.stderr, live=sys.stderr.isatty())
     final = None
     try:
         with admin_call(args, "SwapModel") as call:
@@ -126,52 +93,8 @@ def cmd_models_swap(args: argparse.Namespace) -> int:
         progress.close()
     if final is None:
         raise RpcFailed("SwapModel ended without the swap's record")
-    render(args, message_dict(final), lambda: _summary(final))
+    render(args, message_dict(final), lambda: swap_summary(final))
     return 0 if final.state == admin_pb2.SWAP_STATE_SUCCEEDED else EXIT_FAILED
-
-
-class _Progress:
-    """A bar redrawn in place on a terminal; one line per event otherwise."""
-
-    def __init__(self, out: TextIO, *, live: bool) -> None:
-        self._out = out
-        self._live = live
-
-    def show(self, event: Any) -> None:
-        filled = round(event.progress * BAR_WIDTH)
-        bar = "#" * filled + "." * (BAR_WIDTH - filled)
-        phase = word(admin_pb2.SwapPhase, event.phase)
-        state = word(admin_pb2.StepState, event.state)
-        text = f"[{bar}] {event.progress:4.0%} {phase:<9} {state:<8} {event.message}"
-        if self._live:
-            self._out.write("\r\x1b[2K" + text[:160])
-        else:
-            self._out.write(text + "\n")
-        self._out.flush()
-
-    def close(self) -> None:
-        if self._live:
-            self._out.write("\n")
-            self._out.flush()
-
-
-def _seconds(step: Any) -> str:
-    if not step.HasField("ended_at"):
-        return "-"
-    started = step.started_at.ToNanoseconds()
-    return f"{(step.ended_at.ToNanoseconds() - started) / 1e9:.2f}"
-
-
-def _summary(record: Any) -> str:
-    source = f"v{record.from_version}" if record.HasField("from_version") else "?"
-    lines = [f"swap {record.id}: {record.model} {source} -> v{record.to_version} on "
-             f"{record.endpoint}: {word(admin_pb2.SwapState, record.state).upper()}"]
-    if record.error:
-        lines.append(f"error: {record.error}")
-    rows = [("PHASE", "RESULT", "SECONDS", "MESSAGE")]
-    rows += [(word(admin_pb2.SwapPhase, s.phase), word(admin_pb2.StepState, s.state),
-              _seconds(s), s.message) for s in record.steps]
-    return "\n".join([*lines, table(rows)])
 
 
 def cmd_swaps_list(args: argparse.Namespace) -> int:
@@ -188,5 +111,5 @@ def cmd_swaps_list(args: argparse.Namespace) -> int:
 
 def cmd_swaps_get(args: argparse.Namespace) -> int:
     record = call_admin(args, "GetSwap", admin_pb2.GetSwapRequest(id=args.id)).swap
-    render(args, message_dict(record), lambda: _summary(record))
+    render(args, message_dict(record), lambda: swap_summary(record))
     return 0

@@ -19,6 +19,7 @@ import pytest
 from sitsmesh import __version__
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.cli import (
+    batching,
     build_parser,
     completion,
     credentials,
@@ -31,6 +32,7 @@ from sitsmesh.cli import (
     ratelimit,
     serve,
     status,
+    swapview,
     tenants,
 )
 from sitsmesh.cli.common import (
@@ -73,6 +75,11 @@ COMMANDS: list[tuple[list[str], Callable[[argparse.Namespace], int]]] = [
     (["dev"], dev.cmd_dev),
     (["models", "list"], models.cmd_models_list),
     (["models", "swap", "m", "--to", "2"], models.cmd_models_swap),
+    (["models", "profile", "m"], batching.cmd_profile),
+    (["models", "curve", "m"], batching.cmd_curve),
+    (["models", "tune", "m", "--dry-run"], batching.cmd_tune),
+    (["models", "autotune", "p", "on"], batching.cmd_autotune),
+    (["models", "batching-history"], batching.cmd_history),
     (["swaps", "list"], models.cmd_swaps_list),
     (["swaps", "get", "s1"], models.cmd_swaps_get),
     (["thresholds", "get", "p"], pressure.cmd_thresholds_get),
@@ -141,7 +148,7 @@ def test_the_list_above_has_every_command() -> None:
     listed = {next(tuple(argv[:n]) for n in range(len(argv), 0, -1) if tuple(argv[:n]) in leaves)
               for argv, _ in COMMANDS}
     assert listed == leaves
-    assert len(leaves) == len(COMMANDS) == 38
+    assert len(leaves) == len(COMMANDS) == 43
 
 
 def test_help_lists_every_group_in_order(monkeypatch: pytest.MonkeyPatch,
@@ -165,7 +172,7 @@ def test_defaults_of_the_admin_commands() -> None:
     parse = build_parser().parse_args
     args = parse(["status"])
     assert (args.timeout, args.output, args.admin_addr, args.token) == (5.0, "table", None, None)
-    assert parse(["models", "swap", "m", "--to", "2"]).timeout == models.SWAP_TIMEOUT_S == 1800
+    assert parse(["models", "swap", "m", "--to", "2"]).timeout == swapview.SWAP_TIMEOUT_S == 1800
     assert parse(["pressure", "watch"]).timeout == pressure.WATCH_TIMEOUT_S == 24 * 3600
     # A timeout given on the command line still wins over the command's own default.
     assert parse(["models", "swap", "m", "--to", "2", "--timeout", "9"]).timeout == 9.0
