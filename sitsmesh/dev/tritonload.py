@@ -11,6 +11,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import tritonclient.grpc as triton_grpc
@@ -90,3 +91,64 @@ class BackgroundLoad:
 
     def p50_ms(self, version: int) -> float:
         return statistics.median(o.seconds for o in self.on(version)) * 1000
+
+
+@dataclass
+class OpenLoop:
+    """Poisson arrivals of one-item requests (a batching model's [1, WIDTH] input) at
+    `rate` for `seconds`, open loop: a slow server does not slow the arrivals, as real
+    callers do not wait for each other. Bounded by `seconds`; every outcome is kept
+    (latency in s, or the error)."""
+
+    url: str
+    model: str
+    rate: float
+    seconds: float
+    seed: int = 7
+    latencies: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.sent = 0
+
+    def _run(self) -> None:
+        client = triton_grpc.InferenceServerClient(self.url)
+        data = triton_grpc.InferInput(demo_model.INPUT, [1, demo_model.WIDTH], "FP32")
+        data.set_data_from_numpy(np.ones((1, demo_model.WIDTH), np.float32))
+        rng = np.random.default_rng(self.seed)
+        began = time.perf_counter()
+        at = began
+        while at - began < self.seconds:
+            at += float(rng.exponential(1 / self.rate))
+            wait = at - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            sent = time.perf_counter()
+
+            def done(result: Any, error: Any, sent: float = sent) -> None:
+                with self._lock:
+                    if error is not None:
+                        self.errors.append(str(error))
+                    else:
+                        self.latencies.append(time.perf_counter() - sent)
+
+            client.async_infer(self.model, [data], done, client_timeout=20)
+            self.sent += 1
+        deadline = time.monotonic() + 30
+        while (len(self.latencies) + len(self.errors) < self.sent
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        client.close()
+
+    def __enter__(self) -> OpenLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join(self.seconds + 40)
+
+    def p99_ms(self) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[int(len(ordered) * 0.99)] * 1000 if ordered else float("inf")

@@ -9,15 +9,12 @@ in batches of 16 about 570. The knee is at 16.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 
@@ -25,6 +22,7 @@ from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.dev.batch_model import write_batch_model
 from sitsmesh.dev.triton import TritonServer
+from sitsmesh.dev.tritonload import OpenLoop
 
 pytestmark = pytest.mark.integration
 
@@ -39,63 +37,6 @@ stages:
     sla_p99_ms: 100
     triton_model: bm
 """
-
-
-@dataclass
-class OpenLoop:
-    """Poisson arrivals of one-item requests at `rate` for `seconds`, bounded: every
-    outcome is kept (latency in s, or the error)."""
-
-    url: str
-    rate: float
-    seconds: float
-    seed: int = 7
-    latencies: list[float] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.sent = 0
-
-    def _run(self) -> None:
-        client = triton_grpc.InferenceServerClient(self.url)
-        data = triton_grpc.InferInput("INPUT0", [1, 4], "FP32")
-        data.set_data_from_numpy(np.ones((1, 4), np.float32))
-        rng = np.random.default_rng(self.seed)
-        began = time.perf_counter()
-        at = began
-        while at - began < self.seconds:
-            at += float(rng.exponential(1 / self.rate))
-            wait = at - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
-            sent = time.perf_counter()
-
-            def done(result: Any, error: Any, sent: float = sent) -> None:
-                with self._lock:
-                    if error is not None:
-                        self.errors.append(str(error))
-                    else:
-                        self.latencies.append(time.perf_counter() - sent)
-
-            client.async_infer(MODEL, [data], done, client_timeout=20)
-            self.sent += 1
-        deadline = time.monotonic() + 30
-        while len(self.latencies) + len(self.errors) < self.sent and time.monotonic() < deadline:
-            time.sleep(0.05)
-        client.close()
-
-    def __enter__(self) -> OpenLoop:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._thread.join(self.seconds + 40)
-
-    def p99_ms(self) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[int(len(ordered) * 0.99)] * 1000 if ordered else float("inf")
 
 
 @pytest.fixture(scope="module")
@@ -185,13 +126,13 @@ def test_tuned_batching_holds_the_sla_where_untuned_collapses_and_applies_withou
     assert proposed["batching"]["enabled"] and proposed["p99_ms"] <= SLA_MS
     assert _batching_in_force(prod) is None                    # a dry run changes nothing
 
-    with OpenLoop(prod.grpc_url, RATE, 3.0) as untuned:
+    with OpenLoop(prod.grpc_url, MODEL, RATE, 3.0) as untuned:
         pass
     # One at a time the queue only grows: most requests miss the SLA.
     assert untuned.p99_ms() > 5 * SLA_MS, untuned.p99_ms()
 
     # The change under load, the load within what the untuned config serves.
-    with OpenLoop(prod.grpc_url, 25.0, 12.0, seed=3) as during:
+    with OpenLoop(prod.grpc_url, MODEL, 25.0, 12.0, seed=3) as during:
         time.sleep(1.0)
         result = node.cli("models", "tune", MODEL, "--rate", str(RATE), "--watch", "0",
                           "-o", "json", timeout=240)
@@ -204,7 +145,7 @@ def test_tuned_batching_holds_the_sla_where_untuned_collapses_and_applies_withou
     assert [int(s) for s in in_force["preferred_batch_size"]] == \
         proposed["batching"]["preferred_batch_size"]
 
-    with OpenLoop(prod.grpc_url, RATE, 3.0, seed=11) as tuned:
+    with OpenLoop(prod.grpc_url, MODEL, RATE, 3.0, seed=11) as tuned:
         pass
     assert tuned.errors == []
     assert tuned.p99_ms() <= SLA_MS, tuned.p99_ms()
