@@ -370,7 +370,8 @@ class SwapsComponent:
 
     def __init__(self, settings: Settings, state: StateStore,
                  registry: CollectorRegistry | None,
-                 pressure: PressureRuntime | None = None) -> None:
+                 pressure: PressureRuntime | None = None,
+                 leads: Callable[[], bool] | None = None) -> None:
         # Imported here: tritonclient and numpy load only where swaps are wired.
         from sitsmesh.triton.client import TritonServer
 
@@ -379,6 +380,9 @@ class SwapsComponent:
                                    pressure=pressure.model_pressure if pressure else None)
         self.batching = BatchingService(self.manager, state, pressure)
         self._pressure = pressure
+        # With replicas, only the one leading the controller re-tunes automatically: each
+        # sees the same rates and would otherwise start the same change.
+        self._leads = leads or (lambda: True)
         self._background = Background()
 
     def services(self) -> list[DataService]:
@@ -394,6 +398,8 @@ class SwapsComponent:
     async def _auto(self, pressure: PressureRuntime) -> None:
         while True:
             await asyncio.sleep(AUTO_EVERY_S)
+            if not self._leads():
+                continue
             try:
                 await self.batching.auto_step(pressure.triton_models())
             except Exception as exc:

@@ -122,7 +122,9 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     if pressure is not None:
         pressure.attach(chains)
     if pressure is not None and role is not Role.WORKER:
-        swaps = SwapsComponent(settings, store, registry, pressure.runtime)
+        shared = pressure.shared
+        swaps = SwapsComponent(settings, store, registry, pressure.runtime,
+                               leads=(lambda: shared.lease.leading) if shared else None)
     quota = QuotaComponent(settings, ratelimit, pressure, serve=serve)
     tracing = tracing_for(settings, role)
     if tracing is not None:
