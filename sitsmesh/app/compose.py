@@ -122,9 +122,9 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     if pressure is not None:
         pressure.attach(chains)
     if pressure is not None and role is not Role.WORKER:
-        shared = pressure.shared
+        coordinated = pressure.shared
         swaps = SwapsComponent(settings, store, registry, pressure.runtime,
-                               leads=(lambda: shared.lease.leading) if shared else None)
+                               leads=(lambda: coordinated.lease.leading) if coordinated else None)
     quota = QuotaComponent(settings, ratelimit, pressure, serve=serve)
     tracing = tracing_for(settings, role)
     if tracing is not None:
