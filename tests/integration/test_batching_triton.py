@@ -108,9 +108,22 @@ def test_profile_on_the_sandbox_finds_the_knee_and_plots_it(
     stored = _json(node.cli("models", "curve", MODEL, "-o", "json"))
     assert stored["knee"] == 16 and stored["points"] == curve["points"]
     assert _batching_in_force(prod) is None
-    # Production without consent is refused, and a table shows the knee.
+    # Production without consent is refused; with it, paced under --max-rate.
     refused = node.cli("models", "profile", MODEL, "--production")
     assert refused.returncode != 0 and "consent" in refused.stderr
+    began = time.monotonic()
+    paced = _json(node.cli("models", "profile", MODEL, "--production", "--yes-production",
+                           "--max-rate", "40", "--batch-sizes", "1,4", "--requests", "8",
+                           "-o", "json", timeout=120))
+    assert paced["target"] == "production"
+    # 8 requests of 4 items at 40 items/s take at least 0.7 s (the first one unpaced).
+    assert all(p["throughput"] <= 40 * 1.15 for p in paced["points"]), paced["points"]
+    assert time.monotonic() - began >= 0.7
+    # The production profile replaced the stored curve; the sandbox one comes back.
+    assert _json(node.cli("models", "curve", MODEL, "-o", "json"))["target"] == "production"
+    again = node.cli("models", "profile", MODEL, "--requests", "12", "-o", "json",
+                     timeout=300)
+    assert _json(again)["knee"] == 16
     table = node.cli("models", "curve", MODEL)
     assert "knee B* = 16" in table.stdout and "pareto" in table.stdout
 
