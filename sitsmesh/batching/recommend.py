@@ -58,6 +58,13 @@ class Batching:
             block["preferred_batch_size"] = list(self.preferred)
         return block
 
+    def batch_items(self, max_batch_size: int) -> int:
+        """Items one execute takes while a queue stands: the largest preferred size, else
+        the model's max (Triton sends what it has), 1 without dynamic batching."""
+        if not self.enabled or max_batch_size <= 1:
+            return 1
+        return max(self.preferred) if self.preferred else max_batch_size
+
     def label(self) -> str:
         if not self.enabled:
             return "no dynamic batching"
@@ -205,10 +212,7 @@ def predict(curve: Curve, batching: Batching, rate: float, sla_s: float,
 
 def saturated_capacity(curve: Curve, batching: Batching) -> float:
     """Items/s the config serves with a standing queue: every batch at its largest."""
-    if not batching.enabled:
-        return curve.capacity(1)
-    return curve.capacity(max(batching.preferred) if batching.preferred
-                          else curve.max_batch_size)
+    return curve.capacity(batching.batch_items(curve.max_batch_size))
 
 
 def recommend(curve: Curve, current: Batching, *, rate: float, sla_ms: float,

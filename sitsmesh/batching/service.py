@@ -246,11 +246,9 @@ class BatchingService:
             await self._audit(model, actor, previous=previous, applied=applied, found=found,
                               record=record, automatic=automatic, pipeline=tuning.pipeline)
             if record.state == "succeeded" and self._stages is not None:
-                slots = curve.instances * (max(applied.preferred) if applied.preferred
-                                           else curve.max_batch_size if applied.enabled
-                                           else 1)
-                self._stages.set_capacity(model, slots, found.capacity,
-                                          curve.service_s(slots // curve.instances))
+                items = applied.batch_items(curve.max_batch_size)
+                self._stages.set_capacity(model, curve.instances * items, found.capacity,
+                                          curve.service_s(items))
 
         asyncio.get_running_loop().create_task(finish())
         return replace(tuning, swap=handle)

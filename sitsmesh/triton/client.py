@@ -17,6 +17,7 @@ from tritonclient.grpc import InferInput
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
+from sitsmesh.batching.recommend import batching_of
 from sitsmesh.swap.contract import Answer, ServerError, Tensor, VersionState
 from sitsmesh.triton import metrics
 
@@ -137,10 +138,5 @@ def instance_count(config: dict[str, Any]) -> int:
 def execute_slots(config: dict[str, Any]) -> int:
     """Items a model executes at once: its instances times the batch each takes when a
     queue stands (dynamic batching's largest preferred size, else its max batch)."""
-    instances = instance_count(config)
-    block = config.get("dynamic_batching")
     largest = int(config.get("max_batch_size", 0) or 0)
-    if block is None or largest <= 1:
-        return instances
-    preferred = [int(s) for s in block.get("preferred_batch_size", []) or []]
-    return instances * (max(preferred) if preferred else largest)
+    return instance_count(config) * batching_of(config).batch_items(largest)
