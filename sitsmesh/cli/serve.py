@@ -185,11 +185,15 @@ def add_commands(sub: Subcommands) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from sitsmesh import tlsversion
+
+    settings = settings_from(args, list(PARSERS))
+    # Before anything imports grpc: it reads the TLS floor once, at import.
+    tlsversion.require(settings.tls_min_version, "tls_min_version")
     from sitsmesh import logs
     from sitsmesh.app import preflight, tls
     from sitsmesh.ratelimit import config as rlconfig
 
-    settings = settings_from(args, list(PARSERS))
     tls.check_transport(settings)
     if settings.admin_credentials is not None:  # a bad file stops the start here
         from sitsmesh import access
