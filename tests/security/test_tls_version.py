@@ -76,6 +76,10 @@ def test_tls_13_refuses_tls_12_on_both_ports_of_every_worker(
     probe = harness.run_cli("health", "--addr", node.data_addr, "--ca", str(ca.cert),
                             "--tls-min-version", "1.3")
     assert (probe.returncode, probe.stdout.strip()) == (0, "SERVING"), probe.stderr
+    status = harness.run_cli("status", "--admin", node.admin_addr, "--state-dir",
+                             str(node.state_dir), "--ca", str(ca.cert),
+                             "--tls-min-version", "1.3", "--output", "json")
+    assert status.returncode == 0, status.stderr
 
 
 def test_by_default_tls_12_is_accepted(tmp_path: Path, ca: Ca, server_pair: Pair,
