@@ -20,7 +20,7 @@ import yaml
 
 from sitsmesh import netsettings, ratelimitenv
 from sitsmesh import settingvalues as values
-from sitsmesh.authz import gie
+from sitsmesh.authz import gie, methods
 from sitsmesh.authz.extract import open_path
 from sitsmesh.errors import ConfigError
 from sitsmesh.limits import LIMIT_PARSERS
@@ -32,6 +32,7 @@ parse_address = netsettings.parse_address
 ENV_PREFIX = "SITSMESH_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
+TLS_VERSIONS = ("1.2", "1.3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,9 @@ class Settings:
     authz_trust_pipeline_hint: bool = False
     authz_open_paths: tuple[str, ...] = ()
     authz_jwt_metadata_key: str = ""
+    # Route family -> HTTP methods it accepts (authz/methods.py); the rest get a 405.
+    authz_methods: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: dict(methods.DEFAULTS))
     chain_ttl_seconds: float = 30.0
     pressure_scrape_seconds: float = 0.25
     pressure_stale_seconds: float = 1.0
@@ -134,6 +138,8 @@ class Settings:
     admin_tls_client_ca_file: Path | None = None
     admin_clients: tuple[str, ...] = ()
     admin_insecure: bool = False
+    # Oldest TLS version both TLS ports accept (and every gRPC client of the process).
+    tls_min_version: str = "1.2"
     redis_password_file: Path | None = None
     # --- state backend: README "State backends" ---
     # sqlite:///ABS/PATH or postgresql://...; empty: SQLite at STATE_DIR/state.db.
@@ -288,12 +294,14 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "admin_tls_client_ca_file": values.path,
     "admin_clients": identities,
     "admin_insecure": values.boolean,
+    "tls_min_version": values.choice(TLS_VERSIONS),
     "redis_password_file": values.path,
     # authz request-path policy: README "Request-path policy"
     "authz_jwt_trusted_principals": values.strings,
     "authz_trust_pipeline_hint": values.boolean,
     "authz_open_paths": lambda raw: tuple(map(open_path, values.strings(raw))),
     "authz_jwt_metadata_key": values.string,
+    "authz_methods": methods.parse,
     # state backend: README "State backends"
     "state_url": values.state_url,
     # observability: README "Operations"

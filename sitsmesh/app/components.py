@@ -268,6 +268,7 @@ class AuthzComponent:
                 trust_pipeline_hint=settings.authz_trust_pipeline_hint,
                 open_paths=frozenset(settings.authz_open_paths),
                 jwt_metadata_key=settings.authz_jwt_metadata_key,
+                methods=dict(settings.authz_methods),
                 gie=GieSettings(settings.gie_headers, settings.gie_objective_header,
                                 settings.gie_fairness_header, settings.gie_objective_label,
                                 dict(settings.gie_priority_objectives))), admission)

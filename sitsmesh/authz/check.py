@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sitsmesh.authz import extract
+from sitsmesh.authz import methods as route_methods
 from sitsmesh.authz.admission import Admission
 from sitsmesh.authz.gie import GieHeaders, GieSettings
 from sitsmesh.authz.model import ApiKey, Tenant, key_id_of, matches
@@ -48,6 +49,9 @@ class AuthzSettings:
     jwt_metadata_key: str = ""
     # Gateway API Inference Extension headers for an endpoint picker upstream (gie.py).
     gie: GieSettings = field(default_factory=GieSettings)
+    # HTTP methods each route family accepts (authz/methods.py); others get a 405.
+    methods: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: dict(route_methods.DEFAULTS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,9 @@ class CheckInput:
     request_id: str = ""
     http: bool = True
     jwt_tenant: str = ""  # the tenant claim of a JWT Envoy's jwt_authn verified
+    # The HTTP method; "" when the caller gave none, which Envoy never does for HTTP (a
+    # direct caller able to omit it could as well send any method it likes).
+    method: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +80,7 @@ class Allowed:
 
 @dataclass(frozen=True, slots=True)
 class Denied:
-    status: int  # HTTP status: 400, 401, 403, 429 or 503
+    status: int  # HTTP status: 400, 401, 403, 405, 429 or 503
     code: str
     message: str
     retry_after_s: float = 0.0
@@ -81,6 +88,7 @@ class Denied:
     # Who was refused, when known, for metrics and the decision log. Not part of the
     # answer, so not of equality either: replies stay cached per answer.
     tenant: str = field(default="", compare=False)
+    allow: str = ""  # a 405's `allow` header: the methods the route accepts
 
 
 _REFUSED = {
@@ -105,6 +113,14 @@ _AS_GRPC = {d: dataclasses.replace(d, grpc=True) for d in (*_REFUSED.values(), _
                                                            _NO_MODEL)}
 
 
+def _method_policy(family: str, allowed: tuple[str, ...]) -> tuple[frozenset[str], Denied,
+                                                                   Denied]:
+    allow = route_methods.allow_header(allowed)
+    refused = Denied(405, "method_not_allowed", f"{family} routes accept {allow} only",
+                     allow=allow)
+    return frozenset(allowed), refused, dataclasses.replace(refused, grpc=True)
+
+
 def _deny_401(message: str) -> Denied:
     return Denied(401, "unauthenticated", message)
 
@@ -112,7 +128,7 @@ def _deny_401(message: str) -> Denied:
 class Authorizer:
     """Reads `snapshot` (swapped whole on every state change); no I/O on the request path."""
 
-    __slots__ = ("_clock", "_gie", "_settings", "admission", "snapshot")
+    __slots__ = ("_clock", "_gie", "_methods", "_settings", "admission", "snapshot")
 
     def __init__(self, snapshot: AuthzSnapshot, settings: AuthzSettings, admission: Admission,
                  clock: Callable[[], float] = time.time) -> None:
@@ -121,6 +137,10 @@ class Authorizer:
         self.admission = admission
         self._clock = clock
         self._gie = GieHeaders(settings.gie) if settings.gie.enabled else None
+        # Built once: a refused method allocates nothing on the request path.
+        self._methods = {family: _method_policy(family, allowed)
+                         for family, allowed in {**route_methods.DEFAULTS,
+                                                 **settings.methods}.items()}
 
     @property
     def settings(self) -> AuthzSettings:
@@ -153,7 +173,13 @@ class Authorizer:
             else:
                 refused = _REFUSED[request_class]
                 return _AS_GRPC[refused] if grpc else refused
-        elif from_body:
+        if request.method:
+            allowed, refused, refused_grpc = self._methods[route_methods.family(
+                request_class,
+                extract.normalize(request.path) if request_class == "metadata" else "")]
+            if request.method not in allowed:
+                return refused_grpc if grpc else refused
+        if from_body:
             # The model is in the body: a body cut short by Envoy's buffer limit, or
             # one we cannot read, could hide the real model. Fail safe.
             if request.headers.get("x-envoy-auth-partial-body") == "true":

@@ -19,7 +19,7 @@ from sitsmesh.cli import (
     status,
     tenants,
 )
-from sitsmesh.cli.common import EXIT_FAILED, RpcFailed, UsageError, die
+from sitsmesh.cli.common import EXIT_FAILED, RpcFailed, UsageError, apply_tls_floor, die
 from sitsmesh.errors import SitsmeshError
 
 
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        apply_tls_floor(args)
         code: int = args.func(args)
     except SitsmeshError as exc:
         return die(exc.message)

@@ -14,7 +14,7 @@ from typing import Any, TypeAlias
 import yaml
 from google.protobuf.json_format import MessageToDict
 
-from sitsmesh.config import Settings, load_settings
+from sitsmesh.config import TLS_VERSIONS, Settings, load_settings
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -131,6 +131,21 @@ def add_tls_flags(p: argparse.ArgumentParser, what: str) -> None:
     for flag, env, meaning in _TLS_FLAGS:
         env_argument(tls, flag, metavar="PEM" if flag != "--server-name" else "NAME",
                      env=env, help=meaning)
+    # The variable `serve` reads too: a pod that requires TLS 1.3 requires it of both.
+    env_argument(tls, "--tls-min-version", choices=TLS_VERSIONS, default="1.2",
+                 env="SITSMESH_TLS_MIN_VERSION",
+                 help="oldest TLS version to accept from the server: 1.2 (default) or 1.3 "
+                 "(applies once TLS is on)")
+
+
+def apply_tls_floor(args: argparse.Namespace) -> None:
+    """--tls-min-version, set before the command imports grpc (tlsversion says why).
+    `serve` reads its own `tls_min_version` setting (flag, variable or file) instead."""
+    from sitsmesh import tlsversion
+
+    version = getattr(args, "tls_min_version", None)
+    if version and getattr(args, "command", "") != "serve":
+        tlsversion.require(version, "--tls-min-version")
 
 
 def _tls_option(args: argparse.Namespace, flag: str) -> str:

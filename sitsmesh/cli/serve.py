@@ -96,6 +96,9 @@ _FLAG_HELP = {
     "authz_trust_pipeline_hint": "true: a known x-sits-pipeline-hint picks the pipeline "
                                  "(only where the edge sets or strips it)",
     "authz_open_paths": "non-model paths any identified tenant may call (comma-separated)",
+    "authz_methods": "HTTP methods per route family, the rest get 405: e.g. "
+                     "inference=POST,metadata=GET|HEAD,health=GET|HEAD,open=GET|HEAD|POST "
+                     "(those are the defaults; families not named keep theirs)",
     "authz_jwt_metadata_key": "payload_in_metadata of Envoy's jwt_authn: read its verified "
                               "payload from the Check's metadata_context",
     "chain_ttl_seconds": "how long a latency chain waits for its missing hops",
@@ -137,6 +140,8 @@ _FLAG_HELP = {
                      "(comma-separated; needs mTLS)",
     "admin_insecure": "true: serve the admin API without TLS on a non-loopback address "
                       "(the token crosses the network in clear)",
+    "tls_min_version": "oldest TLS version the data and admin ports accept: 1.2 (default) or "
+                       "1.3 (a TLS 1.2 handshake is refused)",
     "redis_password_file": "file holding the Redis password (keeps it out of argv and "
                            "--redis-url)",
     # tracing (OpenTelemetry): README "Tracing"
@@ -180,11 +185,15 @@ def add_commands(sub: Subcommands) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from sitsmesh import tlsversion
+
+    settings = settings_from(args, list(PARSERS))
+    # Before anything imports grpc: it reads the TLS floor once, at import.
+    tlsversion.require(settings.tls_min_version, "tls_min_version")
     from sitsmesh import logs
     from sitsmesh.app import preflight, tls
     from sitsmesh.ratelimit import config as rlconfig
 
-    settings = settings_from(args, list(PARSERS))
     tls.check_transport(settings)
     if settings.admin_credentials is not None:  # a bad file stops the start here
         from sitsmesh import access

@@ -22,7 +22,7 @@ from sitsmesh.transport.checklimits import CheckLimits
 SERVICE_NAME = external_auth_pb2.DESCRIPTOR.services_by_name["Authorization"].full_name
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _RPC_CODE = {400: code_pb2.INVALID_ARGUMENT, 401: code_pb2.UNAUTHENTICATED,
-             403: code_pb2.PERMISSION_DENIED,
+             403: code_pb2.PERMISSION_DENIED, 405: code_pb2.PERMISSION_DENIED,
              429: code_pb2.RESOURCE_EXHAUSTED, 503: code_pb2.UNAVAILABLE}
 _OK_STATUS = status_pb2.Status(code=code_pb2.OK)
 JWT_AUTHN = "envoy.filters.http.jwt_authn"
@@ -43,6 +43,8 @@ def _denied(decision: Denied) -> Any:
     headers = [_header("content-type", "application/json")]
     if decision.status == 401:
         headers.append(_header("www-authenticate", 'Bearer realm="sitsmesh"'))
+    if decision.allow:
+        headers.append(_header("allow", decision.allow))
     if decision.status in (429, 503):
         retry = max(1, round(decision.retry_after_s))
         body["retry_after_s"] = retry
@@ -126,7 +128,8 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
         jwt_tenant = _verified_claim(attributes.metadata_context, self._jwt_key,
                                      self._jwt_claim) if self._jwt_key else ""
         checked = CheckInput(headers, http.path, body, attributes.source.principal,
-                             headers.get("x-request-id") or http.id, is_http, jwt_tenant)
+                             headers.get("x-request-id") or http.id, is_http, jwt_tenant,
+                             http.method or headers.get(":method", ""))
         decision = self._authorizer.check(checked)
         if self._telemetry is not None:
             self._telemetry.check(checked, decision, started, context)

@@ -260,3 +260,23 @@ def test_envoy_presents_its_rotated_certificate_without_a_restart(
         harness.wait_until(lambda: "x-ratelimit-limit" in _get(gateway), 15,
                            "Envoy to present the rotated certificate")
         assert gateway.proc.poll() is None
+
+
+def test_envoy_reaches_a_sitsmesh_that_requires_tls_13(
+        tmp_path: Path, ca: Ca, procs: list[harness.Proc]) -> None:
+    """Envoy's upstream TLS stops at 1.2 unless told otherwise; the fragment allows 1.3,
+    so `--tls-min-version 1.3` on sitsmesh keeps the mTLS path working (issue 26)."""
+    server = ca.issue("sitsmesh", "IP:127.0.0.1", f"URI:{SITSMESH_ID}")
+    envoy_pair = ca.issue("gateway", f"URI:{ENVOY_ID}")
+    node = tlsnode.start(
+        tmp_path, "--ratelimit-config", str(RATELIMIT_CONFIG), "--tls-min-version", "1.3",
+        "--data-tls-cert-file", str(server.cert), "--data-tls-key-file", str(server.key),
+        "--data-tls-client-ca-file", str(ca.cert), "--data-callers", f"ratelimit={ENVOY_ID}",
+        data=(ca.cert, envoy_pair))
+    procs.append(node)
+    with harness.echo_upstream() as upstream:
+        gateway = _launch(tmp_path, "gateway", ca, envoy_pair, node, upstream, ("ratelimit",))
+        procs.append(gateway)
+        harness.wait_until(lambda: gateway.cluster_health("sitsmesh_data") == ["healthy"],
+                           15, "Envoy to see sitsmesh healthy over TLS 1.3")
+        assert _get(gateway)["x-ratelimit-limit"].startswith("5, 5;w=60")

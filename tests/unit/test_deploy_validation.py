@@ -342,12 +342,20 @@ def check_signal_wiring(kube: Sequence[Doc], istio: Sequence[Doc]) -> None:
         assert logs[name]["service"].rpartition("/")[2] == host
         assert logs[name]["port"] == data_port
         assert "x-sits-stage" in logs[name].get("additionalRequestHeadersToLog", [])
-    sinks = [sink for d in istio if d["kind"] == "EnvoyFilter"
-             for patch in d["spec"]["configPatches"] if patch["applyTo"] == "BOOTSTRAP"
-             for sink in patch["patch"]["value"].get("stats_sinks", [])]
+    patches = [patch["patch"]["value"] for d in istio if d["kind"] == "EnvoyFilter"
+               for patch in d["spec"]["configPatches"] if patch["applyTo"] == "BOOTSTRAP"
+               and "stats_sinks" in patch["patch"]["value"]]
+    sinks = [sink for value in patches for sink in value["stats_sinks"]]
     assert [s["name"] for s in sinks] == ["envoy.stat_sinks.metrics_service"]
-    target = sinks[0]["typed_config"]["grpc_service"]["google_grpc"]["target_uri"]
-    assert target == f"{host}:{data_port}"
+    # Through a static cluster of the same patch (test_istio_stats_sink.py checks its TLS).
+    name = sinks[0]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+    clusters = [c for c in patches[0]["static_resources"]["clusters"] if c["name"] == name]
+    assert len(clusters) == 1, f"the sink's cluster {name} is one static cluster of the patch"
+    [cluster] = clusters
+    [[endpoint]] = [[e["endpoint"] for e in group["lb_endpoints"]]
+                    for group in cluster["load_assignment"]["endpoints"]]
+    address = endpoint["address"]["socket_address"]
+    assert f"{address['address']}:{address['port_value']}" == f"{host}:{data_port}"
 
 
 def _kube_docs() -> list[Doc]:
@@ -393,8 +401,12 @@ def test_access_logs_and_stats_reach_the_data_port() -> None:
 @pytest.mark.parametrize(("kind", "path", "value"), [
     ("Telemetry", "spec.accessLogging.0.providers.0.name", "elsewhere"),
     ("EnvoyFilter/sitsmesh-stats-sink",
+     "spec.configPatches.0.patch.value.static_resources.clusters.0.load_assignment."
+     "endpoints.0.lb_endpoints.0.endpoint.address.socket_address.address",
+     "sitsmesh.other.svc.cluster.local"),
+    ("EnvoyFilter/sitsmesh-stats-sink",
      "spec.configPatches.0.patch.value.stats_sinks.0.typed_config.grpc_service."
-     "google_grpc.target_uri", "sitsmesh.other.svc.cluster.local:50051"),
+     "envoy_grpc.cluster_name", "elsewhere"),
 ])
 def test_signal_wiring_check_rejects_a_broken_setup(kind: str, path: str,
                                                     value: object) -> None:
