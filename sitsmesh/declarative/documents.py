@@ -35,7 +35,7 @@ def _refuse_aliases(text: str, source: str) -> None:
             if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
                 raise InvalidArgumentError(
                     f"{source}: line {_line(event)}: YAML anchors and aliases are not "
-                    "accepted in declarative config")
+                    "accepted in sitsmesh config")
             if isinstance(event, yaml.CollectionStartEvent):
                 depth += 1
                 if depth > MAX_DEPTH:
@@ -73,6 +73,22 @@ def load(text: str, source: str = "request", room: int = MAX_DOCUMENTS) -> list[
         raise InvalidArgumentError(
             f"{source}: invalid YAML: {str(exc).splitlines()[0]}") from None
     return docs
+
+
+def load_one(text: str, source: str, max_bytes: int = MAX_BYTES) -> Any:
+    """The one document of an admin request's YAML field (None when empty), with the
+    bounds of an apply: size first, then anchors, aliases and nesting from the event
+    stream, before any object is built. InvalidArgumentError names `source`."""
+    size = len(text.encode("utf-8"))
+    if size > max_bytes:
+        raise InvalidArgumentError(f"{source}: {size} bytes is more than the {max_bytes} "
+                                   "one document may have")
+    _refuse_aliases(text, source)
+    try:
+        return yaml.load(text, Loader=_LOADER)  # noqa: S506 - a safe loader, C or Python
+    except yaml.YAMLError as exc:
+        raise InvalidArgumentError(
+            f"{source}: invalid YAML: {str(exc).splitlines()[0]}") from None
 
 
 def load_files(files: Sequence[tuple[str, str]], objects: Sequence[Any] = ()

@@ -123,8 +123,8 @@ def test_other_exceptions_are_not_dressed_up_as_domain_errors() -> None:
 
 def test_malformed_yaml_is_an_invalid_argument_naming_the_source() -> None:
     with pytest.raises(InvalidArgumentError, match=r"^p.yaml: invalid YAML: "):
-        read_yaml("a: [1, 2", "p.yaml")
-    assert read_yaml("a: 1", "p.yaml") == {"a": 1}
+        asyncio.run(read_yaml("a: [1, 2", "p.yaml"))
+    assert asyncio.run(read_yaml("a: 1", "p.yaml")) == {"a": 1}
 
 
 def test_background_runs_periodic_ticks_and_stops_them_all() -> None:

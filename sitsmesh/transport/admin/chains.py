@@ -8,10 +8,11 @@ from typing import Any
 from grpc import aio
 
 from sitsmesh import logs, workerguard
+from sitsmesh.access import content
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.chains.assembler import Assembler, Hop
 from sitsmesh.chains.catalog import PipelineCatalog
-from sitsmesh.chains.pipeline import Pipeline
+from sitsmesh.chains.pipeline import Pipeline, pipeline_from
 from sitsmesh.chains.trace import trace_id
 from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from sitsmesh.transport.admin.common import read_yaml, yaml_text
@@ -23,6 +24,8 @@ from sitsmesh.transport.admin.paging import (
     scope_of,
     trimmed,
 )
+from sitsmesh.transport.adminaccess import credential
+from sitsmesh.transport.auth import PermissionDeniedError
 
 _log = logs.get("sitsmesh.admin")
 WINDOWS = {"1m": 60, "5m": 300}
@@ -47,11 +50,19 @@ class ChainAdmin:
                             context: aio.ServicerContext[Any, Any]
                             ) -> admin_pb2.ApplyPipelineResponse:
         source = request.source or "pipeline"
-        doc = read_yaml(request.yaml, source)
+        doc = await read_yaml(request.yaml, source)
         if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
             raise InvalidArgumentError(f"{source}: a pipeline needs a name and stages")
         if self._workers > 1:
             raise workerguard.refuse_pipeline(doc["name"])
+        who = credential()
+        if who is not None and who.role != "admin":
+            if "tenants" not in doc:
+                doc["tenants"] = content.governed_default(who)
+            reason = content.pipeline(who, pipeline_from(doc["name"], doc, source),
+                                      self._catalog.pipelines.get(doc["name"]))
+            if reason is not None:
+                raise PermissionDeniedError(f"ApplyPipeline: {reason}")
         pipeline = await self._catalog.apply(doc["name"], doc, source)
         _log.info("pipeline applied", pipeline=pipeline.name)
         return admin_pb2.ApplyPipelineResponse(pipeline=_pipeline_pb(pipeline))

@@ -20,13 +20,14 @@ from google.protobuf.json_format import MessageToDict
 from grpc import aio
 
 from sitsmesh import logs, workerguard
-from sitsmesh.access import GLOBAL, PIPELINE, TENANT, WRITE, Credential, denial
+from sitsmesh.access import GLOBAL, PIPELINE, TENANT, WRITE, Credential, content, denial
 from sitsmesh.admin.v1 import config_pb2, config_pb2_grpc
 from sitsmesh.authz.directory import TenantDirectory
-from sitsmesh.authz.model import APIKEY_KIND, new_uid
+from sitsmesh.authz.model import APIKEY_KIND, new_uid, tenant_from
 from sitsmesh.chains.catalog import PipelineCatalog
+from sitsmesh.chains.pipeline import pipeline_from
 from sitsmesh.declarative import documents
-from sitsmesh.declarative.models import KINDS, Document
+from sitsmesh.declarative.models import KINDS, Document, PipelineDocument
 from sitsmesh.declarative.plan import (
     CONFIGURED,
     CREATED,
@@ -95,20 +96,39 @@ class ConfigServicer:
         return Stored(records, labels, keys)
 
     async def _authorize(self, credential: Credential, docs: list[Document], result: Plan,
-                         context: aio.ServicerContext[Any, Any]) -> None:
+                         stored: Stored, context: aio.ServicerContext[Any, Any]) -> None:
         """Write access to every object the apply names or prunes (a dry run too: it
         shows what the caller could not otherwise change), judged as the Admin RPCs that
-        write them are; every refusal listed, nothing applied."""
-        named = [(d.KIND, d.metadata.name) for d in docs]
-        pruned = [(o.kind, o.name) for o in result.outcomes if o.action == PRUNED]
+        write them are, by name and by content (models, governed tenants, reserved
+        labels); every refusal listed (up to a bound), nothing applied."""
         refusals = []
-        for kind, name in [*named, *pruned]:
+        for doc in docs:
+            kind, name = doc.KIND, doc.metadata.name
             resource, scoped = ACCESS_KIND[kind]
             reason = denial(credential, WRITE, resource, name if scoped else "")
+            if reason is None:
+                reason = content.refusal(credential, f"{kind} '{name}'",
+                                         _problems(credential, doc, stored))
             if reason is not None:
                 refusals.append(f"{kind}/{name}: {reason}")
+        for outcome in result.outcomes:
+            if outcome.action != PRUNED:
+                continue
+            resource, scoped = ACCESS_KIND[outcome.kind]
+            reason = denial(credential, WRITE, resource, outcome.name if scoped else "")
+            if reason is not None:
+                refusals.append(f"{outcome.kind}/{outcome.name}: {reason}")
         if refusals:
-            await abort(context, PermissionDeniedError("Apply: " + "; ".join(refusals)))
+            await abort(context, PermissionDeniedError(
+                f"Apply: {len(refusals)} refused: {content.bounded(refusals)}"))
+
+    @staticmethod
+    def _govern(credential: Credential, docs: list[Document]) -> None:
+        """A pipeline an operator applies without `tenants` governs its tenants scope."""
+        default = content.governed_default(credential)
+        for doc in docs:
+            if isinstance(doc, PipelineDocument) and doc.spec.tenants is None:
+                doc.spec.tenants = default
 
     def _guard(self, docs: list[Document]) -> None:
         """What --workers N refuses through the imperative RPCs, refused here alike."""
@@ -170,10 +190,11 @@ class ConfigServicer:
             raise InvalidArgumentError("prune_selector is only used with prune")
         prune = selector(request.prune_selector) if request.prune else None
         self._guard(docs)
+        self._govern(credential, docs)
         kinds = {d.KIND for d in docs}
         stored = await self._stored(kinds)
         result = await asyncio.to_thread(plan, docs, stored, prune=prune, new_uid=new_uid)
-        await self._authorize(credential, docs, result, context)
+        await self._authorize(credential, docs, result, stored, context)
         await self._check_ratelimit(docs, result)
         applied = not request.dry_run and bool(result.writes)
         if applied:
@@ -223,6 +244,29 @@ class ConfigServicer:
         if request.name and not found:
             raise NotFoundError(f"{request.kind} {request.name} does not exist")
         return config_pb2.GetResponse(documents=found)
+
+
+def _problems(credential: Credential, doc: Document, stored: Stored) -> list[str]:
+    """What of `doc`'s content lies outside the credential's scopes, against the stored
+    object (what it already holds may stay)."""
+    kind, name = doc.KIND, doc.metadata.name
+    record = stored.records.get((STORE_KIND[kind], name))
+    labels = stored.labels.get((kind, name))
+    problems = content.labels(credential, doc.metadata.labels,
+                              labels.body.get("labels", {}) if labels is not None else {},
+                              "metadata.labels")
+    if kind == "Tenant":
+        body = doc.body()
+        before = tenant_from(name, record.body) if record is not None else None
+        problems += content.tenant_problems(
+            credential, body["models"], body["labels"],
+            before_models=before.models if before is not None else (),
+            before_labels=before.labels if before is not None else None)
+    elif kind == "Pipeline":
+        problems += content.pipeline_problems(
+            credential, pipeline_from(name, doc.body()),
+            pipeline_from(name, record.body) if record is not None else None)
+    return problems
 
 
 def _read(request: config_pb2.ApplyRequest) -> list[Document]:
