@@ -185,9 +185,9 @@ def test_an_operator_s_pipeline_names_only_its_models_and_tenants(
     path.write_text(PIPELINE.format(name="pipe-a", extra="tenants: [team-a]\n",
                                     triton="team-b-llm"))
     assert _cli(node, ROOT, "pipelines", "apply", str(path))[0] == 0
-    code, details = _code(node, "SetAutoTuning", admin_pb2.SetAutoTuningRequest(
+    status, details = _code(node, "SetAutoTuning", admin_pb2.SetAutoTuningRequest(
         auto_tuning=admin_pb2.AutoTuning(pipeline="pipe-a", enabled=True)), TEAM_A)
-    assert code == grpc.StatusCode.PERMISSION_DENIED, details
+    assert status == grpc.StatusCode.PERMISSION_DENIED, details
     assert "model 'team-b-llm' is not within its models scope" in details
     _cli(node, ROOT, "pipelines", "delete", "pipe-a")
 
