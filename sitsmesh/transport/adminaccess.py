@@ -31,6 +31,10 @@ _log = logs.get("sitsmesh.admin.access")
 _CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("admin_caller", default="")
 _CREDENTIAL: contextvars.ContextVar[Credential | None] = contextvars.ContextVar(
     "admin_credential", default=None)
+# (the YAML text, its document) when the check parsed it: the call reuses it.
+_PARSED: contextvars.ContextVar[tuple[str, Any] | None] = contextvars.ContextVar(
+    "admin_parsed", default=None)
+NOT_PARSED = object()
 _UNAUTHENTICATED = UnauthenticatedError(
     "admin API needs 'authorization: Bearer <token>' with a valid token, or a client "
     "certificate mapped to a credential")
@@ -49,6 +53,7 @@ async def _pipeline_in_yaml(text: str) -> str:
     an operator's call gets here (the credential alone decides the others), bounded by
     size before parsing and parsed off the event loop."""
     doc = await read_yaml(text, "pipeline")
+    _PARSED.set((text, doc))
     name = doc.get("name") if isinstance(doc, dict) else None
     return name if isinstance(name, str) else ""
 
@@ -102,6 +107,13 @@ def rule(method: str) -> Rule:
 def caller() -> str:
     """Who the current admin call authenticated as ("" outside one), for audit records."""
     return _CALLER.get()
+
+
+def parsed(text: str) -> Any:
+    """The document the access check parsed of this very `text` in the current call, or
+    NOT_PARSED: ApplyPipeline's YAML is read once, not once per step."""
+    found = _PARSED.get()
+    return found[1] if found is not None and found[0] is text else NOT_PARSED
 
 
 def credential() -> Credential | None:
