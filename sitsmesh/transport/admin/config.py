@@ -101,23 +101,8 @@ class ConfigServicer:
         shows what the caller could not otherwise change), judged as the Admin RPCs that
         write them are, by name and by content (models, governed tenants, reserved
         labels); every refusal listed (up to a bound), nothing applied."""
-        refusals = []
-        for doc in docs:
-            kind, name = doc.KIND, doc.metadata.name
-            resource, scoped = ACCESS_KIND[kind]
-            reason = denial(credential, WRITE, resource, name if scoped else "")
-            if reason is None:
-                reason = content.refusal(credential, f"{kind} '{name}'",
-                                         _problems(credential, doc, stored))
-            if reason is not None:
-                refusals.append(f"{kind}/{name}: {reason}")
-        for outcome in result.outcomes:
-            if outcome.action != PRUNED:
-                continue
-            resource, scoped = ACCESS_KIND[outcome.kind]
-            reason = denial(credential, WRITE, resource, outcome.name if scoped else "")
-            if reason is not None:
-                refusals.append(f"{outcome.kind}/{outcome.name}: {reason}")
+        # Up to 500 documents of globs to judge: off the event loop, as the parse is.
+        refusals = await asyncio.to_thread(_refusals, credential, docs, result, stored)
         if refusals:
             await abort(context, PermissionDeniedError(
                 f"Apply: {len(refusals)} refused: {content.bounded(refusals)}"))
@@ -183,6 +168,11 @@ class ConfigServicer:
     async def _apply(self, request: config_pb2.ApplyRequest,
                      context: aio.ServicerContext[Any, Any]) -> config_pb2.ApplyResponse:
         credential, actor = await self._access.authenticate("ConfigService/Apply", context)
+        if credential.role == "viewer":
+            # Decided by the credential alone: refused before a byte of YAML is parsed.
+            await abort(context, PermissionDeniedError(
+                f"Apply: credential '{credential.name}' (viewer) may not write: viewers "
+                "only read"))
         # Up to 1 MiB of YAML is tens of milliseconds of CPU: off the event loop, which
         # also serves Check and ShouldRateLimit in a single process.
         docs = await asyncio.to_thread(_read, request)
@@ -244,6 +234,28 @@ class ConfigServicer:
         if request.name and not found:
             raise NotFoundError(f"{request.kind} {request.name} does not exist")
         return config_pb2.GetResponse(documents=found)
+
+
+def _refusals(credential: Credential, docs: list[Document], result: Plan,
+              stored: Stored) -> list[str]:
+    refusals = []
+    for doc in docs:
+        kind, name = doc.KIND, doc.metadata.name
+        resource, scoped = ACCESS_KIND[kind]
+        reason = denial(credential, WRITE, resource, name if scoped else "")
+        if reason is None:
+            reason = content.refusal(credential, f"{kind} '{name}'",
+                                     _problems(credential, doc, stored))
+        if reason is not None:
+            refusals.append(f"{kind}/{name}: {reason}")
+    for outcome in result.outcomes:
+        if outcome.action != PRUNED:
+            continue
+        resource, scoped = ACCESS_KIND[outcome.kind]
+        reason = denial(credential, WRITE, resource, outcome.name if scoped else "")
+        if reason is not None:
+            refusals.append(f"{outcome.kind}/{outcome.name}: {reason}")
+    return refusals
 
 
 def _problems(credential: Credential, doc: Document, stored: Stored) -> list[str]:
