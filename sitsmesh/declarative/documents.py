@@ -25,30 +25,6 @@ def _line(event: yaml.Event) -> int:
     return event.start_mark.line + 1 if event.start_mark else 0
 
 
-def _refuse_aliases(text: str, source: str) -> None:
-    """Anchors and aliases let a few bytes expand into millions of nodes (a "billion
-    laughs"), and deep nesting overflows the recursive composer; config files need
-    neither, so both are refused from the event stream before any object is built."""
-    depth = 0
-    try:
-        for event in yaml.parse(text, Loader=_LOADER):
-            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-                raise InvalidArgumentError(
-                    f"{source}: line {_line(event)}: YAML anchors and aliases are not "
-                    "accepted in sitsmesh config")
-            if isinstance(event, yaml.CollectionStartEvent):
-                depth += 1
-                if depth > MAX_DEPTH:
-                    raise InvalidArgumentError(
-                        f"{source}: line {_line(event)}: nested deeper than {MAX_DEPTH} "
-                        "levels")
-            elif isinstance(event, yaml.CollectionEndEvent):
-                depth -= 1
-    except yaml.YAMLError as exc:
-        raise InvalidArgumentError(
-            f"{source}: invalid YAML: {str(exc).splitlines()[0]}") from None
-
-
 _MAP_TAG, _SEQ_TAG = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
 
 
