@@ -98,6 +98,21 @@ def _documents(text: str, source: str) -> list[Any]:
     return docs
 
 
+# An error lists at most this many documents, each line cut to MAX_LINE characters: the
+# message travels in gRPC's status trailer, and past 16 KiB the client sees
+# RESOURCE_EXHAUSTED instead of INVALID_ARGUMENT.
+MAX_LISTED = 20
+MAX_LINE = 500
+
+
+def _listed(errors: Sequence[str]) -> str:
+    lines = [e if len(e) <= MAX_LINE else f"{e[:MAX_LINE]}... ({len(e)} characters)"
+             for e in errors[:MAX_LISTED]]
+    if len(errors) > MAX_LISTED:
+        lines.append(f"and {len(errors) - MAX_LISTED} more documents with errors")
+    return "\n".join(lines)
+
+
 def _too_big(size: int, source: str) -> None:
     if size > MAX_BYTES:
         raise InvalidArgumentError(f"{source}: {size} bytes is more than the {MAX_BYTES} an "
@@ -214,5 +229,5 @@ def validate(raws: Sequence[Any], where: Sequence[str] = ()) -> list[Document]:
         seen.setdefault(key, label.rsplit(" (", 1)[0])
         docs.append(doc)
     if errors:
-        raise InvalidArgumentError("\n".join(errors))
+        raise InvalidArgumentError(_listed(errors))
     return docs

@@ -138,6 +138,20 @@ def test_a_refusal_naming_many_objects_stays_permission_denied(
     assert details.startswith("Apply: 400 refused: Tenant/other-000: credential 'team-a'")
     assert details.endswith("; and 380 more") and len(details) < 8192, details[-200:]
 
+    # Invalid documents by the hundred: INVALID_ARGUMENT listing the first 20.
+    bad = "---\n".join(
+        f"apiVersion: sitsmesh.io/v1alpha1\nkind: Tenant\nmetadata: {{name: team-a}}\n"
+        f"spec: {{models: [m], priority: {100 + i}}}\n" for i in range(400))
+    with (grpc.insecure_channel(node.admin_addr) as channel,
+          pytest.raises(grpc.RpcError) as invalid):
+        config_pb2_grpc.ConfigServiceStub(channel).Apply(config_pb2.ApplyRequest(
+            files=[config_pb2.ApplyFile(name="bad.yaml", documents=bad)]),
+            metadata=_meta(ROOT), timeout=30)
+    details = invalid.value.details() or ""
+    assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details[:200]
+    assert details.startswith("bad.yaml: document 0 (Tenant/team-a): ")
+    assert details.endswith("\nand 380 more documents with errors") and len(details) < 8192
+
     # One object with many problems: bounded alike.
     code, details = _admin(node, "UpdateTenant", admin_pb2.UpdateTenantRequest(
         tenant=admin_pb2.Tenant(name="team-a", models=[f"team-b-{i}" for i in range(2000)])),

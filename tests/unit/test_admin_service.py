@@ -19,6 +19,7 @@ from sitsmesh.errors import (
 )
 from sitsmesh.transport.admin.common import read_yaml
 from sitsmesh.transport.admin.service import METHODS, AdminServicer, guarded
+from sitsmesh.transport.errors import MAX_MESSAGE_BYTES, bounded
 
 
 class _Aborted(Exception):
@@ -145,3 +146,10 @@ def test_background_runs_periodic_ticks_and_stops_them_all() -> None:
     seen, later = asyncio.run(scenario())
     assert seen >= 3
     assert later == seen  # nothing ticks after stop()
+
+
+def test_a_status_message_is_bounded_to_fit_grpc_s_trailer() -> None:
+    assert bounded("short") == "short"
+    long = bounded("é" * 10_000)
+    assert len(long.encode()) <= MAX_MESSAGE_BYTES
+    assert long.endswith(" more bytes cut)")
