@@ -113,7 +113,8 @@ def parsed(text: str) -> Any:
     """The document the access check parsed of this very `text` in the current call, or
     NOT_PARSED: ApplyPipeline's YAML is read once, not once per step."""
     found = _PARSED.get()
-    return found[1] if found is not None and found[0] is text else NOT_PARSED
+    # Equal, not identical: protobuf hands out a new str on every read of a field.
+    return found[1] if found is not None and found[0] == text else NOT_PARSED
 
 
 def credential() -> Credential | None:

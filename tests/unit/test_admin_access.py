@@ -21,7 +21,14 @@ from sitsmesh.access.credentials import (
 )
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.errors import ConfigError
-from sitsmesh.transport.adminaccess import RULES, VIA_YAML, AdminAccess, rule
+from sitsmesh.transport.adminaccess import (
+    NOT_PARSED,
+    RULES,
+    VIA_YAML,
+    AdminAccess,
+    parsed,
+    rule,
+)
 
 TOKEN = "t" * 40
 HASH = hash_token(TOKEN)
@@ -243,3 +250,19 @@ def test_what_the_credential_alone_decides_is_decided_before_the_yaml_is_read() 
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
+
+
+def test_an_operator_s_pipeline_yaml_is_parsed_once_per_call() -> None:
+    creds = CredentialSet([Credential("ops", "operator", {"pipelines": frozenset({"p"})},
+                                      token_digest=_digest("o" * 40))], "test")
+    seen: list[object] = []
+
+    async def handler(request: admin_pb2.ApplyPipelineRequest, context: object) -> str:
+        seen.append(parsed(request.yaml))
+        seen.append(parsed(request.yaml + " "))
+        return "done"
+
+    guarded = AdminAccess(creds, {}).guard("ApplyPipeline", handler)
+    assert asyncio.run(guarded(admin_pb2.ApplyPipelineRequest(yaml="name: p\n"),
+                               _Caller("o" * 40))) == "done"
+    assert seen == [{"name": "p"}, NOT_PARSED]
