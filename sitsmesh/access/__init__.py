@@ -2,7 +2,16 @@
 decides each call. Plain Python, no grpc: the admin transport asks, this answers."""
 
 from sitsmesh.access.credentials import Credential, CredentialSet, builtin, hash_token, load
-from sitsmesh.access.policy import GLOBAL, MODEL, PIPELINE, READ, TENANT, WRITE, denial
+from sitsmesh.access.policy import (
+    GLOBAL,
+    MODEL,
+    PIPELINE,
+    READ,
+    SCOPE_OF,
+    TENANT,
+    WRITE,
+    denial,
+)
 
-__all__ = ["GLOBAL", "MODEL", "PIPELINE", "READ", "TENANT", "WRITE", "Credential",
+__all__ = ["GLOBAL", "MODEL", "PIPELINE", "READ", "SCOPE_OF", "TENANT", "WRITE", "Credential",
            "CredentialSet", "builtin", "denial", "hash_token", "load"]

@@ -3,6 +3,7 @@ hash of a bearer token or an mTLS identity. Tokens themselves are never stored."
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import hmac
 import re
@@ -26,6 +27,20 @@ BUILTIN_NAME = "admin"
 _HASH = re.compile(r"sha256:[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,62}")
 _KEYS = ("name", "role", "token_hash", "mtls_identity", "scopes")
+GLOB_CHARS = frozenset("*?[")
+
+
+def within(pattern: str, scope: str) -> bool:
+    """Whether every name `pattern` (an fnmatch glob, or a plain name) can match is matched
+    by the scope entry `scope`: the entry is '*'; or both are identical; or `pattern` is a
+    plain name the entry matches; or the entry is a literal prefix and one trailing '*'
+    and `pattern` starts with that prefix. Conservative: nothing else is within."""
+    if scope in ("*", pattern):
+        return True
+    if GLOB_CHARS.isdisjoint(pattern):
+        return fnmatch.fnmatchcase(pattern, scope)
+    head = scope[:-1]
+    return scope.endswith("*") and GLOB_CHARS.isdisjoint(head) and pattern.startswith(head)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +52,9 @@ class Credential:
     identity: str = ""
 
     def covers(self, scope: str, name: str) -> bool:
-        """Whether `name` is one of this credential's `scope` (tenants, pipelines, ...)."""
-        names = self.scopes.get(scope, frozenset())
-        return "*" in names or name in names
+        """Whether `name` lies within one of this credential's `scope` entries (tenants,
+        pipelines, models: names, '*', or prefix globs such as 'team-a-*')."""
+        return any(within(name, entry) for entry in self.scopes.get(scope, ()))
 
 
 class CredentialSet:

@@ -12,7 +12,7 @@ from sitsmesh.access.credentials import Credential
 
 READ, WRITE = "read", "write"
 TENANT, PIPELINE, MODEL, GLOBAL = "tenant", "pipeline", "model", "global"
-_SCOPE = {TENANT: "tenants", PIPELINE: "pipelines", MODEL: "models"}
+SCOPE_OF = {TENANT: "tenants", PIPELINE: "pipelines", MODEL: "models"}
 
 
 def denial(credential: Credential, verb: str, kind: str, name: str) -> str | None:
@@ -25,7 +25,7 @@ def denial(credential: Credential, verb: str, kind: str, name: str) -> str | Non
     who = f"credential '{credential.name}' ({credential.role})"
     if credential.role == "viewer":
         return f"{who} may not {verb} {resource}: viewers only read"
-    scope = _SCOPE.get(kind)
+    scope = SCOPE_OF.get(kind)
     if scope is None:
         return f"{who} may not {verb} {resource}: only admins may"
     if name and credential.covers(scope, name):

@@ -178,7 +178,7 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
         ChainAdmin(graph.chains.pipelines, graph.chains.assembler, tokens, workers=workers,
                    report=graph.chains.report),
         SwapAdmin(graph.swaps.manager, tokens),
-        BatchingAdmin(graph.swaps.batching, tokens),
+        BatchingAdmin(graph.swaps.batching, tokens, pipelines=graph.chains.pipelines),
         PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime, tokens),
     )
 

@@ -55,8 +55,9 @@ class QuotaComponent:
         def decisions() -> Mapping[str, Decision]:
             return gate.snapshot.decisions if gate is not None else _NO_DECISIONS
 
-        def pipeline_for(hint: str, model: str) -> str:
-            return gate.pipeline_for(hint, model) if gate is not None else ""
+        def pipeline_for(hint: str, model: str, tenant: str) -> str:
+            # Only a pipeline governing the bucket's tenant holds it to its decisions.
+            return gate.pipeline_of(hint, model, tenant) if gate is not None else ""
 
         self.service = QuotaService(domains, decisions, pipeline_for)
         self.servicer = RateLimitQuotaServicer(self.service, settings.rlqs_assignment_ttl_s)

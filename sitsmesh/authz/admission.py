@@ -71,7 +71,7 @@ class Admission:
         if cap > 0 and self._in_flight.get(tenant, 0) + self.others.get(tenant, 0) >= cap:
             return Verdict(False, f"tenant {tenant} is at its concurrency cap of {cap}", 1.0)
         gate = self.gate
-        entered = gate.pipeline_for(pipeline, model) if gate is not None else ""
+        entered = gate.pipeline_of(pipeline, model, tenant) if gate is not None else ""
         if gate is not None and entered:
             shed = gate.admit(entered, priority, request_id, tenant)
             if shed is UNHELD:

@@ -35,6 +35,12 @@ class Pipeline:
     # Glob patterns (fnmatch) of the models whose requests enter this pipeline, for
     # Check to find the pipeline when no x-sits-pipeline-hint header names it.
     models: tuple[str, ...] = ()
+    # Glob patterns of the tenants whose requests it governs (admits, sheds, counts);
+    # None: every tenant's. A pipeline an operator writes governs only its own tenants.
+    tenants: tuple[str, ...] | None = None
+
+    def triton_models(self) -> tuple[str, ...]:
+        return tuple(s.triton_model for s in self.stages if s.triton_model)
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"stages": [
@@ -45,6 +51,8 @@ class Pipeline:
             for s in self.stages]}
         if self.models:
             body["models"] = list(self.models)
+        if self.tenants is not None:
+            body["tenants"] = list(self.tenants)
         return body
 
 
@@ -61,7 +69,7 @@ def pipeline_from(name: str, body: Mapping[str, Any], source: str = "pipeline") 
     if not isinstance(name, str) or not _NAME.match(name):
         raise InvalidPipeline(f"{source}: name {name!r}: use 1-63 lowercase letters, digits, "
                               "'.', '_' or '-'")
-    unknown = set(body) - {"name", "stages", "models"}
+    unknown = set(body) - {"name", "stages", "models", "tenants"}
     if unknown:
         raise InvalidPipeline(f"{source}: unknown key '{sorted(unknown)[0]}'")
     stages_raw = body.get("stages")
@@ -100,4 +108,10 @@ def pipeline_from(name: str, body: Mapping[str, Any], source: str = "pipeline") 
     models = body.get("models", [])
     if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
         raise InvalidPipeline(f"{source}: models must be a list of model name patterns")
-    return Pipeline(name, tuple(stages), tuple(models))
+    tenants = body.get("tenants")
+    if tenants is not None and (not isinstance(tenants, list) or not tenants or not all(
+            isinstance(t, str) and t for t in tenants)):
+        raise InvalidPipeline(f"{source}: tenants must be a non-empty list of tenant name "
+                              "patterns (leave it out to govern every tenant's requests)")
+    return Pipeline(name, tuple(stages), tuple(models),
+                    tuple(tenants) if tenants is not None else None)

@@ -69,6 +69,7 @@ class PipelineStage(_Strict):
 class PipelineSpec(_Strict):
     stages: Annotated[list[PipelineStage], Field(min_length=1)]
     models: list[str] | None = None
+    tenants: list[str] | None = None
 
 
 class StageThresholdsSpec(_Strict):

@@ -36,8 +36,9 @@ UNHELD = Shed("", "", 0, "")
 
 
 class PressureGate:
-    __slots__ = ("_budgets", "_clock", "_models", "_pipelines", "_routes", "_u", "enforce",
-                 "samples", "sheds", "signals", "snapshot", "wall_offset")
+    __slots__ = ("_budgets", "_clock", "_governed", "_governs", "_models", "_pipelines",
+                 "_routes", "_tenant_routes", "_u", "enforce", "samples", "sheds", "signals",
+                 "snapshot", "wall_offset")
 
     def __init__(self, signals: Signals,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -48,6 +49,12 @@ class PressureGate:
         self._budgets: dict[str, Budget] = {}
         self._models: tuple[tuple[str, str], ...] = ()
         self._routes: dict[str, str] = {}
+        # Pipeline -> the tenant globs it governs; only pipelines that list them (the
+        # rest govern every tenant). Decisions cached per pipeline and tenant, and routes
+        # per tenant and model where the model's first pipeline does not govern it.
+        self._governs: dict[str, tuple[str, ...]] = {}
+        self._governed: dict[str, dict[str, bool]] = {}
+        self._tenant_routes: dict[str, dict[str, str]] = {}
         # A low-discrepancy sequence places each request inside its priority: a level
         # of 2.3 sheds exactly 30 % of priority 2, with no random-number call.
         self._u = 0.0
@@ -65,6 +72,53 @@ class PressureGate:
         self._models = tuple((pattern, p.name) for p in pipelines.values()
                              for pattern in p.models)
         self._routes = {}
+        self._governs = {name: p.tenants for name, p in pipelines.items()
+                         if p.tenants is not None}
+        self._governed = {}
+        self._tenant_routes = {}
+
+    def governs(self, pipeline: str, tenant: str) -> bool:
+        """Whether `pipeline` admits, sheds and counts requests of `tenant`."""
+        patterns = self._governs.get(pipeline)
+        if patterns is None:
+            return True
+        known = self._governed.get(pipeline)
+        if known is None:
+            self._governed[pipeline] = known = {}
+        found = known.get(tenant)
+        if found is None:
+            found = bool(tenant) and any(fnmatch.fnmatchcase(tenant, p) for p in patterns)
+            if len(known) >= MAX_ROUTES:
+                known.clear()
+            known[tenant] = found
+        return found
+
+    def pipeline_of(self, hint: str, model: str, tenant: str) -> str:
+        """`pipeline_for` for a request of `tenant`: only a pipeline that governs the
+        tenant, so no team's pipeline admits, sheds or counts another team's requests
+        (a hint naming one is ignored, as a made-up hint is)."""
+        found = self.pipeline_for(hint, model)
+        if not self._governs or not found or self.governs(found, tenant):
+            return found
+        if hint and hint in self._pipelines:
+            found = self.pipeline_for("", model)
+            if not found or self.governs(found, tenant):
+                return found
+        # The model's first pipeline is another team's: the first that governs the tenant.
+        routes = self._tenant_routes.get(tenant)
+        if routes is None:
+            if len(self._tenant_routes) >= MAX_ROUTES:
+                self._tenant_routes.clear()
+            self._tenant_routes[tenant] = routes = {}
+        cached = routes.get(model)
+        if cached is None:
+            cached = next((name for pattern, name in self._models
+                           if fnmatch.fnmatchcase(model, pattern)
+                           and self.governs(name, tenant)), "")
+            if len(routes) >= MAX_ROUTES:
+                routes.clear()
+            routes[model] = cached
+        return cached
 
     def pipeline_for(self, hint: str, model: str) -> str:
         """The pipeline a request enters: named by the hint header, or by its model.

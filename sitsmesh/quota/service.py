@@ -72,7 +72,7 @@ _Member = tuple[str, _Bucket]  # (stream name, bucket)
 class QuotaService:
     def __init__(self, domains: Callable[[], Mapping[str, Node]],
                  decisions: Callable[[], Mapping[str, Decision]],
-                 pipeline_for: Callable[[str, str], str],
+                 pipeline_for: Callable[[str, str, str], str],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._domains = domains
         self._decisions = decisions
@@ -183,7 +183,8 @@ class QuotaService:
                     groups.setdefault(verdict.group, []).append((stream.name, bucket))
                 priority = buckets.priority_of(bucket.id)
                 pipeline = self._pipeline_for(bucket.id.get("pipeline", ""),
-                                              bucket.id.get("model", ""))
+                                              bucket.id.get("model", ""),
+                                              bucket.id.get("tenant", ""))
                 if pipeline and priority is not None:
                     admission.setdefault((pipeline, priority), []).append(
                         (stream.name, bucket))

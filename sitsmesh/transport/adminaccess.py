@@ -15,20 +15,26 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-import yaml
 from grpc import aio
 
 from sitsmesh import logs
-from sitsmesh.access import GLOBAL, MODEL, PIPELINE, READ, TENANT, WRITE, denial
+from sitsmesh.access import GLOBAL, MODEL, PIPELINE, READ, SCOPE_OF, TENANT, WRITE, denial
 from sitsmesh.access.credentials import Credential, CredentialSet
 from sitsmesh.admin.v1 import admin_pb2_grpc
-from sitsmesh.errors import UnauthenticatedError
+from sitsmesh.errors import SitsmeshError, UnauthenticatedError
+from sitsmesh.transport.admin.common import read_yaml
 from sitsmesh.transport.admin.service import METHODS
 from sitsmesh.transport.auth import PermissionDeniedError, peer_identities
 from sitsmesh.transport.errors import abort
 
 _log = logs.get("sitsmesh.admin.access")
 _CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("admin_caller", default="")
+_CREDENTIAL: contextvars.ContextVar[Credential | None] = contextvars.ContextVar(
+    "admin_credential", default=None)
+# (the YAML text, its document) when the check parsed it: the call reuses it.
+_PARSED: contextvars.ContextVar[tuple[str, Any] | None] = contextvars.ContextVar(
+    "admin_parsed", default=None)
+NOT_PARSED = object()
 _UNAUTHENTICATED = UnauthenticatedError(
     "admin API needs 'authorization: Bearer <token>' with a valid token, or a client "
     "certificate mapped to a credential")
@@ -43,11 +49,11 @@ class Rule:
 
 
 async def _pipeline_in_yaml(text: str) -> str:
-    """ApplyPipeline names its pipeline inside the YAML; unreadable YAML names none."""
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return ""
+    """ApplyPipeline names its pipeline inside the YAML; unreadable YAML names none. Only
+    an operator's call gets here (the credential alone decides the others), bounded by
+    size before parsing and parsed off the event loop."""
+    doc = await read_yaml(text, "pipeline")
+    _PARSED.set((text, doc))
     name = doc.get("name") if isinstance(doc, dict) else None
     return name if isinstance(name, str) else ""
 
@@ -103,6 +109,20 @@ def caller() -> str:
     return _CALLER.get()
 
 
+def parsed(text: str) -> Any:
+    """The document the access check parsed of this very `text` in the current call, or
+    NOT_PARSED: ApplyPipeline's YAML is read once, not once per step."""
+    found = _PARSED.get()
+    # Equal, not identical: protobuf hands out a new str on every read of a field.
+    return found[1] if found is not None and found[0] == text else NOT_PARSED
+
+
+def credential() -> Credential | None:
+    """The credential of the current admin call (None outside one): the servicers judge
+    by it what a request writes, beyond the name `RULES` checks."""
+    return _CREDENTIAL.get()
+
+
 def field_value(request: Any, path: str) -> str:
     value = request
     for part in path.split("."):
@@ -144,17 +164,21 @@ class AdminAccess:
             async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
                 # Not reset after: a generator may be closed from another context (which
                 # reset() refuses), and each RPC runs in a task, and a context, of its own.
-                _CALLER.set(await self._check(method, wanted, request, context))
+                who, actor = await self._check(method, wanted, request, context)
+                _CALLER.set(actor)
+                _CREDENTIAL.set(who)
                 async for item in inner(request, context):
                     yield item
 
             return stream
 
         async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-            token = _CALLER.set(await self._check(method, wanted, request, context))
+            who, actor = await self._check(method, wanted, request, context)
+            token, held = _CALLER.set(actor), _CREDENTIAL.set(who)
             try:
                 return await inner(request, context)
             finally:
+                _CREDENTIAL.reset(held)
                 _CALLER.reset(token)
 
         return unary
@@ -180,17 +204,28 @@ class AdminAccess:
         return credential, actor
 
     async def _check(self, method: str, wanted: Rule, request: Any,
-                     context: aio.ServicerContext[Any, Any]) -> str:
-        """The caller's audit name if it may make this call; aborts the call otherwise."""
+                     context: aio.ServicerContext[Any, Any]) -> tuple[Credential, str]:
+        """The caller's credential and audit name if it may make this call; aborts the
+        call otherwise."""
         credential, actor = await self.authenticate(method, context)
         if wanted.verb == READ:
-            return actor
+            return credential, actor
+        # What the credential alone decides is decided before the request's content is
+        # read: a viewer's (or an unscoped operator's) 4 MB ApplyPipeline is refused
+        # without parsing it, and an admin's YAML is not parsed for the audit line.
+        scoped = bool(credential.scopes.get(SCOPE_OF.get(wanted.kind, ""), ()))
+        reads_name = bool(wanted.field) and (
+            scoped if credential.role == "operator" else
+            credential.role == "admin" and wanted.via != VIA_YAML)
         name = ""
-        if wanted.field:
+        if reads_name:
             # Streamed requests are not here to read; the table keeps those RPCs global.
             name = field_value(request, wanted.field)
             if wanted.via:
-                name = await self._lookups[wanted.via](name)
+                try:
+                    name = await self._lookups[wanted.via](name)
+                except SitsmeshError as exc:
+                    await abort(context, exc)
         reason = denial(credential, wanted.verb, wanted.kind, name)
         if reason is not None:
             _log.warning("admin call denied", actor=actor, method=method, kind=wanted.kind,
@@ -198,7 +233,7 @@ class AdminAccess:
             await abort(context, PermissionDeniedError(f"{method}: {reason}"))
         _log.info("admin write", actor=actor, method=method, kind=wanted.kind,
                   resource=name or None, peer=context.peer())
-        return actor
+        return credential, actor
 
     def _authenticate(self, context: aio.ServicerContext[Any, Any],
                       identities: tuple[str, ...]) -> tuple[Credential | None, bool]:

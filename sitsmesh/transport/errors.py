@@ -27,7 +27,21 @@ def grpc_status(code: Code) -> grpc.StatusCode:
     return GRPC_STATUS[code]
 
 
+# gRPC carries the status message in a trailer that clients cap at 16 KiB (all
+# metadata together); past it they see RESOURCE_EXHAUSTED, not the status sent. Messages
+# are built bounded where they list things; this is the backstop.
+MAX_MESSAGE_BYTES = 8192
+
+
+def bounded(message: str) -> str:
+    raw = message.encode()
+    if len(raw) <= MAX_MESSAGE_BYTES:
+        return message
+    kept = raw[:MAX_MESSAGE_BYTES - 64].decode(errors="ignore")
+    return f"{kept}... ({len(raw) - len(kept.encode())} more bytes cut)"
+
+
 async def abort(context: aio.ServicerContext[Any, Any], error: SitsmeshError) -> NoReturn:
-    """End the RPC with the error's status and message."""
-    await context.abort(GRPC_STATUS[error.code], error.message)
+    """End the RPC with the error's status and message (bounded in size)."""
+    await context.abort(GRPC_STATUS[error.code], bounded(error.message))
     raise AssertionError("unreachable")  # abort() raises; this keeps type checkers honest

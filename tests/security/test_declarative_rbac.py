@@ -21,9 +21,9 @@ ROOT, TEAM_A, VIEWER = "r" * 40, "a" * 40, "v" * 40
 MANAGED = "sitsmesh.io/managed-by=shared"
 
 
-def tenant(name: str) -> str:
+def tenant(name: str, owner: str = "shared") -> str:
     return (f"apiVersion: sitsmesh.io/v1alpha1\nkind: Tenant\nmetadata: {{name: {name}, "
-            f"labels: {{sitsmesh.io/managed-by: shared}}}}\nspec: {{models: [m]}}\n")
+            f"labels: {{sitsmesh.io/managed-by: {owner}}}}}\nspec: {{models: [m]}}\n")
 
 
 PIPELINE_A = ("apiVersion: sitsmesh.io/v1alpha1\nkind: Thresholds\nmetadata: {name: pipe-a}\n"
@@ -39,7 +39,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Sitsmesh]
     creds.write_text(json.dumps({"credentials": [
         {"name": "root", "role": "admin", "token_hash": hash_token(ROOT)},
         {"name": "team-a", "role": "operator", "token_hash": hash_token(TEAM_A),
-         "scopes": {"tenants": ["team-a"], "pipelines": ["pipe-a"]}},
+         "scopes": {"tenants": ["team-a"], "pipelines": ["pipe-a"], "models": ["m"]}},
         {"name": "dashboards", "role": "viewer", "token_hash": hash_token(VIEWER)}]}))
     started = harness.start_sitsmesh(tmp, "--admin-credentials", str(creds))
     try:
@@ -73,10 +73,11 @@ def names(node: harness.Sitsmesh, token: str) -> set[str]:
 
 def test_an_operator_applies_its_own_and_nothing_of_another_team_s(
         node: harness.Sitsmesh) -> None:
-    assert apply(node, TEAM_A, tenant("team-a") + "---\n" + PIPELINE_A)[0] == \
+    assert apply(node, TEAM_A, tenant("team-a", "team-a") + "---\n" + PIPELINE_A)[0] == \
         grpc.StatusCode.OK
     for dry_run in (True, False):
-        code, details, _ = apply(node, TEAM_A, tenant("team-a") + "---\n" + tenant("team-b"),
+        code, details, _ = apply(node, TEAM_A, tenant("team-a", "team-a") + "---\n"
+                                 + tenant("team-b", "team-a"),
                                  dry_run=dry_run)
         assert code == grpc.StatusCode.PERMISSION_DENIED
         assert "Tenant/team-b: credential 'team-a' (operator) may not write tenant " \

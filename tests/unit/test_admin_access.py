@@ -3,16 +3,32 @@ logic. Through a real server: tests/security/test_admin_rbac.py."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
 from sitsmesh.access import GLOBAL, MODEL, PIPELINE, READ, TENANT, WRITE, denial
-from sitsmesh.access.credentials import Credential, builtin, hash_token, load, parse
+from sitsmesh.access.credentials import (
+    Credential,
+    CredentialSet,
+    builtin,
+    hash_token,
+    load,
+    parse,
+)
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.errors import ConfigError
-from sitsmesh.transport.adminaccess import RULES, rule
+from sitsmesh.transport.adminaccess import (
+    NOT_PARSED,
+    RULES,
+    VIA_YAML,
+    AdminAccess,
+    parsed,
+    rule,
+)
 
 TOKEN = "t" * 40
 HASH = hash_token(TOKEN)
@@ -169,3 +185,84 @@ def test_the_cli_hashes_generates_and_checks(tmp_path: Path, capsys: pytest.Capt
     path.write_text(json.dumps(_doc(role="root")))
     assert main(["admin-credentials", "check", str(path)]) == 2
     assert "unknown role 'root'" in capsys.readouterr().err
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Caller:
+    """What AdminAccess reads of a call: its metadata, peer and TLS context; `abort`
+    records the status, as grpc.aio does by raising."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.status: tuple[object, str] | None = None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),)
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    async def abort(self, code: object, details: str) -> None:
+        self.status = (code, details)
+        raise _Aborted
+
+
+def test_what_the_credential_alone_decides_is_decided_before_the_yaml_is_read() -> None:
+    tokens = {"viewer": "v" * 40, "admin": "r" * 40, "operator": "o" * 40}
+    creds = CredentialSet([
+        Credential("dash", "viewer", token_digest=_digest(tokens["viewer"])),
+        Credential("root", "admin", token_digest=_digest(tokens["admin"])),
+        Credential("ops", "operator", {"tenants": frozenset({"a"})},
+                   token_digest=_digest(tokens["operator"]))], "test")
+    looked: list[str] = []
+
+    async def lookup(text: str) -> str:
+        looked.append(text)
+        return "p"
+
+    # The YAML lookup replaced by one that records being asked: the parse this watches.
+    access = AdminAccess(creds, {VIA_YAML: lookup})
+
+    async def handler(request: object, context: object) -> str:
+        return "done"
+
+    guarded = access.guard("ApplyPipeline", handler)
+    request = admin_pb2.ApplyPipelineRequest(yaml="name: p\n" + "x" * 1000)
+    outcomes = {}
+    for role, token in tokens.items():
+        caller = _Caller(token)
+        try:
+            outcomes[role] = asyncio.run(guarded(request, caller))
+        except _Aborted:
+            outcomes[role] = caller.status[1] if caller.status else ""
+    assert outcomes["admin"] == "done"
+    assert "viewers only read" in outcomes["viewer"]
+    # An operator with no pipelines scope: refused by the credential alone too.
+    assert "not in its pipelines scope" in outcomes["operator"]
+    assert looked == []
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def test_an_operator_s_pipeline_yaml_is_parsed_once_per_call() -> None:
+    creds = CredentialSet([Credential("ops", "operator", {"pipelines": frozenset({"p"})},
+                                      token_digest=_digest("o" * 40))], "test")
+    seen: list[object] = []
+
+    async def handler(request: admin_pb2.ApplyPipelineRequest, context: object) -> str:
+        seen.append(parsed(request.yaml))
+        seen.append(parsed(request.yaml + " "))
+        return "done"
+
+    guarded = AdminAccess(creds, {}).guard("ApplyPipeline", handler)
+    assert asyncio.run(guarded(admin_pb2.ApplyPipelineRequest(yaml="name: p\n"),
+                               _Caller("o" * 40))) == "done"
+    assert seen == [{"name": "p"}, NOT_PARSED]

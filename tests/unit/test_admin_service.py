@@ -19,6 +19,7 @@ from sitsmesh.errors import (
 )
 from sitsmesh.transport.admin.common import read_yaml
 from sitsmesh.transport.admin.service import METHODS, AdminServicer, guarded
+from sitsmesh.transport.errors import MAX_MESSAGE_BYTES, bounded
 
 
 class _Aborted(Exception):
@@ -123,8 +124,8 @@ def test_other_exceptions_are_not_dressed_up_as_domain_errors() -> None:
 
 def test_malformed_yaml_is_an_invalid_argument_naming_the_source() -> None:
     with pytest.raises(InvalidArgumentError, match=r"^p.yaml: invalid YAML: "):
-        read_yaml("a: [1, 2", "p.yaml")
-    assert read_yaml("a: 1", "p.yaml") == {"a": 1}
+        asyncio.run(read_yaml("a: [1, 2", "p.yaml"))
+    assert asyncio.run(read_yaml("a: 1", "p.yaml")) == {"a": 1}
 
 
 def test_background_runs_periodic_ticks_and_stops_them_all() -> None:
@@ -145,3 +146,10 @@ def test_background_runs_periodic_ticks_and_stops_them_all() -> None:
     seen, later = asyncio.run(scenario())
     assert seen >= 3
     assert later == seen  # nothing ticks after stop()
+
+
+def test_a_status_message_is_bounded_to_fit_grpc_s_trailer() -> None:
+    assert bounded("short") == "short"
+    long = bounded("é" * 10_000)
+    assert len(long.encode()) <= MAX_MESSAGE_BYTES
+    assert long.endswith(" more bytes cut)")

@@ -222,3 +222,35 @@ def test_errors_name_the_file_and_the_bounds_hold_across_files() -> None:
     big = "#" * (documents.MAX_BYTES // 2 + 1)
     with pytest.raises(InvalidArgumentError, match=r"the files together: .* is more than"):
         documents.load_files([("a.yaml", big), ("b.yaml", big)])
+
+
+@pytest.mark.parametrize("text", [
+    "a: 1\nb: [1, 2.5, true, null, ~, 'x', \"y\", 2026-12-01, 0x10, 1e3, .inf, off, yes]\n",
+    "- {a: b}\n- [1, [2, [3]]]\n", "", "---\na: 1\n---\n---\nb: 2\n", "x", "!!str 12",
+    "a: !!binary aGVsbG8=\n", '{"json": [1, 2, {"k": null}]}', "a:\n  b:\n    c: [x]\n",
+    "? a\n: 1\n", "empty: {}\nlist: []\n", "k: |\n  multi\n  line\n"])
+def test_documents_are_built_from_events_as_the_safe_loader_builds_them(text: str) -> None:
+    assert documents._documents(text, "t") == list(yaml.load_all(text, Loader=yaml.SafeLoader))
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("a: &x 1\nb: *x\n", "t: line 1: YAML anchors and aliases are not accepted"),
+    ("[" * 65 + "]" * 65, "t: line 1: nested deeper than 64 levels"),
+    ("[" * 100_000 + "]" * 100_000, "t: invalid YAML: while increasing flow level"),
+    ("? [a]\n: 1\n", "t: line 1: a mapping key must be a scalar"),
+    ("!!set {a}", "t: line 1: YAML tag 'tag:yaml.org,2002:set' is not accepted here"),
+    ("a: !foo 1", "t: invalid YAML: could not determine a constructor for the tag '!foo'"),
+])
+def test_documents_refuse_what_config_never_needs(text: str, message: str) -> None:
+    with pytest.raises(InvalidArgumentError) as refused:
+        documents._documents(text, "t")
+    assert refused.value.message.startswith(message), refused.value.message
+
+
+def test_one_document_is_bounded_by_size_before_it_is_parsed() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"^p: 2000001 bytes is more than the "
+                                                   r"1048576 one document may have$"):
+        documents.load_one("[" * 2_000_001, "p")
+    with pytest.raises(InvalidArgumentError, match="one YAML document expected, got 2"):
+        documents.load_one("a: 1\n---\nb: 2\n", "p")
+    assert documents.load_one("", "p") is None

@@ -37,7 +37,7 @@ class World:
         self.decisions: dict[str, Decision] = {}
         config = build([("edge.yaml", CONFIG)])
         self.service = QuotaService(lambda: config.domains, lambda: self.decisions,
-                                    lambda hint, model: "infer" if model == "llama" else "",
+                                    lambda hint, model, tenant: "infer" if model == "llama" else "",
                                     clock=lambda: self.now)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from grpc import aio
 
+from sitsmesh.access import content
 from sitsmesh.admin.enums import label
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.batching.auto import AutoSettings
@@ -20,11 +21,13 @@ from sitsmesh.batching.service import (
     BatchingService,
     batching_from_body,
 )
+from sitsmesh.chains.catalog import PipelineCatalog
 from sitsmesh.transport.admin.common import timestamp
 from sitsmesh.transport.admin.paging import PageTokens, newest_first, page, page_size, scope_of
 from sitsmesh.transport.admin.pressure import ACTOR_METADATA, MAX_ACTOR
 from sitsmesh.transport.admin.swaps import SwapAdmin, options_from
-from sitsmesh.transport.adminaccess import caller
+from sitsmesh.transport.adminaccess import caller, credential
+from sitsmesh.transport.auth import PermissionDeniedError
 
 _TARGETS = {"preflight": admin_pb2.PROFILE_TARGET_PREFLIGHT,
             "production": admin_pb2.PROFILE_TARGET_PRODUCTION}
@@ -98,9 +101,11 @@ class BatchingAdmin:
     RPCS = ("ProfileModel", "GetModelProfile", "TuneModel", "SetAutoTuning", "GetAutoTuning",
             "ListBatchingChanges")
 
-    def __init__(self, batching: BatchingService, tokens: PageTokens) -> None:
+    def __init__(self, batching: BatchingService, tokens: PageTokens, *,
+                 pipelines: PipelineCatalog | None = None) -> None:
         self._batching = batching
         self._tokens = tokens
+        self._pipelines = pipelines
 
     async def ProfileModel(self, request: admin_pb2.ProfileModelRequest,
                            context: aio.ServicerContext[Any, Any]
@@ -167,6 +172,16 @@ class BatchingAdmin:
                             context: aio.ServicerContext[Any, Any]
                             ) -> admin_pb2.SetAutoTuningResponse:
         wanted = request.auto_tuning
+        who = credential()
+        found = (self._pipelines.pipelines.get(wanted.pipeline)
+                 if self._pipelines is not None else None)
+        if who is not None and found is not None and wanted.enabled:
+            # Automatic batching re-tunes the pipeline's stage models: each one must be
+            # the caller's, whoever put it in the pipeline.
+            reason = content.models_of(who, f"pipeline '{wanted.pipeline}' (automatic "
+                                       "batching of its stage models)", found.triton_models())
+            if reason is not None:
+                raise PermissionDeniedError(f"SetAutoTuning: {reason}")
         settings = AutoSettings(wanted.pipeline, wanted.enabled, wanted.hold_s or 30.0,
                                 wanted.cooldown_s or 300.0)
         done = await self._batching.set_auto(settings, _actor(context))

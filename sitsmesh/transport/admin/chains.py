@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from grpc import aio
 
 from sitsmesh import logs, workerguard
+from sitsmesh.access import Credential, content
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.chains.assembler import Assembler, Hop
 from sitsmesh.chains.catalog import PipelineCatalog
-from sitsmesh.chains.pipeline import Pipeline
+from sitsmesh.chains.pipeline import Pipeline, pipeline_from
 from sitsmesh.chains.trace import trace_id
 from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from sitsmesh.transport.admin.common import read_yaml, yaml_text
@@ -23,6 +25,8 @@ from sitsmesh.transport.admin.paging import (
     scope_of,
     trimmed,
 )
+from sitsmesh.transport.adminaccess import NOT_PARSED, credential, parsed
+from sitsmesh.transport.auth import PermissionDeniedError
 
 _log = logs.get("sitsmesh.admin")
 WINDOWS = {"1m": 60, "5m": 300}
@@ -47,11 +51,22 @@ class ChainAdmin:
                             context: aio.ServicerContext[Any, Any]
                             ) -> admin_pb2.ApplyPipelineResponse:
         source = request.source or "pipeline"
-        doc = read_yaml(request.yaml, source)
+        doc = parsed(request.yaml)
+        if doc is NOT_PARSED:
+            doc = await read_yaml(request.yaml, source)
         if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
             raise InvalidArgumentError(f"{source}: a pipeline needs a name and stages")
         if self._workers > 1:
             raise workerguard.refuse_pipeline(doc["name"])
+        who = credential()
+        if who is not None and who.role != "admin":
+            if doc.get("tenants") is None:
+                doc["tenants"] = content.governed_default(who)
+            # Validating and judging a document of up to 1 MiB: off the event loop too.
+            reason = await asyncio.to_thread(
+                _judge, who, doc, source, self._catalog.pipelines.get(doc["name"]))
+            if reason is not None:
+                raise PermissionDeniedError(f"ApplyPipeline: {reason}")
         pipeline = await self._catalog.apply(doc["name"], doc, source)
         _log.info("pipeline applied", pipeline=pipeline.name)
         return admin_pb2.ApplyPipelineResponse(pipeline=_pipeline_pb(pipeline))
@@ -142,6 +157,11 @@ class ChainAdmin:
                              trace_id=trace_id(traceparent) if traceparent else ""))
             accepted += 1
         return admin_pb2.ReportStageLatencyResponse(accepted=accepted, rejected=rejected)
+
+
+def _judge(who: Credential, doc: dict[str, Any], source: str,
+           before: Pipeline | None) -> str | None:
+    return content.pipeline(who, pipeline_from(doc["name"], doc, source), before)
 
 
 def _pipeline_pb(pipeline: Pipeline) -> admin_pb2.Pipeline:

@@ -20,13 +20,14 @@ from google.protobuf.json_format import MessageToDict
 from grpc import aio
 
 from sitsmesh import logs, workerguard
-from sitsmesh.access import GLOBAL, PIPELINE, TENANT, WRITE, Credential, denial
+from sitsmesh.access import GLOBAL, PIPELINE, TENANT, WRITE, Credential, content, denial
 from sitsmesh.admin.v1 import config_pb2, config_pb2_grpc
 from sitsmesh.authz.directory import TenantDirectory
-from sitsmesh.authz.model import APIKEY_KIND, new_uid
+from sitsmesh.authz.model import APIKEY_KIND, new_uid, tenant_from
 from sitsmesh.chains.catalog import PipelineCatalog
+from sitsmesh.chains.pipeline import pipeline_from
 from sitsmesh.declarative import documents
-from sitsmesh.declarative.models import KINDS, Document
+from sitsmesh.declarative.models import KINDS, Document, PipelineDocument
 from sitsmesh.declarative.plan import (
     CONFIGURED,
     CREATED,
@@ -95,20 +96,24 @@ class ConfigServicer:
         return Stored(records, labels, keys)
 
     async def _authorize(self, credential: Credential, docs: list[Document], result: Plan,
-                         context: aio.ServicerContext[Any, Any]) -> None:
+                         stored: Stored, context: aio.ServicerContext[Any, Any]) -> None:
         """Write access to every object the apply names or prunes (a dry run too: it
         shows what the caller could not otherwise change), judged as the Admin RPCs that
-        write them are; every refusal listed, nothing applied."""
-        named = [(d.KIND, d.metadata.name) for d in docs]
-        pruned = [(o.kind, o.name) for o in result.outcomes if o.action == PRUNED]
-        refusals = []
-        for kind, name in [*named, *pruned]:
-            resource, scoped = ACCESS_KIND[kind]
-            reason = denial(credential, WRITE, resource, name if scoped else "")
-            if reason is not None:
-                refusals.append(f"{kind}/{name}: {reason}")
+        write them are, by name and by content (models, governed tenants, reserved
+        labels); every refusal listed (up to a bound), nothing applied."""
+        # Up to 500 documents of globs to judge: off the event loop, as the parse is.
+        refusals = await asyncio.to_thread(_refusals, credential, docs, result, stored)
         if refusals:
-            await abort(context, PermissionDeniedError("Apply: " + "; ".join(refusals)))
+            await abort(context, PermissionDeniedError(
+                f"Apply: {len(refusals)} refused: {content.bounded(refusals)}"))
+
+    @staticmethod
+    def _govern(credential: Credential, docs: list[Document]) -> None:
+        """A pipeline an operator applies without `tenants` governs its tenants scope."""
+        default = content.governed_default(credential)
+        for doc in docs:
+            if isinstance(doc, PipelineDocument) and doc.spec.tenants is None:
+                doc.spec.tenants = default
 
     def _guard(self, docs: list[Document]) -> None:
         """What --workers N refuses through the imperative RPCs, refused here alike."""
@@ -163,6 +168,11 @@ class ConfigServicer:
     async def _apply(self, request: config_pb2.ApplyRequest,
                      context: aio.ServicerContext[Any, Any]) -> config_pb2.ApplyResponse:
         credential, actor = await self._access.authenticate("ConfigService/Apply", context)
+        if credential.role == "viewer":
+            # Decided by the credential alone: refused before a byte of YAML is parsed.
+            await abort(context, PermissionDeniedError(
+                f"Apply: credential '{credential.name}' (viewer) may not write: viewers "
+                "only read"))
         # Up to 1 MiB of YAML is tens of milliseconds of CPU: off the event loop, which
         # also serves Check and ShouldRateLimit in a single process.
         docs = await asyncio.to_thread(_read, request)
@@ -170,10 +180,11 @@ class ConfigServicer:
             raise InvalidArgumentError("prune_selector is only used with prune")
         prune = selector(request.prune_selector) if request.prune else None
         self._guard(docs)
+        self._govern(credential, docs)
         kinds = {d.KIND for d in docs}
         stored = await self._stored(kinds)
         result = await asyncio.to_thread(plan, docs, stored, prune=prune, new_uid=new_uid)
-        await self._authorize(credential, docs, result, context)
+        await self._authorize(credential, docs, result, stored, context)
         await self._check_ratelimit(docs, result)
         applied = not request.dry_run and bool(result.writes)
         if applied:
@@ -223,6 +234,51 @@ class ConfigServicer:
         if request.name and not found:
             raise NotFoundError(f"{request.kind} {request.name} does not exist")
         return config_pb2.GetResponse(documents=found)
+
+
+def _refusals(credential: Credential, docs: list[Document], result: Plan,
+              stored: Stored) -> list[str]:
+    refusals = []
+    for doc in docs:
+        kind, name = doc.KIND, doc.metadata.name
+        resource, scoped = ACCESS_KIND[kind]
+        reason = denial(credential, WRITE, resource, name if scoped else "")
+        if reason is None:
+            reason = content.refusal(credential, f"{kind} '{name}'",
+                                     _problems(credential, doc, stored))
+        if reason is not None:
+            refusals.append(f"{kind}/{name}: {reason}")
+    for outcome in result.outcomes:
+        if outcome.action != PRUNED:
+            continue
+        resource, scoped = ACCESS_KIND[outcome.kind]
+        reason = denial(credential, WRITE, resource, outcome.name if scoped else "")
+        if reason is not None:
+            refusals.append(f"{outcome.kind}/{outcome.name}: {reason}")
+    return refusals
+
+
+def _problems(credential: Credential, doc: Document, stored: Stored) -> list[str]:
+    """What of `doc`'s content lies outside the credential's scopes, against the stored
+    object (what it already holds may stay)."""
+    kind, name = doc.KIND, doc.metadata.name
+    record = stored.records.get((STORE_KIND[kind], name))
+    labels = stored.labels.get((kind, name))
+    problems = content.labels(credential, doc.metadata.labels,
+                              labels.body.get("labels", {}) if labels is not None else {},
+                              "metadata.labels")
+    if kind == "Tenant":
+        body = doc.body()
+        before = tenant_from(name, record.body) if record is not None else None
+        problems += content.tenant_problems(
+            credential, body["models"], body["labels"],
+            before_models=before.models if before is not None else (),
+            before_labels=before.labels if before is not None else None)
+    elif kind == "Pipeline":
+        problems += content.pipeline_problems(
+            credential, pipeline_from(name, doc.body()),
+            pipeline_from(name, record.body) if record is not None else None)
+    return problems
 
 
 def _read(request: config_pb2.ApplyRequest) -> list[Document]:

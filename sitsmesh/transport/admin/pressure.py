@@ -78,7 +78,7 @@ class PressureAdmin:
                             ) -> admin_pb2.SetThresholdsResponse:
         source = request.source or "thresholds"
         _require_pipeline(request.pipeline)
-        body = read_yaml(request.yaml, source) if request.yaml.strip() else {}
+        body = await read_yaml(request.yaml, source) if request.yaml.strip() else {}
         metadata = dict(context.invocation_metadata() or ())
         # The audit names the credential the call authenticated as; the header is only
         # a note of whom it says it acts for.

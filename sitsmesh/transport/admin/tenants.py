@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from grpc import aio
 
 from sitsmesh import logs, workerguard
+from sitsmesh.access import content
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.authz.directory import TenantDirectory
 from sitsmesh.authz.model import ApiKey, Tenant
+from sitsmesh.errors import NotFoundError
 from sitsmesh.transport.admin.common import timestamp
 from sitsmesh.transport.admin.paging import (
     PageTokens,
@@ -19,6 +22,8 @@ from sitsmesh.transport.admin.paging import (
     scope_of,
     trimmed,
 )
+from sitsmesh.transport.adminaccess import credential
+from sitsmesh.transport.auth import PermissionDeniedError
 
 _log = logs.get("sitsmesh.admin")
 
@@ -37,10 +42,31 @@ class TenantAdmin:
         if self._workers > 1 and request.max_concurrency > 0:
             raise workerguard.refuse_cap(request.name)
 
+    async def _owns(self, method: str, request: admin_pb2.Tenant, *, exists: bool) -> None:
+        """The tenant's models and labels, by content, within the caller's scopes (what
+        the stored tenant already holds may stay)."""
+        who = credential()
+        if who is None or who.role == "admin":
+            return
+        before: Tenant | None = None
+        if exists:
+            try:
+                before = await self._directory.get_tenant(request.name)
+            except NotFoundError:
+                before = None  # UpdateTenant answers NOT_FOUND itself
+        # Up to a 4 MB message of models: judged off the event loop, which serves Check.
+        reason = await asyncio.to_thread(
+            content.tenant, who, request.name, list(request.models), dict(request.labels),
+            before_models=before.models if before is not None else (),
+            before_labels=before.labels if before is not None else None)
+        if reason is not None:
+            raise PermissionDeniedError(f"{method}: {reason}")
+
     async def CreateTenant(self, request: admin_pb2.CreateTenantRequest,
                            context: aio.ServicerContext[Any, Any]
                            ) -> admin_pb2.CreateTenantResponse:
         self._guard(request.tenant)
+        await self._owns("CreateTenant", request.tenant, exists=False)
         tenant = await self._directory.create_tenant(request.tenant.name,
                                                      _tenant_body(request.tenant))
         _log.info("tenant created", tenant=tenant.name)
@@ -50,6 +76,7 @@ class TenantAdmin:
                            context: aio.ServicerContext[Any, Any]
                            ) -> admin_pb2.UpdateTenantResponse:
         self._guard(request.tenant)
+        await self._owns("UpdateTenant", request.tenant, exists=True)
         tenant = await self._directory.update_tenant(request.tenant.name,
                                                      _tenant_body(request.tenant))
         _log.info("tenant updated", tenant=tenant.name)
