@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sitsmesh import globs
 from sitsmesh.errors import Code, SitsmeshError
 
 PIPELINE_KIND = "pipeline"
@@ -100,4 +101,8 @@ def pipeline_from(name: str, body: Mapping[str, Any], source: str = "pipeline") 
     models = body.get("models", [])
     if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
         raise InvalidPipeline(f"{source}: models must be a list of model name patterns")
+    try:
+        globs.check(models, source)
+    except globs.GlobError as exc:
+        raise InvalidPipeline(str(exc)) from None
     return Pipeline(name, tuple(stages), tuple(models))

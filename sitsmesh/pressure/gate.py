@@ -8,12 +8,12 @@ log samples off the request path.
 
 from __future__ import annotations
 
-import fnmatch
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sitsmesh.chains.pipeline import Pipeline
+from sitsmesh.globs import NONE, Globs
 from sitsmesh.pressure.admit import LEVEL, Budget, admitted, shed_reason
 from sitsmesh.pressure.controller import Decision, Snapshot
 from sitsmesh.pressure.signals import PipelineSignals, Signals
@@ -36,8 +36,9 @@ UNHELD = Shed("", "", 0, "")
 
 
 class PressureGate:
-    __slots__ = ("_budgets", "_clock", "_models", "_pipelines", "_routes", "_u", "enforce",
-                 "samples", "sheds", "signals", "snapshot", "wall_offset")
+    __slots__ = ("_budgets", "_clock", "_globs", "_names", "_old_routes", "_pipelines",
+                 "_routes", "_u", "enforce", "samples", "sheds", "signals", "snapshot",
+                 "wall_offset")
 
     def __init__(self, signals: Signals,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -46,8 +47,13 @@ class PressureGate:
         self._clock = clock
         self._pipelines: dict[str, PipelineSignals] = {}
         self._budgets: dict[str, Budget] = {}
-        self._models: tuple[tuple[str, str], ...] = ()
+        # Every pipeline's model globs, compiled: group i is self._names[i]'s.
+        self._globs: Globs | None = None
+        self._names: tuple[str, ...] = ()
+        # model -> pipeline, in two generations: past MAX_ROUTES the older one is dropped,
+        # so a stream of unseen names cannot make the models in use miss every time.
         self._routes: dict[str, str] = {}
+        self._old_routes: dict[str, str] = {}
         # A low-discrepancy sequence places each request inside its priority: a level
         # of 2.3 sheds exactly 30 % of priority 2, with no random-number call.
         self._u = 0.0
@@ -62,9 +68,10 @@ class PressureGate:
     def set_pipelines(self, pipelines: Mapping[str, Pipeline]) -> None:
         self._pipelines = {name: self.signals.pipeline(name) for name in pipelines}
         self._budgets = {name: self._budgets.get(name) or Budget() for name in pipelines}
-        self._models = tuple((pattern, p.name) for p in pipelines.values()
-                             for pattern in p.models)
-        self._routes = {}
+        globs = Globs(p.models for p in pipelines.values())
+        self._globs = globs if globs else None
+        self._names = tuple(p.name for p in pipelines.values())
+        self._routes, self._old_routes = {}, {}
 
     def pipeline_for(self, hint: str, model: str) -> str:
         """The pipeline a request enters: named by the hint header, or by its model.
@@ -73,14 +80,18 @@ class PressureGate:
         not take a request out of its model's pipeline, and past its shedding."""
         if hint and hint in self._pipelines:
             return hint
-        if not model or not self._models:
+        globs = self._globs
+        if not model or globs is None:
             return ""
         found = self._routes.get(model)
         if found is None:
-            found = next((name for pattern, name in self._models
-                          if fnmatch.fnmatchcase(model, pattern)), "")
+            found = self._old_routes.get(model)
+            if found is None:
+                # The first pipeline, in catalog order, with a glob that matches.
+                index = globs.first(model)
+                found = self._names[index] if index != NONE else ""
             if len(self._routes) >= MAX_ROUTES:
-                self._routes.clear()
+                self._old_routes, self._routes = self._routes, {}
             self._routes[model] = found
         return found
 
