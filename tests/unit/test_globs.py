@@ -85,3 +85,45 @@ def test_bounds_are_checked_with_precise_errors() -> None:
         globs.check([f"m{i}?" for i in range(globs.MAX_GENERAL_GLOBS + 1)], "tenant t")
     with pytest.raises(GlobError, match=r"is 1025 characters long; at most 1024$"):
         globs.check(["a" * 1025], "tenant t")
+
+
+class _Counting(Globs):
+    __slots__ = ("calls",)
+
+    def __init__(self, groups: list[list[str]]) -> None:
+        super().__init__(groups)
+        self.calls = 0
+
+    def first(self, name: str) -> int:
+        self.calls += 1
+        return super().first(name)
+
+
+def test_the_gate_picks_the_first_pipeline_and_keeps_models_in_use_cached() -> None:
+    from sitsmesh.chains.pipeline import pipeline_from
+    from sitsmesh.pressure import gate as gatemod
+    from sitsmesh.pressure.signals import Signals
+
+    groups = [["bert", "gpt-*"], ["*-llm", "gpt-?"], ["gpt-2"]]
+    pipelines = {f"p{i}": pipeline_from(f"p{i}", {"models": models, "stages": [
+        {"name": "s", "match": {"upstream_cluster": "c"}}]}) for i, models in enumerate(groups)}
+    gate = gatemod.PressureGate(Signals())
+    gate.set_pipelines(pipelines)
+    for model in ("bert", "gpt-2", "gpt-x-llm", "a-llm", "gpt", "other", ""):
+        expected = _reference(groups, model)
+        assert gate.pipeline_for("", model) == (f"p{expected}" if expected != NONE else "")
+    assert gate.pipeline_for("p2", "bert") == "p2"
+    assert gate.pipeline_for("nonexistent", "bert") == "p0"
+
+    counting = _Counting(groups)
+    gate._globs = counting
+    gate._routes, gate._old_routes = {}, {}
+    # A stream of unseen names between every two requests for the model in use: that
+    # model is matched once, not after every MAX_ROUTES unseen names as when the cache
+    # was cleared whole.
+    for i in range(5 * gatemod.MAX_ROUTES):
+        gate.pipeline_for("", f"unseen-{i}")
+        if i % 1000 == 0:
+            assert gate.pipeline_for("", "a-llm") == "p1"
+    assert counting.calls == 5 * gatemod.MAX_ROUTES + 1
+    assert len(gate._routes) + len(gate._old_routes) <= 2 * gatemod.MAX_ROUTES
