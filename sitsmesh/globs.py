@@ -9,8 +9,10 @@ are sorted by shape once, when the pipelines or tenants change:
 - a literal followed by `*`s: a prefix, one dict lookup per distinct prefix length
   (at most one per character of the name, which is at most 256 long);
 - `*`s followed by a literal: a suffix, likewise;
-- anything else (`?`, `[...]`, a `*` between literals): general, at most
-  MAX_GENERAL_GLOBS per list, all of them in one compiled regex.
+- anything else (`?`, `[...]`, a `*` between literals): general, kept by its
+  literal start (the text before its first wildcard), which is looked up like a
+  prefix; only the globs under a start the name begins with are tried, at most
+  MAX_GENERAL_GLOBS for any one name (`check` refuses more).
 
 The answer is exactly fnmatchcase's (the equivalence is tested against it), and
 with numbered groups of globs, the first group holding a matching glob.
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 MAX_GLOBS = 50_000          # per pipeline or tenant: room for generated lists of names
-MAX_GENERAL_GLOBS = 256     # of those, globs with '?', '[...]' or a '*' between literals
+MAX_GENERAL_GLOBS = 64      # general globs that one model name may be tried against
 MAX_GLOB_LENGTH = 1024      # model names are at most 256 characters (authz.extract)
 NONE = -1
 _SPECIAL = re.compile(r"[*?\[]")
@@ -37,48 +40,72 @@ def shape(glob: str) -> str:
     """'exact', 'prefix', 'suffix' or 'general'."""
     if not _SPECIAL.search(glob):
         return "exact"
-    head = glob.rstrip("*")
-    if not _SPECIAL.search(head):
+    if not _SPECIAL.search(glob.rstrip("*")):
         return "prefix"
-    tail = glob.lstrip("*")
-    if not _SPECIAL.search(tail):
+    if not _SPECIAL.search(glob.lstrip("*")):
         return "suffix"
     return "general"
+
+
+def literal_start(glob: str) -> str:
+    """The text before the first wildcard: every name the glob matches begins with it."""
+    found = _SPECIAL.search(glob)
+    return glob[:found.start()] if found else glob
+
+
+def _widest(starts: Iterable[str]) -> tuple[int, str]:
+    """The most general globs one name can be tried against, and the start that gets
+    there: a name is tried against every glob whose literal start it begins with, and
+    those starts are each other's prefixes. In sorted order a start's own prefixes come
+    before it, so a stack holds the chain of the current one."""
+    counts = Counter(starts)
+    chain: list[tuple[str, int]] = []
+    widest, at = 0, ""
+    for start in sorted(counts):
+        while chain and not start.startswith(chain[-1][0]):
+            chain.pop()
+        total = (chain[-1][1] if chain else 0) + counts[start]
+        chain.append((start, total))
+        if total > widest:
+            widest, at = total, start
+    return widest, at
 
 
 def check(globs: Sequence[str], what: str) -> None:
     """Raise GlobError when `globs` (one pipeline's or tenant's) pass a bound."""
     if len(globs) > MAX_GLOBS:
         raise GlobError(f"{what}: {len(globs)} model globs; at most {MAX_GLOBS}")
-    general = 0
     for glob in globs:
         if len(glob) > MAX_GLOB_LENGTH:
             raise GlobError(f"{what}: model glob {glob[:40]!r}... is {len(glob)} characters "
                             f"long; at most {MAX_GLOB_LENGTH}")
-        if shape(glob) == "general":
-            general += 1
-    if general > MAX_GENERAL_GLOBS:
+    widest, at = _widest(literal_start(g) for g in globs if shape(g) == "general")
+    if widest > MAX_GENERAL_GLOBS:
         raise GlobError(
-            f"{what}: {general} model globs use '?', '[...]' or a '*' between literals; at "
-            f"most {MAX_GENERAL_GLOBS} (exact names, 'prefix*' and '*suffix' globs count "
-            f"only toward the {MAX_GLOBS})")
+            f"{what}: {widest} model globs with '?', '[...]' or a '*' between literals "
+            f"would all be tried for a model named {at!r}...: their text before the first "
+            f"wildcard is {at!r} or a start of it; at most {MAX_GENERAL_GLOBS} may share "
+            f"one (exact names, 'prefix*' and '*suffix' are not counted)")
+
+
+# A general glob under its literal start: (group, the literal a '*'-only rest ends with,
+# or None, the rest for a regex).
+_Entry = tuple[int, str | None, str]
 
 
 class Globs:
     """Numbered groups of globs. `first(name)` is the lowest group index holding a glob
     that matches `name` as fnmatch.fnmatchcase does, or NONE."""
 
-    __slots__ = ("_exact", "_general", "_general_groups", "_general_low", "_prefix_lengths",
-                 "_prefixes", "_suffix_lengths", "_suffixes")
+    __slots__ = ("_exact", "_general", "_general_lengths", "_prefix_lengths", "_prefixes",
+                 "_regexes", "_suffix_lengths", "_suffixes")
 
     def __init__(self, groups: Iterable[Iterable[str]]) -> None:
         exact: dict[str, int] = {}
         prefixes: dict[str, int] = {}
         suffixes: dict[str, int] = {}
-        alternatives: list[str] = []
-        general_groups: list[int] = []
+        general: dict[str, list[_Entry]] = {}
         for index, globs in enumerate(groups):
-            general: list[str] = []
             for glob in globs:
                 kind = shape(glob)
                 # setdefault: an earlier group keeps a glob two groups share.
@@ -89,24 +116,25 @@ class Globs:
                 elif kind == "suffix":
                     suffixes.setdefault(glob.lstrip("*"), index)
                 else:
-                    general.append(fnmatch.translate(glob))
-            if general:
-                # One capturing group per group of globs, in order. Every alternative ends
-                # in \Z, and the regex tries them left to right, so the capturing group it
-                # matched in is the first group with a glob that matches the whole name.
-                alternatives.append(f"({'|'.join(general)})")
-                general_groups.append(index)
+                    start = literal_start(glob)
+                    rest = glob[len(start):]
+                    tail = rest.lstrip("*")
+                    ends = tail if not _SPECIAL.search(tail) else None
+                    # Groups in order within a start: the first that matches is the lowest.
+                    general.setdefault(start, []).append((index, ends, rest))
         self._exact = exact
         self._prefixes = prefixes
         self._suffixes = suffixes
+        self._general = {start: tuple(entries) for start, entries in general.items()}
         self._prefix_lengths = tuple(sorted({len(p) for p in prefixes}))
         self._suffix_lengths = tuple(sorted({len(s) for s in suffixes}))
-        self._general = re.compile("|".join(alternatives)) if alternatives else None
-        self._general_groups = tuple(general_groups)
-        self._general_low = general_groups[0] if general_groups else NONE
+        self._general_lengths = tuple(sorted({len(s) for s in general}))
+        # The rest of a general glob, compiled the first time a name reaches it: compiling
+        # them all up front would cost 90 us each when the globs change.
+        self._regexes: dict[str, re.Pattern[str]] = {}
 
     def __bool__(self) -> bool:
-        return bool(self._exact or self._prefixes or self._suffixes or self._general_groups)
+        return bool(self._exact or self._prefixes or self._suffixes or self._general)
 
     def first(self, name: str) -> int:
         best = self._exact.get(name, NONE)
@@ -134,13 +162,33 @@ class Globs:
                         return 0
                     best = found
         general = self._general
-        if general is not None and (best == NONE or self._general_low < best):
-            match = general.match(name)
-            if match is not None and match.lastindex is not None:
-                found = self._general_groups[match.lastindex - 1]
-                if best == NONE or found < best:
-                    best = found
+        if general:
+            for n in self._general_lengths:
+                if n > size:
+                    break
+                entries = general.get(name[:n])
+                if entries is not None:
+                    found = self._first_entry(entries, name, n, best)
+                    if found != NONE:
+                        best = found
         return best
+
+    def _first_entry(self, entries: tuple[_Entry, ...], name: str, at: int, below: int) -> int:
+        """The group of the first entry matching name[at:], if lower than `below`."""
+        for group, ends, rest in entries:
+            if below != NONE and group >= below:
+                break
+            if ends is not None:
+                # '*' then a literal: what follows the start ends with it.
+                if len(name) - at >= len(ends) and name.endswith(ends):
+                    return group
+                continue
+            regex = self._regexes.get(rest)
+            if regex is None:
+                regex = self._regexes[rest] = re.compile(fnmatch.translate(rest))
+            if regex.match(name, at):
+                return group
+        return NONE
 
     def matches(self, name: str) -> bool:
         """Whether any glob matches `name` (the group does not matter)."""

@@ -65,7 +65,8 @@ def test_forty_thousand_globs_cost_what_a_few_do() -> None:
     second where fnmatch over the list takes minutes."""
     groups = [[f"team-b-model-{i}" for i in range(20_000)],
               [f"team-c-{i}-*" for i in range(19_744)],
-              [f"team-d-{i}-v?" for i in range(globs.MAX_GENERAL_GLOBS)]]
+              [f"team-d-{i}-v?" for i in range(256)],
+              [f"glob-{i}-*-model" for i in range(40_000)]]
     compiled = Globs(groups)
     started = time.perf_counter()
     for i in range(2_000):
@@ -73,18 +74,36 @@ def test_forty_thousand_globs_cost_what_a_few_do() -> None:
     assert time.perf_counter() - started < 2.0
     assert compiled.first("team-c-7-anything") == 1
     assert compiled.first("team-d-255-v2") == 2
+    assert compiled.first("glob-39999-x-model") == 3
 
 
 def test_bounds_are_checked_with_precise_errors() -> None:
     globs.check([f"m{i}" for i in range(globs.MAX_GLOBS)], "pipeline p")
-    globs.check([f"m{i}?" for i in range(globs.MAX_GENERAL_GLOBS)], "pipeline p")
+    # Distinct literal starts: a name is tried against a few of them, however many.
+    globs.check([f"glob-{i}-*-model" for i in range(40_000)], "pipeline p")
+    globs.check([f"m-?{i}" for i in range(globs.MAX_GENERAL_GLOBS)], "pipeline p")
     with pytest.raises(GlobError, match=r"^pipeline p: 50001 model globs; at most 50000$"):
         globs.check([f"m{i}" for i in range(globs.MAX_GLOBS + 1)], "pipeline p")
-    with pytest.raises(GlobError, match=r"^tenant t: 257 model globs use '\?', '\[\.\.\.\]' "
-                                        r"or a '\*' between literals; at most 256"):
-        globs.check([f"m{i}?" for i in range(globs.MAX_GENERAL_GLOBS + 1)], "tenant t")
+    with pytest.raises(GlobError) as refused:
+        globs.check([f"m-?{i}" for i in range(globs.MAX_GENERAL_GLOBS + 1)], "tenant t")
+    assert str(refused.value) == (
+        "tenant t: 65 model globs with '?', '[...]' or a '*' between literals would all be "
+        "tried for a model named 'm-'...: their text before the first wildcard is 'm-' or a "
+        "start of it; at most 64 may share one (exact names, 'prefix*' and '*suffix' are "
+        "not counted)")
+    # Starts that are starts of each other add up: 'a' and 'ab' are both tried for 'abc'.
+    with pytest.raises(GlobError, match=r"^tenant t: 65 model globs .* named 'ab'\.\.\."):
+        globs.check([f"a?{i}" for i in range(40)] + [f"ab?{i}" for i in range(25)]
+                    + [f"b?{i}" for i in range(60)], "tenant t")
     with pytest.raises(GlobError, match=r"is 1025 characters long; at most 1024$"):
         globs.check(["a" * 1025], "tenant t")
+
+
+def test_widest_counts_the_chain_of_starts() -> None:
+    assert globs._widest([]) == (0, "")
+    assert globs._widest(["", "a", "ab", "abc", "b", "b", "b", "b"]) == (5, "b")
+    assert globs._widest(["", "a", "ab", "abc", "b"]) == (4, "abc")
+    assert globs._widest(["x", "xa", "xb", "xb"]) == (3, "xb")
 
 
 class _Counting(Globs):
