@@ -101,30 +101,31 @@ class Globs:
                  "_regexes", "_suffix_lengths", "_suffixes")
 
     def __init__(self, groups: Iterable[Iterable[str]]) -> None:
-        exact: dict[str, int] = {}
-        prefixes: dict[str, int] = {}
-        suffixes: dict[str, int] = {}
+        exact: dict[str, list[int]] = {}
+        prefixes: dict[str, list[int]] = {}
+        suffixes: dict[str, list[int]] = {}
         general: dict[str, list[_Entry]] = {}
         for index, globs in enumerate(groups):
             for glob in globs:
                 kind = shape(glob)
-                # setdefault: an earlier group keeps a glob two groups share.
-                if kind == "exact":
-                    exact.setdefault(glob, index)
-                elif kind == "prefix":
-                    prefixes.setdefault(glob.rstrip("*"), index)
-                elif kind == "suffix":
-                    suffixes.setdefault(glob.lstrip("*"), index)
-                else:
+                if kind == "general":
                     start = literal_start(glob)
                     rest = glob[len(start):]
                     tail = rest.lstrip("*")
                     ends = tail if not _SPECIAL.search(tail) else None
                     # Groups in order within a start: the first that matches is the lowest.
                     general.setdefault(start, []).append((index, ends, rest))
-        self._exact = exact
-        self._prefixes = prefixes
-        self._suffixes = suffixes
+                    continue
+                table, key = ((exact, glob) if kind == "exact" else
+                              (prefixes, glob.rstrip("*")) if kind == "prefix" else
+                              (suffixes, glob.lstrip("*")))
+                # Each key's groups, lowest first (groups come in order).
+                held = table.setdefault(key, [])
+                if not held or held[-1] != index:
+                    held.append(index)
+        self._exact = {k: tuple(v) for k, v in exact.items()}
+        self._prefixes = {k: tuple(v) for k, v in prefixes.items()}
+        self._suffixes = {k: tuple(v) for k, v in suffixes.items()}
         self._general = {start: tuple(entries) for start, entries in general.items()}
         self._prefix_lengths = tuple(sorted({len(p) for p in prefixes}))
         self._suffix_lengths = tuple(sorted({len(s) for s in suffixes}))
@@ -137,7 +138,8 @@ class Globs:
         return bool(self._exact or self._prefixes or self._suffixes or self._general)
 
     def first(self, name: str) -> int:
-        best = self._exact.get(name, NONE)
+        found = self._exact.get(name)
+        best = found[0] if found is not None else NONE
         if best == 0:
             return 0
         size = len(name)
@@ -146,49 +148,65 @@ class Globs:
             for n in self._prefix_lengths:
                 if n > size:
                     break
-                found = prefixes.get(name[:n], NONE)
-                if found != NONE and (best == NONE or found < best):
-                    if found == 0:
+                found = prefixes.get(name[:n])
+                if found is not None and (best == NONE or found[0] < best):
+                    best = found[0]
+                    if best == 0:
                         return 0
-                    best = found
         suffixes = self._suffixes
         if suffixes:
             for n in self._suffix_lengths:
                 if n > size:
                     break
-                found = suffixes.get(name[size - n:], NONE)
-                if found != NONE and (best == NONE or found < best):
-                    if found == 0:
+                found = suffixes.get(name[size - n:])
+                if found is not None and (best == NONE or found[0] < best):
+                    best = found[0]
+                    if best == 0:
                         return 0
-                    best = found
         general = self._general
         if general:
             for n in self._general_lengths:
                 if n > size:
                     break
                 entries = general.get(name[:n])
-                if entries is not None:
-                    found = self._first_entry(entries, name, n, best)
-                    if found != NONE:
-                        best = found
+                if entries is None:
+                    continue
+                for group, ends, rest in entries:
+                    if best != NONE and group >= best:
+                        break
+                    if self._rest_matches(ends, rest, name, n):
+                        best = group
+                        break
         return best
 
-    def _first_entry(self, entries: tuple[_Entry, ...], name: str, at: int, below: int) -> int:
-        """The group of the first entry matching name[at:], if lower than `below`."""
-        for group, ends, rest in entries:
-            if below != NONE and group >= below:
+    def groups(self, name: str) -> list[int]:
+        """Every group with a glob that matches `name`, lowest first: for a caller that
+        skips some groups (the first pipeline that governs a tenant, say)."""
+        size = len(name)
+        found: set[int] = set(self._exact.get(name, ()))
+        for table, lengths, suffix in ((self._prefixes, self._prefix_lengths, False),
+                                       (self._suffixes, self._suffix_lengths, True)):
+            for n in lengths:
+                if n > size:
+                    break
+                found.update(table.get(name[size - n:] if suffix else name[:n], ()))
+        for n in self._general_lengths:
+            if n > size:
                 break
-            if ends is not None:
-                # '*' then a literal: what follows the start ends with it.
-                if len(name) - at >= len(ends) and name.endswith(ends):
-                    return group
-                continue
-            regex = self._regexes.get(rest)
-            if regex is None:
-                regex = self._regexes[rest] = re.compile(fnmatch.translate(rest))
-            if regex.match(name, at):
-                return group
-        return NONE
+            for group, ends, rest in self._general.get(name[:n], ()):
+                if group not in found and self._rest_matches(ends, rest, name, n):
+                    found.add(group)
+        return sorted(found)
+
+    def _rest_matches(self, ends: str | None, rest: str, name: str, at: int) -> bool:
+        """Whether name[at:] matches a general glob's rest (what follows its start)."""
+        if ends is not None:
+            # '*' then a literal: what follows the start ends with it.
+            return len(name) - at >= len(ends) and name.endswith(ends)
+        regex = self._regexes.get(rest)
+        if regex is None:
+            regex = self._regexes[rest] = re.compile(fnmatch.translate(rest))
+        return regex.match(name, at) is not None
 
     def matches(self, name: str) -> bool:
         """Whether any glob matches `name` (the group does not matter)."""

@@ -38,6 +38,8 @@ def test_first_matches_fnmatchcase_in_order(groups: list[list[str]], names: list
         expected = _reference(groups, name)
         assert compiled.first(name) == expected, (groups, name)
         assert compiled.matches(name) == (expected != NONE)
+        assert compiled.groups(name) == [i for i, group in enumerate(groups) if any(
+            fnmatch.fnmatchcase(name, glob) for glob in group)], (groups, name)
 
 
 @pytest.mark.parametrize(("glob", "kind"), [
@@ -52,6 +54,8 @@ def test_shapes(glob: str, kind: str) -> None:
 def test_an_earlier_group_wins_across_shapes() -> None:
     compiled = Globs([["x"], ["team-a-*"], ["team-?-llm", "*-llm"], ["team-a-llm"]])
     assert compiled.first("team-a-llm") == 1
+    assert compiled.groups("team-a-llm") == [1, 2, 3]
+    assert compiled.groups("other") == []
     assert compiled.first("team-b-llm") == 2
     assert compiled.first("other") == NONE
     assert compiled.first("") == NONE
