@@ -159,4 +159,4 @@ def test_a_large_config_applies_without_stalling_should_rate_limit(
     print(f"\napply of 40 000 descriptors: {took:.1f} s; slowest ShouldRateLimit meanwhile "
           f"{worst * 1000:.0f} ms")
     assert "big" in [d.domain for d in _live(node).domains]
-    assert worst < 1.0
+    assert worst < 2.0  # it was 20 s; the measured worst here is ~0.3 s
