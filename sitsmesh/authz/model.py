@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import hmac
 import re
@@ -11,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sitsmesh import globs
 from sitsmesh.errors import Code, SitsmeshError
 
 TENANT_KIND = "tenant"
@@ -38,9 +38,15 @@ class Tenant:
     # again under the same name does not revive the old one's keys. "" on tenants stored
     # before uids existed.
     uid: str = ""
+    # `models` compiled once: Check asks on every request, at a cost that does not grow
+    # with the number of globs.
+    _globs: globs.Globs = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_globs", globs.Globs((self.models,)))
 
     def allows(self, model: str) -> bool:
-        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+        return self._globs.matches(model)
 
     def to_body(self) -> dict[str, Any]:
         body = {"models": list(self.models), "priority": self.priority,
@@ -60,6 +66,10 @@ def tenant_from(name: str, body: Mapping[str, Any]) -> Tenant:
     if not isinstance(models, list | tuple) or not models or not all(
             isinstance(m, str) and m for m in models):
         raise InvalidObject(f"tenant {name}: models must be a non-empty list of globs")
+    try:
+        globs.check(models, f"tenant {name}")
+    except globs.GlobError as exc:
+        raise InvalidObject(str(exc)) from None
     numbers = {}
     for key, high in (("priority", MAX_PRIORITY), ("max_priority", MAX_PRIORITY),
                       ("max_concurrency", 1_000_000)):

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sitsmesh import globs
 from sitsmesh.errors import Code, SitsmeshError
 
 PIPELINE_KIND = "pipeline"
@@ -108,10 +109,19 @@ def pipeline_from(name: str, body: Mapping[str, Any], source: str = "pipeline") 
     models = body.get("models", [])
     if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
         raise InvalidPipeline(f"{source}: models must be a list of model name patterns")
+    try:
+        globs.check(models, source)
+    except globs.GlobError as exc:
+        raise InvalidPipeline(str(exc)) from None
     tenants = body.get("tenants")
     if tenants is not None and (not isinstance(tenants, list) or not tenants or not all(
             isinstance(t, str) and t for t in tenants)):
         raise InvalidPipeline(f"{source}: tenants must be a non-empty list of tenant name "
                               "patterns (leave it out to govern every tenant's requests)")
+    if tenants is not None:
+        try:
+            globs.check(tenants, f"{source}: tenants")
+        except globs.GlobError as exc:
+            raise InvalidPipeline(str(exc)) from None
     return Pipeline(name, tuple(stages), tuple(models),
                     tuple(tenants) if tenants is not None else None)

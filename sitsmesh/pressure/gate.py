@@ -8,12 +8,12 @@ log samples off the request path.
 
 from __future__ import annotations
 
-import fnmatch
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sitsmesh.chains.pipeline import Pipeline
+from sitsmesh.globs import NONE, Globs
 from sitsmesh.pressure.admit import LEVEL, Budget, admitted, shed_reason
 from sitsmesh.pressure.controller import Decision, Snapshot
 from sitsmesh.pressure.signals import PipelineSignals, Signals
@@ -36,9 +36,10 @@ UNHELD = Shed("", "", 0, "")
 
 
 class PressureGate:
-    __slots__ = ("_budgets", "_clock", "_governed", "_governs", "_models", "_pipelines",
-                 "_routes", "_tenant_routes", "_u", "enforce", "samples", "sheds", "signals",
-                 "snapshot", "wall_offset")
+    __slots__ = ("_budgets", "_clock", "_globs", "_governed", "_governs", "_names",
+                 "_old_routes", "_old_tenant_routes", "_pipelines", "_routes",
+                 "_tenant_routes", "_u", "enforce", "samples", "sheds", "signals", "snapshot",
+                 "wall_offset")
 
     def __init__(self, signals: Signals,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -47,14 +48,21 @@ class PressureGate:
         self._clock = clock
         self._pipelines: dict[str, PipelineSignals] = {}
         self._budgets: dict[str, Budget] = {}
-        self._models: tuple[tuple[str, str], ...] = ()
+        # Every pipeline's model globs, compiled: group i is self._names[i]'s.
+        self._globs: Globs | None = None
+        self._names: tuple[str, ...] = ()
+        # model -> pipeline, in two generations: past MAX_ROUTES the older one is dropped,
+        # so a stream of unseen names cannot make the models in use miss every time.
         self._routes: dict[str, str] = {}
-        # Pipeline -> the tenant globs it governs; only pipelines that list them (the
-        # rest govern every tenant). Decisions cached per pipeline and tenant, and routes
-        # per tenant and model where the model's first pipeline does not govern it.
-        self._governs: dict[str, tuple[str, ...]] = {}
-        self._governed: dict[str, dict[str, bool]] = {}
-        self._tenant_routes: dict[str, dict[str, str]] = {}
+        self._old_routes: dict[str, str] = {}
+        # Pipeline -> the tenant globs it governs, compiled; only pipelines that list them
+        # (the rest govern every tenant). Decisions cached per (pipeline, tenant), and
+        # routes per (tenant, model) where the model's first pipeline does not govern it,
+        # each bounded like the model routes.
+        self._governs: dict[str, Globs] = {}
+        self._governed: dict[tuple[str, str], bool] = {}
+        self._tenant_routes: dict[tuple[str, str], str] = {}
+        self._old_tenant_routes: dict[tuple[str, str], str] = {}
         # A low-discrepancy sequence places each request inside its priority: a level
         # of 2.3 sheds exactly 30 % of priority 2, with no random-number call.
         self._u = 0.0
@@ -69,28 +77,27 @@ class PressureGate:
     def set_pipelines(self, pipelines: Mapping[str, Pipeline]) -> None:
         self._pipelines = {name: self.signals.pipeline(name) for name in pipelines}
         self._budgets = {name: self._budgets.get(name) or Budget() for name in pipelines}
-        self._models = tuple((pattern, p.name) for p in pipelines.values()
-                             for pattern in p.models)
-        self._routes = {}
-        self._governs = {name: p.tenants for name, p in pipelines.items()
+        globs = Globs(p.models for p in pipelines.values())
+        self._globs = globs if globs else None
+        self._names = tuple(p.name for p in pipelines.values())
+        self._routes, self._old_routes = {}, {}
+        self._governs = {name: Globs([p.tenants]) for name, p in pipelines.items()
                          if p.tenants is not None}
         self._governed = {}
-        self._tenant_routes = {}
+        self._tenant_routes, self._old_tenant_routes = {}, {}
 
     def governs(self, pipeline: str, tenant: str) -> bool:
         """Whether `pipeline` admits, sheds and counts requests of `tenant`."""
         patterns = self._governs.get(pipeline)
         if patterns is None:
             return True
-        known = self._governed.get(pipeline)
-        if known is None:
-            self._governed[pipeline] = known = {}
-        found = known.get(tenant)
+        key = (pipeline, tenant)
+        found = self._governed.get(key)
         if found is None:
-            found = bool(tenant) and any(fnmatch.fnmatchcase(tenant, p) for p in patterns)
-            if len(known) >= MAX_ROUTES:
-                known.clear()
-            known[tenant] = found
+            found = bool(tenant) and patterns.matches(tenant)
+            if len(self._governed) >= MAX_ROUTES:
+                self._governed.clear()
+            self._governed[key] = found
         return found
 
     def pipeline_of(self, hint: str, model: str, tenant: str) -> str:
@@ -105,19 +112,18 @@ class PressureGate:
             if not found or self.governs(found, tenant):
                 return found
         # The model's first pipeline is another team's: the first that governs the tenant.
-        routes = self._tenant_routes.get(tenant)
-        if routes is None:
-            if len(self._tenant_routes) >= MAX_ROUTES:
-                self._tenant_routes.clear()
-            self._tenant_routes[tenant] = routes = {}
-        cached = routes.get(model)
+        key = (tenant, model)
+        cached = self._tenant_routes.get(key)
         if cached is None:
-            cached = next((name for pattern, name in self._models
-                           if fnmatch.fnmatchcase(model, pattern)
-                           and self.governs(name, tenant)), "")
-            if len(routes) >= MAX_ROUTES:
-                routes.clear()
-            routes[model] = cached
+            cached = self._old_tenant_routes.get(key)
+            if cached is None:
+                globs = self._globs
+                cached = "" if globs is None else next(
+                    (self._names[g] for g in globs.groups(model)
+                     if self.governs(self._names[g], tenant)), "")
+            if len(self._tenant_routes) >= MAX_ROUTES:
+                self._old_tenant_routes, self._tenant_routes = self._tenant_routes, {}
+            self._tenant_routes[key] = cached
         return cached
 
     def pipeline_for(self, hint: str, model: str) -> str:
@@ -127,14 +133,18 @@ class PressureGate:
         not take a request out of its model's pipeline, and past its shedding."""
         if hint and hint in self._pipelines:
             return hint
-        if not model or not self._models:
+        globs = self._globs
+        if not model or globs is None:
             return ""
         found = self._routes.get(model)
         if found is None:
-            found = next((name for pattern, name in self._models
-                          if fnmatch.fnmatchcase(model, pattern)), "")
+            found = self._old_routes.get(model)
+            if found is None:
+                # The first pipeline, in catalog order, with a glob that matches.
+                index = globs.first(model)
+                found = self._names[index] if index != NONE else ""
             if len(self._routes) >= MAX_ROUTES:
-                self._routes.clear()
+                self._old_routes, self._routes = self._routes, {}
             self._routes[model] = found
         return found
 

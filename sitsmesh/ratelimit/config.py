@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from sitsmesh.errors import ConfigError
+from sitsmesh.ratelimit import yamlread
 
 
 class Unit(enum.IntEnum):
@@ -48,6 +47,8 @@ RATE_LIMIT_KEYS = frozenset({"unit", "requests_per_unit", "unlimited", "name", "
                              "algorithm", "unit_multiplier", "adaptive", "pipeline"})
 ROOT_KEYS = frozenset({"domain", "descriptors"})
 MAX_REQUESTS_PER_UNIT = 2**32 - 1
+# A domain holds at most this many descriptors (aliases and nesting: see yamlread).
+MAX_DESCRIPTORS = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,19 +132,10 @@ def _walk_rules(node: Node) -> Iterable[Rule]:
         yield from _walk_rules(child)
 
 
-class _YamlLoader(yaml.SafeLoader):
-    """YAML as the reference's Go decoder reads it: a date-like scalar stays text (PyYAML
-    would make it a date, which neither a descriptor nor dynamic metadata can hold)."""
-
-
-_YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-
-
 class _Loader:
     def __init__(self, source: str) -> None:
         self.source = source
+        self.count = 0  # descriptors so far
 
     def fail(self, message: str) -> ConfigError:
         return ConfigError(f"{self.source}: {message}")
@@ -257,6 +249,10 @@ class _Loader:
             raise self.fail(f"descriptors must be a list (at {where})")
         for i, item in enumerate(items):
             here = f"{where}[{i}]"
+            self.count += 1
+            if self.count > MAX_DESCRIPTORS:
+                raise self.fail(f"config error, more than {MAX_DESCRIPTORS} descriptors in "
+                                f"one config file (at {here})")
             if not isinstance(item, dict):
                 raise self.fail(f"config error, yaml file contains list of type other than "
                                 f"map: {item} (at {here})")
@@ -306,11 +302,7 @@ class _Loader:
 def parse_domain(source: str, text: str) -> tuple[str, Node]:
     """Parse one file's text. Raises ConfigError starting with `source`."""
     loader = _Loader(source)
-    try:
-        data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader
-    except yaml.YAMLError as exc:
-        detail = str(exc).replace("\n", " ")
-        raise loader.fail(f"error loading config file: {detail}") from None
+    data = yamlread.load(source, text)
     if not isinstance(data, dict):
         raise loader.fail("config file must be a mapping with 'domain' and 'descriptors'")
     loader.check_keys(data, ROOT_KEYS, "top level")

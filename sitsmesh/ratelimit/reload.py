@@ -70,15 +70,21 @@ class ConfigManager:
                     drop_domains: Iterable[str] = ()) -> RateLimitConfig:
         """Files + applied configs (+ `extra` replacing applied ones by domain), validated."""
         files = await asyncio.to_thread(rlconfig.read_files, self._paths)
-        extra = list(extra)
+        applied = await self._applied()
+        # Parsing a large config takes seconds: in a thread, so the event loop keeps
+        # answering Check and ShouldRateLimit meanwhile.
+        return await asyncio.to_thread(self._assemble, files, applied, list(extra),
+                                       set(drop_domains))
+
+    def _assemble(self, files: list[tuple[str, str]], applied: list[tuple[str, str]],
+                  extra: list[tuple[str, str]], dropped: set[str]) -> RateLimitConfig:
         extra_domains = {rlconfig.parse_domain(src, text)[0] for src, text in extra}
-        dropped = set(drop_domains)
-        applied = []
-        for src, text in await self._applied():
+        kept = []
+        for src, text in applied:
             domain = rlconfig.parse_domain(src, text)[0]
             if domain not in extra_domains and domain not in dropped:
-                applied.append((src, text))
-        return rlconfig.build([*files, *applied, *extra], merge=self._merge)
+                kept.append((src, text))
+        return rlconfig.build([*files, *kept, *extra], merge=self._merge)
 
     async def reload(self, reason: str) -> bool:
         """Make a fresh snapshot live. False (old snapshot kept) when it is invalid."""
@@ -128,9 +134,12 @@ class ConfigManager:
         """The config `files` (name, text) would make with everything else, and each one's
         (source, text, domain); ConfigError when a file already owns a domain or the whole
         does not validate. Writes nothing."""
+        named = await asyncio.to_thread(self._named, files)
+        return await self.build([(s, t) for s, t, _ in named], drop_domains), named
+
+    def _named(self, files: Sequence[tuple[str, str]]) -> list[tuple[str, str, str]]:
         file_domains = {rlconfig.parse_domain(src, text)[0]: src
-                        for src, text in await asyncio.to_thread(rlconfig.read_files,
-                                                                 self._paths)}
+                        for src, text in rlconfig.read_files(self._paths)}
         named = []
         for name, text in files:
             source = f"api:{name}"
@@ -139,7 +148,7 @@ class ConfigManager:
                 raise ConfigError(f"{source}: domain '{domain}' is defined in file "
                                   f"{file_domains[domain]}; change the file instead")
             named.append((source, text, domain))
-        return await self.build([(s, t) for s, t, _ in named], drop_domains), named
+        return named
 
     async def apply(self, files: Sequence[tuple[str, str]], *, dry_run: bool
                     ) -> tuple[RateLimitConfig, list[str]]:
