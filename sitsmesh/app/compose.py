@@ -126,6 +126,7 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
         swaps = SwapsComponent(settings, store, registry, pressure.runtime,
                                leads=(lambda: coordinated.lease.leading) if coordinated else None)
     quota = QuotaComponent(settings, ratelimit, pressure, serve=serve)
+    quota.attach(chains)
     tracing = tracing_for(settings, role)
     if tracing is not None:
         tracing.pipeline_of = pipeline_of

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from sitsmesh import logs
 from sitsmesh.app.background import Background, DataService
-from sitsmesh.app.components import PressureComponent, RateLimitComponent
+from sitsmesh.app.components import ChainsComponent, PressureComponent, RateLimitComponent
 from sitsmesh.app.tls import redis_url
 from sitsmesh.config import Settings
 from sitsmesh.pressure.controller import Decision
@@ -64,6 +64,13 @@ class QuotaComponent:
         # Redis the rate limits or the shared runtime already use.
         if settings.shared_runtime == "redis" or settings.ratelimit_store == "redis":
             self.peers = QuotaPeers(Redis.from_url(redis_url(settings)), holder_id())
+
+    def attach(self, chains: ChainsComponent) -> None:
+        """Buckets are matched to pipelines once; again (a step at a time) when the
+        pipelines change. Registered after the gate's listener, so it sees the new ones."""
+        if self.servicer is not None:
+            service = self.service
+            chains.pipelines.on_change(lambda _pipelines: service.pipelines_changed())
 
     def services(self, streams: OpenStreams) -> list[DataService]:
         servicer = self.servicer

@@ -2,9 +2,16 @@
 the rate-limit config and the backpressure decisions, and what to send each stream.
 
 One event loop owns it (the RLQS servicer's streams and a periodic refresh), so it
-needs no lock. Nothing here is on Envoy's request path: Envoy enforces the
-assignments itself and reports every 5 s. Every pass recomputes all buckets (they
-number tenants x priorities x models per Envoy, and MAX_BUCKETS bounds them).
+needs no lock. Nothing here is on Envoy's request path, but it shares the loop with
+Check: recomputing every bucket of every stream on each report and each 50 ms
+refresh put Check's p50 at 683 ms with 30 streams of 1 000 buckets (issue 26). So
+the work follows change. Buckets that share a rate form a group (a rule's target, or
+a pipeline's priority), and a group is recomputed only when something it depends on
+moved: a member joined, left or reported demand, its pipeline's decision or admitted
+fraction changed, the other replicas' demand for it changed. A bucket's rule target
+and pipeline are matched once, and again only when the rate-limit config or the
+pipelines change. A refresh does at most WORK_PER_STEP bucket visits; the rest waits
+for the next one, so Check is never behind a long pass.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from dataclasses import dataclass, field
 
 from sitsmesh.pressure.controller import Decision
 from sitsmesh.quota import buckets
-from sitsmesh.quota.buckets import Kind, Verdict
+from sitsmesh.quota.buckets import Kind, Target, Verdict
 from sitsmesh.quota.split import TokenShare, split
 from sitsmesh.ratelimit.config import Node
 
@@ -24,6 +31,25 @@ MAX_BUCKETS = 1_000    # per stream; past it new buckets are abandoned, not kept
 IDLE_S = 300.0         # a bucket with no requests this long is abandoned (Envoy frees it)
 CHANGE = 0.2           # a share that moved less than this is not worth a new bucket
 SMOOTHING = 0.5        # weight of the newest report in a demand estimate
+# Bytes a stored bucket id costs, as counted by `id_bytes`: its text twice (the id and
+# its key), and the objects around each entry and each bucket. Long ids cost ~25 MB a
+# stream before these bounds (issue 26); 2 MiB still holds 1 000 ids of the fragment's
+# four entries (~0.6 KiB each).
+MAX_STREAM_ID_BYTES = 2 * 1024 * 1024
+# Across every stream: 100 Envoys of 1 000 such buckets fit (~70 MiB counted), and
+# ids of the longest kind stop at ~130 MB of a 512 Mi pod.
+MAX_ID_BYTES = 96 * 1024 * 1024
+ENTRY_BYTES = 96
+BUCKET_BYTES = 256
+# Bucket visits (matching, or taking a group's verdict and share) per refresh step:
+# a few milliseconds of the loop, every REFRESH_S.
+WORK_PER_STEP = 5_000
+
+
+def id_bytes(bucket_id: Mapping[str, str]) -> int:
+    """What keeping `bucket_id` costs, charged against the per-stream and global bounds."""
+    text = sum(len(k) + len(v) for k, v in bucket_id.items())
+    return 2 * text + ENTRY_BYTES * len(bucket_id) + BUCKET_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,16 +69,38 @@ class Assignment:
         return abs(self.share.rate - other.share.rate) <= CHANGE * other.share.rate
 
 
+_ALLOWED = Assignment(Kind.ALLOW)
 
-@dataclass
+
+@dataclass(eq=False, slots=True)
+class _Group:
+    """Buckets that share one verdict: a rule's target, or a pipeline's priority."""
+
+    target: Target | None = None             # a rule's group
+    pipeline: str = ""                       # or a pipeline's priority
+    priority: int = 0
+    members: dict[str, _Bucket] = field(default_factory=dict)  # member name -> bucket
+    verdict: Verdict = buckets.ALLOW
+    shares: dict[str, TokenShare] = field(default_factory=dict)
+
+
+@dataclass(eq=False, slots=True)
 class _Bucket:
     id: dict[str, str]
     key: str
+    stream: str = ""
+    cost: int = 0
     demand: float | None = None  # requests/s this stream's Envoy saw, smoothed
     last_used: float = 0.0
     sent: Assignment | None = None
     due: Assignment | None = None  # what the last pass computed
     groups: tuple[str, ...] = ()   # the shared rates it takes part in
+    rule: _Group | None = None
+    admission: _Group | None = None
+
+    @property
+    def member(self) -> str:
+        return f"{self.stream}\x1f{self.key}"
 
 
 @dataclass
@@ -62,30 +110,53 @@ class Stream:
     name: str
     domain: str = ""
     buckets: dict[str, _Bucket] = field(default_factory=dict)
+    id_bytes: int = 0
+    root: Node | None = None  # the domain's tree its buckets were matched against
 
 
 # (bucket id, what to send); None sends abandon_action: Envoy drops the bucket.
 Update = tuple[dict[str, str], Assignment | None]
-_Member = tuple[str, _Bucket]  # (stream name, bucket)
 
 
 class QuotaService:
     def __init__(self, domains: Callable[[], Mapping[str, Node]],
                  decisions: Callable[[], Mapping[str, Decision]],
                  pipeline_for: Callable[[str, str], str],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 max_stream_id_bytes: int = MAX_STREAM_ID_BYTES,
+                 max_id_bytes: int = MAX_ID_BYTES,
+                 work_per_step: int = WORK_PER_STEP) -> None:
         self._domains = domains
         self._decisions = decisions
         self._pipeline_for = pipeline_for
         self._clock = clock
         self._names = itertools.count(1)
         self.streams: dict[str, Stream] = {}
-        # Shared rates' members here (what the other replicas read), and theirs
-        # (sitsmesh.quota.peers): group -> member -> demand.
-        self.local_members: dict[str, dict[str, float | None]] = {}
-        self.remote: Mapping[str, Mapping[str, float | None]] = {}
+        self._max_stream_id_bytes = max_stream_id_bytes
+        self._max_id_bytes = max_id_bytes
+        self._work_per_step = work_per_step
+        self.id_bytes = 0           # held by every stream's bucket ids
+        self.refused_ids = 0        # new buckets abandoned for the id bounds
+        self.visits = 0             # bucket visits so far (work done, for tests and bench)
+        # The groups, by what they share; the shared ones also by their rate's name
+        # (what the other replicas' demand is keyed by).
+        self._rules: dict[tuple[str, tuple[str, ...]], _Group] = {}
+        self._admissions: dict[tuple[str, int], _Group] = {}
+        self._named: dict[str, _Group] = {}
+        self._dirty: dict[_Group, None] = {}       # to recompute, in order
+        self._changed: dict[_Bucket, None] = {}    # `due` may have moved since last sent
+        self._unsettled: dict[_Bucket, None] = {}  # `due` to compute again
+        self._stale: list[_Bucket] = []            # to match again (config or pipelines)
+        self._domains_seen: Mapping[str, Node] | None = None
+        self._decisions_now: Mapping[str, Decision] = {}
+        self._by_pipeline: dict[str, dict[_Group, None]] = {}  # groups that follow it
+        self._seen: dict[str, Decision | None] = {}
+        self._fraction: dict[str, float] = {}
+        self._remote: Mapping[str, Mapping[str, float | None]] = {}
         # Groups whose shares were resent in part: the rest follow at the next refresh.
         self._regroup: set[str] = set()
+
+    # -- streams -------------------------------------------------------------------
 
     def open(self) -> Stream:
         stream = Stream(f"envoy-{next(self._names)}")
@@ -93,18 +164,50 @@ class QuotaService:
         return stream
 
     def close(self, stream: Stream) -> None:
-        self.streams.pop(stream.name, None)
+        if self.streams.pop(stream.name, None) is None:
+            return
+        for bucket in stream.buckets.values():
+            self._leave(bucket)
+        self.id_bytes -= stream.id_bytes
+        stream.id_bytes = 0
+        stream.buckets.clear()
+
+    # -- what the other replicas ask -----------------------------------------------
+
+    @property
+    def remote(self) -> Mapping[str, Mapping[str, float | None]]:
+        return self._remote
+
+    @remote.setter
+    def remote(self, value: Mapping[str, Mapping[str, float | None]]) -> None:
+        """The other replicas' members by rate: only the rates whose members moved are
+        split again."""
+        old, self._remote = self._remote, value
+        for name in set(old) | set(value):
+            group = self._named.get(name)
+            if group is not None and old.get(name) != value.get(name):
+                self._dirty[group] = None
+
+    @property
+    def local_members(self) -> dict[str, dict[str, float | None]]:
+        """Shared rates' members here (what the other replicas read): rate -> member ->
+        demand."""
+        return {name: {m: b.demand for m, b in group.members.items()}
+                for name, group in self._named.items()}
+
+    # -- reports -------------------------------------------------------------------
 
     def report(self, stream: Stream, domain: str,
                usages: Iterable[tuple[dict[str, str], int, int, float]]) -> list[Update]:
         """Take one usage report (bucket id, allowed, denied, seconds it covers); return
         what to send this stream: every bucket it reported (a reply renews the TTLs)
-        and abandons for idle or refused ones. Other streams' shares move too: the
-        next `refresh` pushes them."""
+        and abandons for idle or refused ones. A new bucket gets its verdict now;
+        demand that moved other shares is pushed by the next `refresh`."""
         now = self._clock()
         if domain and not stream.domain:
             stream.domain = domain
         reported: list[_Bucket] = []
+        joined: list[_Bucket] = []
         abandon: list[Update] = []
         for bucket_id, allowed, denied, elapsed in usages:
             key = buckets.key_of(stream.domain, bucket_id)
@@ -113,20 +216,40 @@ class QuotaService:
                 if buckets.check(bucket_id) or len(stream.buckets) >= MAX_BUCKETS:
                     abandon.append((bucket_id, None))
                     continue
-                bucket = _Bucket(bucket_id, key, last_used=now)
+                cost = id_bytes(bucket_id)
+                if (stream.id_bytes + cost > self._max_stream_id_bytes
+                        or self.id_bytes + cost > self._max_id_bytes):
+                    self.refused_ids += 1
+                    abandon.append((bucket_id, None))
+                    continue
+                bucket = _Bucket(bucket_id, key, stream.name, cost, last_used=now)
                 stream.buckets[key] = bucket
+                stream.id_bytes += cost
+                self.id_bytes += cost
+                joined.append(bucket)
             if allowed or denied:
                 bucket.last_used = now
             if elapsed > 0:
                 rate = (allowed + denied) / elapsed
                 bucket.demand = rate if bucket.demand is None else (
                     SMOOTHING * rate + (1 - SMOOTHING) * bucket.demand)
+                self._touch(bucket)
             if now - bucket.last_used > IDLE_S:
-                del stream.buckets[key]
+                self._drop(stream, bucket)
                 abandon.append((bucket_id, None))
                 continue
             reported.append(bucket)
-        self._compute()
+        if joined:
+            self._notice_inputs()
+            if stream.root is None:
+                stream.root = self._domains().get(stream.domain)
+            for bucket in joined:
+                self._match(stream.root, stream.domain, bucket)
+            # New buckets are answered at once: their groups' shares now, not at the
+            # next refresh (the rest of those groups is pushed then).
+            fresh = {g: None for b in joined for g in (b.rule, b.admission) if g is not None}
+            self._recompute(list(fresh))
+        self._settle()
         updates: list[Update] = []
         for bucket in reported:
             # A reply repeats what Envoy has unless it moved enough: the same token
@@ -150,81 +273,220 @@ class QuotaService:
 
     def refresh(self) -> dict[str, list[Update]]:
         """What changed enough to push, stream by stream: decisions move every tick and
-        one Envoy's report moves every other Envoy's share."""
-        self._compute()
-        everyone = [b for stream in self.streams.values() for b in stream.buckets.values()]
-        for bucket in everyone:
+        one Envoy's report moves every other Envoy's share. Does a bounded step of the
+        pending work; what is left waits for the next call."""
+        self._notice_inputs()
+        budget = self._work_per_step
+        while self._stale and budget > 0:
+            bucket = self._stale.pop()
+            stream = self.streams.get(bucket.stream)
+            if stream is not None and stream.buckets.get(bucket.key) is bucket:
+                self._match(stream.root, stream.domain, bucket)
+            budget -= 1
+        groups: list[_Group] = []
+        while self._dirty and budget > 0:
+            group = next(iter(self._dirty))
+            del self._dirty[group]
+            groups.append(group)
+            budget -= len(group.members) + 1
+        self._recompute(groups)
+        self._settle()
+        candidates = dict(self._changed)
+        self._changed.clear()
+        for bucket in candidates:
             if bucket.due is not None and not bucket.due.close_to(bucket.sent):
                 self._regroup.update(bucket.groups)
+        for name in self._regroup:
+            shared = self._named.get(name)
+            if shared is not None:
+                candidates.update(dict.fromkeys(shared.members.values()))
         pushes: dict[str, list[Update]] = {}
-        for stream in self.streams.values():
-            for bucket in stream.buckets.values():
-                if self._moved(bucket) and bucket.due is not None:
-                    bucket.sent = bucket.due
-                    pushes.setdefault(stream.name, []).append((bucket.id, bucket.due))
+        for bucket in candidates:
+            if (bucket.stream in self.streams and self._moved(bucket)
+                    and bucket.due is not None):
+                bucket.sent = bucket.due
+                pushes.setdefault(bucket.stream, []).append((bucket.id, bucket.due))
+        self.visits += len(candidates)
         self._regroup.clear()
         return pushes
 
-    def _compute(self) -> None:
-        """Every bucket's `due` assignment: the stricter of its rule's and its
-        pipeline's verdicts, a shared rate split among the group's buckets by demand."""
-        decisions = self._decisions()
+    def pipelines_changed(self) -> None:
+        """The pipelines (and so the models they take) changed: match every bucket's
+        pipeline again, a step at a time."""
+        self._stale = [b for s in self.streams.values() for b in s.buckets.values()]
+
+    @property
+    def pending(self) -> int:
+        """Buckets and groups still waiting to be matched or recomputed."""
+        return len(self._stale) + len(self._dirty)
+
+    # -- the work ------------------------------------------------------------------
+
+    def _notice_inputs(self) -> None:
+        """Mark what the rate-limit config and the decisions changed since last time."""
         domains = self._domains()
-        fraction = {name: d.fraction for name, d in decisions.items()}
-        verdicts: dict[tuple[str, str], list[Verdict]] = {}
-        groups: dict[str, list[_Member]] = {}
-        admission: dict[tuple[str, int], list[_Member]] = {}
-        for stream in self.streams.values():
-            root = domains.get(stream.domain)
-            for bucket in stream.buckets.values():
-                verdict = buckets.rule_verdict(stream.domain, root, bucket.id, fraction)
-                verdicts[stream.name, bucket.key] = [verdict]
-                if verdict.kind is Kind.SHARED:
-                    groups.setdefault(verdict.group, []).append((stream.name, bucket))
-                priority = buckets.priority_of(bucket.id)
-                pipeline = self._pipeline_for(bucket.id.get("pipeline", ""),
-                                              bucket.id.get("model", ""))
-                if pipeline and priority is not None:
-                    admission.setdefault((pipeline, priority), []).append(
-                        (stream.name, bucket))
-        for (pipeline, priority), members in admission.items():
-            group = buckets.admission_group(pipeline, priority)
-            demand = sum(b.demand or 0.0 for _, b in members) + sum(
-                d or 0.0 for d in self.remote.get(group, {}).values())
-            verdict = buckets.admission_verdict(pipeline, decisions.get(pipeline),
-                                                priority, demand)
-            for name, bucket in members:
-                verdicts[name, bucket.key].append(verdict)
+        if domains is not self._domains_seen:
+            self._domains_seen = domains
+            for stream in self.streams.values():
+                root = domains.get(stream.domain)
+                if root is not stream.root:
+                    stream.root = root
+                    self._stale.extend(stream.buckets.values())
+        # The groups that follow each pipeline's decision are few (pipelines x
+        # priorities, adaptive rules): compared one by one, as a test or a controller
+        # may change a decision inside the same mapping.
+        decisions = self._decisions()
+        self._decisions_now = decisions
+        for pipeline, groups in self._by_pipeline.items():
+            decision = decisions.get(pipeline)
+            seen = self._seen.get(pipeline)
+            if decision is seen or decision == seen:
+                continue
+            self._seen[pipeline] = decision
+            if decision is None:
+                self._fraction.pop(pipeline, None)
+            else:
+                self._fraction[pipeline] = decision.fraction
+            self._dirty.update(groups)
+
+    def _match(self, root: Node | None, domain: str, bucket: _Bucket) -> None:
+        """Which groups `bucket` belongs to; moving it marks both groups."""
+        self.visits += 1
+        reached = buckets.target(domain, root, bucket.id)
+        rule = None
+        if reached is not None:
+            rule = self._rules.get((domain, reached.parts))
+            if rule is None or rule.target != reached:
+                rule = self._rules[domain, reached.parts] = _Group(target=reached)
+                for pipeline in reached.adaptive:
+                    self._follow(pipeline, rule)
+        admission = None
+        priority = buckets.priority_of(bucket.id)
+        if priority is not None:
+            pipeline = self._pipeline_for(bucket.id.get("pipeline", ""),
+                                          bucket.id.get("model", ""))
+            if pipeline:
+                admission = self._admissions.get((pipeline, priority))
+                if admission is None:
+                    admission = self._admissions[pipeline, priority] = _Group(
+                        pipeline=pipeline, priority=priority)
+                    self._follow(pipeline, admission)
+        if rule is bucket.rule and admission is bucket.admission and bucket.due:
+            return
+        self._leave(bucket)
+        bucket.rule, bucket.admission = rule, admission
+        member = bucket.member
+        for group in (rule, admission):
+            if group is not None:
+                group.members[member] = bucket
+                self._dirty[group] = None
+        if rule is None and admission is None:
+            bucket.due, bucket.groups = _ALLOWED, ()
+            self._changed[bucket] = None
+
+    def _follow(self, pipeline: str, group: _Group) -> None:
+        """`group` follows `pipeline`'s decision."""
+        self._by_pipeline.setdefault(pipeline, {})[group] = None
+        if pipeline not in self._seen:
+            decision = self._seen[pipeline] = self._decisions_now.get(pipeline)
+            if decision is not None:
+                self._fraction[pipeline] = decision.fraction
+
+    def _leave(self, bucket: _Bucket) -> None:
+        member = bucket.member
+        for group in (bucket.rule, bucket.admission):
+            if group is not None and group.members.pop(member, None) is not None:
+                if group.members:
+                    self._dirty[group] = None
+                else:
+                    self._forget(group)
+        bucket.rule = bucket.admission = None
+        self._changed.pop(bucket, None)
+        self._unsettled.pop(bucket, None)
+
+    def _forget(self, group: _Group) -> None:
+        self._dirty.pop(group, None)
+        if self._named.get(group.verdict.group) is group:
+            del self._named[group.verdict.group]
+        pipelines = group.target.adaptive if group.target is not None else {group.pipeline}
+        for pipeline in pipelines:
+            following = self._by_pipeline.get(pipeline, {})
+            following.pop(group, None)
+            if not following:
+                self._by_pipeline.pop(pipeline, None)
+                self._seen.pop(pipeline, None)
+                self._fraction.pop(pipeline, None)
+        if group.target is not None:
+            key = (group.target.domain, group.target.parts)
+            if self._rules.get(key) is group:
+                del self._rules[key]
+        elif self._admissions.get((group.pipeline, group.priority)) is group:
+            del self._admissions[group.pipeline, group.priority]
+
+    def _drop(self, stream: Stream, bucket: _Bucket) -> None:
+        self._leave(bucket)
+        del stream.buckets[bucket.key]
+        stream.id_bytes -= bucket.cost
+        self.id_bytes -= bucket.cost
+
+    def _touch(self, bucket: _Bucket) -> None:
+        """Its demand moved: the shares of the rates it takes part in follow."""
+        # A rule's verdict does not depend on demand, its split does. A pipeline's may
+        # (the arrivals of a cut priority come from reports when the decision has
+        # none), but never when it allows: protected, over the level or no decision.
+        for group in (bucket.rule, bucket.admission):
+            if group is not None and group.verdict.kind is not Kind.ALLOW:
+                self._dirty[group] = None
+
+    def _recompute(self, groups: list[_Group]) -> None:
+        """Each group's verdict and shares; its members' assignments follow."""
+        decisions = self._decisions_now
+        for group in groups:
+            if not group.members:
+                continue
+            self._dirty.pop(group, None)
+            self.visits += len(group.members)
+            if group.target is not None:
+                verdict = group.target.verdict(self._fraction)
+            else:
+                name = buckets.admission_group(group.pipeline, group.priority)
+                demand = sum(b.demand or 0.0 for b in group.members.values()) + sum(
+                    d or 0.0 for d in self._remote.get(name, {}).values())
+                verdict = buckets.admission_verdict(
+                    group.pipeline, decisions.get(group.pipeline), group.priority, demand)
+            if self._named.get(group.verdict.group) is group:
+                del self._named[group.verdict.group]
+            group.verdict = verdict
             if verdict.kind is Kind.SHARED:
-                groups[verdict.group] = members
-        self.local_members = {group: {f"{n}\x1f{b.key}": b.demand for n, b in members}
-                              for group, members in groups.items()}
-        shares = {group: self._split(group, members, verdicts)
-                  for group, members in groups.items()}
-        for stream in self.streams.values():
-            for bucket in stream.buckets.values():
-                bucket.groups = tuple(v.group for v in verdicts[stream.name, bucket.key]
-                                      if v.kind is Kind.SHARED)
-                bucket.due = _stricter(verdicts[stream.name, bucket.key], shares,
-                                       f"{stream.name}\x1f{bucket.key}")
+                self._named[verdict.group] = group
+                demands = {**self._remote.get(verdict.group, {}),
+                           **{m: b.demand for m, b in group.members.items()}}
+                group.shares = split(verdict.rate, verdict.window_s, demands,
+                                     verdict.burst_s)
+            else:
+                group.shares = {}
+            self._changed.update(dict.fromkeys(group.members.values()))
+            self._unsettled.update(dict.fromkeys(group.members.values()))
 
-    def _split(self, group: str, members: list[_Member],
-               verdicts: Mapping[tuple[str, str], list[Verdict]]) -> dict[str, TokenShare]:
-        """The group's rate across its members here and on the other replicas."""
-        name, first = members[0]
-        verdict = next(v for v in verdicts[name, first.key] if v.group == group)
-        demands = {**self.remote.get(group, {}), **self.local_members[group]}
-        return split(verdict.rate, verdict.window_s, demands, verdict.burst_s)
+    def _settle(self) -> None:
+        """The assignments of the buckets whose groups moved: the stricter of their
+        groups'."""
+        unsettled, self._unsettled = self._unsettled, {}
+        for bucket in unsettled:
+            groups = [g for g in (bucket.rule, bucket.admission) if g is not None]
+            bucket.groups = tuple(g.verdict.group for g in groups
+                                  if g.verdict.kind is Kind.SHARED)
+            bucket.due = _stricter(groups, bucket.member)
 
 
-def _stricter(verdicts: list[Verdict], shares: Mapping[str, Mapping[str, TokenShare]],
-              member: str) -> Assignment:
-    result = Assignment(Kind.ALLOW)
-    for verdict in verdicts:
+def _stricter(groups: list[_Group], member: str) -> Assignment:
+    result = _ALLOWED
+    for group in groups:
+        verdict = group.verdict
         if verdict.kind is Kind.DENY:
             return Assignment(Kind.DENY)
         if verdict.kind is Kind.SHARED:
-            share = shares[verdict.group][member]
+            share = group.shares[member]
             if result.share is None or share.rate < result.share.rate:
                 result = Assignment(Kind.SHARED, share)
     return result
