@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 
 from sitsmesh import logs
@@ -28,6 +31,35 @@ _NO_DECISIONS: Mapping[str, Decision] = {}
 PEERS_S = 1.0
 
 
+class QuotaMetrics(Collector):
+    """What RLQS holds and what its bounds refused, read at scrape time."""
+
+    def __init__(self, service: QuotaService, servicer: RateLimitQuotaServicer) -> None:
+        self._service = service
+        self._servicer = servicer
+
+    def collect(self) -> Iterator[Metric]:
+        service = self._service
+        yield GaugeMetricFamily("sitsmesh_rlqs_streams", "Open RLQS streams.",
+                                value=len(service.streams))
+        yield GaugeMetricFamily("sitsmesh_rlqs_buckets", "Buckets kept across RLQS streams.",
+                                value=sum(len(s.buckets) for s in service.streams.values()))
+        yield GaugeMetricFamily("sitsmesh_rlqs_bucket_id_bytes",
+                                "Bytes counted for the bucket ids kept, all streams.",
+                                value=service.id_bytes)
+        yield GaugeMetricFamily("sitsmesh_rlqs_pending_work",
+                                "Buckets and groups waiting to be matched or recomputed.",
+                                value=service.pending)
+        yield CounterMetricFamily(
+            "sitsmesh_rlqs_buckets_refused", "New buckets abandoned because the bucket-id "
+            "byte bound of their stream or of all streams was reached.",
+            value=service.refused_ids)
+        yield CounterMetricFamily(
+            "sitsmesh_rlqs_streams_not_reading",
+            "RLQS streams ended because their caller did not read its replies.",
+            value=self._servicer.not_reading)
+
+
 class QuotaComponent:
     """Where the data plane is served by one process. With worker processes each would
     split the same global rate among the Envoys it happens to hold, so RLQS is served
@@ -35,7 +67,8 @@ class QuotaComponent:
     no_assignment_behavior, and the start-up log says why)."""
 
     def __init__(self, settings: Settings, ratelimit: RateLimitComponent,
-                 pressure: PressureComponent | None, *, serve: bool) -> None:
+                 pressure: PressureComponent | None, *, serve: bool,
+                 registry: CollectorRegistry | None = None) -> None:
         self._settings = settings
         self._background = Background()
         self.servicer: RateLimitQuotaServicer | None = None
@@ -60,6 +93,8 @@ class QuotaComponent:
 
         self.service = QuotaService(domains, decisions, pipeline_for)
         self.servicer = RateLimitQuotaServicer(self.service, settings.rlqs_assignment_ttl_s)
+        if registry is not None:
+            registry.register(QuotaMetrics(self.service, self.servicer))
         # Replicas split each global rate over every Envoy of the fleet, through the
         # Redis the rate limits or the shared runtime already use.
         if settings.shared_runtime == "redis" or settings.ratelimit_store == "redis":

@@ -3,7 +3,10 @@ filter reports usage per bucket; sitsmesh answers, and pushes, quota assignments
 
 Each stream gets a queue: the report reader and the periodic refresh both put
 replies on it and one writer sends them, since a gRPC call takes one write at a
-time.
+time. A caller that reads nothing leaves the writer inside `context.write` for good
+(HTTP/2 flow control): the stream is ended when its queue is full or a write has
+waited WRITE_S, so its reader stops and its buckets are freed. Its status reaches
+the caller only if it reads again (the data queued before it comes first).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import grpc
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from envoy.type.v3 import ratelimit_strategy_pb2, token_bucket_pb2
 from google.protobuf import duration_pb2, wrappers_pb2
@@ -28,6 +32,7 @@ from sitsmesh.transport.streams import OpenStreams
 SERVICE_NAME = rlqs_pb2.DESCRIPTOR.services_by_name["RateLimitQuotaService"].full_name
 REFRESH_S = 0.05
 MAX_QUEUED = 64  # replies waiting for one slow Envoy; past it the stream is ended
+WRITE_S = 30.0   # a reply not taken this long: the caller is not reading
 
 _Response = rlqs_pb2.RateLimitQuotaResponse
 _Action = _Response.BucketAction
@@ -69,6 +74,8 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
         self._ttl_s = max(1, ttl_s)
         self.streams = streams or OpenStreams()
         self._queues: dict[str, asyncio.Queue[Sequence[Update] | None]] = {}
+        self._stuck: dict[str, asyncio.Event] = {}
+        self.not_reading = 0  # streams ended because their caller did not read
 
     async def StreamRateLimitQuotas(self, request_iterator: AsyncIterator[Any],
                                     context: aio.ServicerContext[Any, Any]) -> None:
@@ -82,21 +89,50 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
                      context: aio.ServicerContext[Any, Any]) -> None:
         stream = self._service.open()
         queue: asyncio.Queue[Sequence[Update] | None] = asyncio.Queue()
+        stuck = asyncio.Event()
         self._queues[stream.name] = queue
+        self._stuck[stream.name] = stuck
         reader = asyncio.ensure_future(self._read(request_iterator, stream, queue))
         try:
             while (updates := await queue.get()) is not None:
-                await context.write(response(updates, self._ttl_s))
+                if not await self._write(context, response(updates, self._ttl_s), stuck):
+                    self.not_reading += 1
+                    _log.warning("RLQS stream not reading; ended it", stream=stream.name)
+                    context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+                    context.set_details("the RLQS stream did not read its replies")
+                    return
             await reader  # raises what ended the reading, if anything
         finally:
             reader.cancel()
             self._queues.pop(stream.name, None)
+            self._stuck.pop(stream.name, None)
             self._service.close(stream)
+
+    @staticmethod
+    async def _write(context: aio.ServicerContext[Any, Any], reply: Any,
+                     stuck: asyncio.Event) -> bool:
+        """Send one reply; False if the caller took none of it in WRITE_S, or its
+        queue filled up meanwhile."""
+        write = asyncio.ensure_future(context.write(reply))
+        full = asyncio.ensure_future(stuck.wait())
+        try:
+            done, _ = await asyncio.wait((write, full), timeout=WRITE_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            full.cancel()
+            if not write.done():
+                write.cancel()
+        if write not in done:
+            return False
+        write.result()  # raises what failed the write (the call ended), if anything
+        return True
 
     async def _read(self, request_iterator: AsyncIterator[Any], stream: Any,
                     queue: asyncio.Queue[Sequence[Update] | None]) -> None:
         try:
             async for reports in request_iterator:
+                # Where a per-message byte charge (one budget across every stream)
+                # would take the decoded report's size: reports.ByteSize().
                 usages = [(dict(u.bucket_id.bucket), u.num_requests_allowed,
                            u.num_requests_denied,
                            u.time_elapsed.seconds + u.time_elapsed.nanos * 1e-9)
@@ -110,10 +146,12 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
     def _put(self, name: str, queue: asyncio.Queue[Sequence[Update] | None],
              updates: Sequence[Update]) -> None:
         if queue.qsize() >= MAX_QUEUED:
-            # An Envoy that reads nothing: end its stream rather than queue without end
-            # (it opens a new one at its next report).
-            _log.warning("RLQS stream not reading; ending it", stream=name)
-            queue.put_nowait(None)
+            # A caller that reads nothing: end its stream rather than queue without end
+            # (an Envoy opens a new one at its next report). A None on the queue would
+            # wait behind the write that never ends.
+            stuck = self._stuck.get(name)
+            if stuck is not None:
+                stuck.set()
             return
         queue.put_nowait(updates)
 
