@@ -29,6 +29,7 @@ from sitsmesh.transport.streams import OpenStreams
 _log = logs.get("sitsmesh.app.quota")
 _NO_DECISIONS: Mapping[str, Decision] = {}
 PEERS_S = 1.0
+PENDING_S = 0.002
 
 
 class QuotaMetrics(Collector):
@@ -119,9 +120,16 @@ class QuotaComponent:
         if self.servicer is not None:
             # Decisions move every controller tick, and one Envoy's report moves the
             # others' shares: what changed goes out without waiting for their reports.
-            self._background.every(REFRESH_S, self.servicer.push)
+            self._background.spawn(self._refresh(self.servicer))
         if self.peers is not None:
             self._background.spawn(self._share())
+
+    async def _refresh(self, servicer: RateLimitQuotaServicer) -> None:
+        """Push what changed every REFRESH_S; while work is pending (a step is kept
+        short, for Check's sake), the next step follows as soon as the loop is free."""
+        while True:
+            await asyncio.sleep(PENDING_S if self.service.pending else REFRESH_S)
+            servicer.push()
 
     async def _share(self) -> None:
         """Every second: this replica's members out, the others' in. Redis down: after

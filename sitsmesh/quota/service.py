@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from sitsmesh.pressure.controller import Decision
 from sitsmesh.quota import buckets
 from sitsmesh.quota.buckets import Kind, Target, Verdict
-from sitsmesh.quota.split import TokenShare, split
+from sitsmesh.quota.split import TokenShare, equal_share, split
 from sitsmesh.ratelimit.config import Node
 
 MAX_BUCKETS = 1_000    # per stream; past it new buckets are abandoned, not kept
@@ -41,9 +41,16 @@ MAX_STREAM_ID_BYTES = 2 * 1024 * 1024
 MAX_ID_BYTES = 96 * 1024 * 1024
 ENTRY_BYTES = 96
 BUCKET_BYTES = 256
-# Bucket visits (matching, or taking a group's verdict and share) per refresh step:
-# a few milliseconds of the loop, every REFRESH_S.
+# Bucket visits (matching, or taking a group's verdict and share) per refresh step,
+# and its time: Check waits behind a step, so a step is short and the next one
+# follows soon while work is pending.
 WORK_PER_STEP = 5_000
+STEP_S = 0.001
+# A group is split again at once when its members' demands moved by this fraction of
+# its demand in all, else RESPLIT_S after its last split (shares move by CHANGE
+# before they are sent anyway).
+DRIFT = 0.1
+RESPLIT_S = 5.0
 
 
 def id_bytes(bucket_id: Mapping[str, str]) -> int:
@@ -70,6 +77,8 @@ class Assignment:
 
 
 _ALLOWED = Assignment(Kind.ALLOW)
+_DENIED = Assignment(Kind.DENY)
+MAX_INTERNED = 10_000
 
 
 @dataclass(eq=False, slots=True)
@@ -82,6 +91,10 @@ class _Group:
     members: dict[str, _Bucket] = field(default_factory=dict)  # member name -> bucket
     verdict: Verdict = buckets.ALLOW
     shares: dict[str, TokenShare] = field(default_factory=dict)
+    computed: bool = False
+    demand: float = 0.0  # requests/s of every member, at the last split
+    drift: float = 0.0   # how far the members' demands moved since (requests/s)
+    since: float = 0.0   # when it was last computed
 
 
 @dataclass(eq=False, slots=True)
@@ -125,7 +138,8 @@ class QuotaService:
                  clock: Callable[[], float] = time.monotonic, *,
                  max_stream_id_bytes: int = MAX_STREAM_ID_BYTES,
                  max_id_bytes: int = MAX_ID_BYTES,
-                 work_per_step: int = WORK_PER_STEP) -> None:
+                 work_per_step: int = WORK_PER_STEP, step_s: float = STEP_S,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
         self._domains = domains
         self._decisions = decisions
         self._pipeline_for = pipeline_for
@@ -135,6 +149,8 @@ class QuotaService:
         self._max_stream_id_bytes = max_stream_id_bytes
         self._max_id_bytes = max_id_bytes
         self._work_per_step = work_per_step
+        self._step_s = step_s
+        self._timer = timer
         self.id_bytes = 0           # held by every stream's bucket ids
         self.refused_ids = 0        # new buckets abandoned for the id bounds
         self.visits = 0             # bucket visits so far (work done, for tests and bench)
@@ -144,6 +160,8 @@ class QuotaService:
         self._admissions: dict[tuple[str, int], _Group] = {}
         self._named: dict[str, _Group] = {}
         self._dirty: dict[_Group, None] = {}       # to recompute, in order
+        self._drifting: dict[_Group, float] = {}   # to recompute at that time
+        self._interned: dict[TokenShare, Assignment] = {}
         self._changed: dict[_Bucket, None] = {}    # `due` may have moved since last sent
         self._unsettled: dict[_Bucket, None] = {}  # `due` to compute again
         self._stale: list[_Bucket] = []            # to match again (config or pipelines)
@@ -213,42 +231,26 @@ class QuotaService:
             key = buckets.key_of(stream.domain, bucket_id)
             bucket = stream.buckets.get(key)
             if bucket is None:
-                if buckets.check(bucket_id) or len(stream.buckets) >= MAX_BUCKETS:
+                bucket = self._keep(stream, bucket_id, key, now)
+                if bucket is None:
                     abandon.append((bucket_id, None))
                     continue
-                cost = id_bytes(bucket_id)
-                if (stream.id_bytes + cost > self._max_stream_id_bytes
-                        or self.id_bytes + cost > self._max_id_bytes):
-                    self.refused_ids += 1
-                    abandon.append((bucket_id, None))
-                    continue
-                bucket = _Bucket(bucket_id, key, stream.name, cost, last_used=now)
-                stream.buckets[key] = bucket
-                stream.id_bytes += cost
-                self.id_bytes += cost
                 joined.append(bucket)
             if allowed or denied:
                 bucket.last_used = now
             if elapsed > 0:
                 rate = (allowed + denied) / elapsed
-                bucket.demand = rate if bucket.demand is None else (
-                    SMOOTHING * rate + (1 - SMOOTHING) * bucket.demand)
-                self._touch(bucket)
+                before = bucket.demand
+                bucket.demand = rate if before is None else (
+                    SMOOTHING * rate + (1 - SMOOTHING) * before)
+                self._touch(bucket, before, now)
             if now - bucket.last_used > IDLE_S:
                 self._drop(stream, bucket)
                 abandon.append((bucket_id, None))
                 continue
             reported.append(bucket)
         if joined:
-            self._notice_inputs()
-            if stream.root is None:
-                stream.root = self._domains().get(stream.domain)
-            for bucket in joined:
-                self._match(stream.root, stream.domain, bucket)
-            # New buckets are answered at once: their groups' shares now, not at the
-            # next refresh (the rest of those groups is pushed then).
-            fresh = {g: None for b in joined for g in (b.rule, b.admission) if g is not None}
-            self._recompute(list(fresh))
+            self._join(stream, joined)
         self._settle()
         updates: list[Update] = []
         for bucket in reported:
@@ -260,6 +262,38 @@ class QuotaService:
             if bucket.sent is not None:
                 updates.append((bucket.id, bucket.sent))
         return updates + abandon
+
+    def _keep(self, stream: Stream, bucket_id: dict[str, str], key: str,
+              now: float) -> _Bucket | None:
+        """A new bucket, if the bounds let the stream keep it."""
+        if buckets.check(bucket_id) or len(stream.buckets) >= MAX_BUCKETS:
+            return None
+        cost = id_bytes(bucket_id)
+        if (stream.id_bytes + cost > self._max_stream_id_bytes
+                or self.id_bytes + cost > self._max_id_bytes):
+            self.refused_ids += 1
+            return None
+        bucket = _Bucket(bucket_id, key, stream.name, cost, last_used=now)
+        stream.buckets[key] = bucket
+        stream.id_bytes += cost
+        self.id_bytes += cost
+        return bucket
+
+    def _join(self, stream: Stream, joined: list[_Bucket]) -> None:
+        """New buckets are answered at once. A new group is computed now (all its
+        members are new); one that exists keeps its verdict, a newcomer gets an equal
+        share of it, and the group is split again by the next refresh (splitting a
+        rate of 1 000 members for each of them was quadratic)."""
+        self._notice_inputs()
+        if stream.root is None:
+            stream.root = self._domains().get(stream.domain)
+        for bucket in joined:
+            self._match(stream.root, stream.domain, bucket)
+        fresh = {g: None for b in joined for g in (b.rule, b.admission)
+                 if g is not None and not g.computed}
+        self._recompute(list(fresh))
+        self._unsettled.update(dict.fromkeys(joined))
+        self._changed.update(dict.fromkeys(joined))
 
     def _moved(self, bucket: _Bucket) -> bool:
         """Worth sending: its own assignment moved enough, or another share of a rate it
@@ -276,21 +310,28 @@ class QuotaService:
         one Envoy's report moves every other Envoy's share. Does a bounded step of the
         pending work; what is left waits for the next call."""
         self._notice_inputs()
+        if self._drifting:
+            now = self._clock()
+            due = [g for g, at in self._drifting.items() if at <= now]
+            for group in due:
+                del self._drifting[group]
+                self._dirty[group] = None
         budget = self._work_per_step
+        until = self._timer() + self._step_s
         while self._stale and budget > 0:
             bucket = self._stale.pop()
             stream = self.streams.get(bucket.stream)
             if stream is not None and stream.buckets.get(bucket.key) is bucket:
                 self._match(stream.root, stream.domain, bucket)
             budget -= 1
-        groups: list[_Group] = []
-        while self._dirty and budget > 0:
-            group = next(iter(self._dirty))
-            del self._dirty[group]
-            groups.append(group)
-            budget -= len(group.members) + 1
-        self._recompute(groups)
+            if budget % 64 == 0 and self._timer() > until:
+                break
         self._settle()
+        while self._dirty and budget > 0 and self._timer() <= until:
+            group = next(iter(self._dirty))
+            self._recompute([group])
+            self._settle()
+            budget -= len(group.members) + 1
         candidates = dict(self._changed)
         self._changed.clear()
         for bucket in candidates:
@@ -406,6 +447,7 @@ class QuotaService:
 
     def _forget(self, group: _Group) -> None:
         self._dirty.pop(group, None)
+        self._drifting.pop(group, None)
         if self._named.get(group.verdict.group) is group:
             del self._named[group.verdict.group]
         pipelines = group.target.adaptive if group.target is not None else {group.pipeline}
@@ -429,18 +471,31 @@ class QuotaService:
         stream.id_bytes -= bucket.cost
         self.id_bytes -= bucket.cost
 
-    def _touch(self, bucket: _Bucket) -> None:
-        """Its demand moved: the shares of the rates it takes part in follow."""
+    def _touch(self, bucket: _Bucket, before: float | None, now: float) -> None:
+        """Its demand moved: the shares of the rates it takes part in follow, at once
+        when its first demand arrives or the group's demand drifted by DRIFT since its
+        last split, else within RESPLIT_S. Every Envoy reports every bucket each 5 s,
+        so re-splitting a rate on each report cost (Envoys x buckets) per report."""
         # A rule's verdict does not depend on demand, its split does. A pipeline's may
         # (the arrivals of a cut priority come from reports when the decision has
         # none), but never when it allows: protected, over the level or no decision.
+        assert bucket.demand is not None
+        delta = bucket.demand - (before or 0.0)
         for group in (bucket.rule, bucket.admission):
-            if group is not None and group.verdict.kind is not Kind.ALLOW:
+            kind = group.verdict.kind if group is not None else Kind.ALLOW
+            if group is None or kind is Kind.ALLOW or (
+                    group.target is not None and kind is not Kind.SHARED):
+                continue
+            group.drift += abs(delta)
+            if before is None or group.drift > DRIFT * group.demand:
                 self._dirty[group] = None
+            elif group.drift > 0 and group not in self._dirty:
+                self._drifting.setdefault(group, group.since + RESPLIT_S)
 
     def _recompute(self, groups: list[_Group]) -> None:
         """Each group's verdict and shares; its members' assignments follow."""
         decisions = self._decisions_now
+        now = self._clock()
         for group in groups:
             if not group.members:
                 continue
@@ -454,19 +509,34 @@ class QuotaService:
                     d or 0.0 for d in self._remote.get(name, {}).values())
                 verdict = buckets.admission_verdict(
                     group.pipeline, decisions.get(group.pipeline), group.priority, demand)
+                group.demand = demand
             if self._named.get(group.verdict.group) is group:
                 del self._named[group.verdict.group]
             group.verdict = verdict
+            group.computed = True
+            group.since, group.drift = now, 0.0
+            self._drifting.pop(group, None)
             if verdict.kind is Kind.SHARED:
                 self._named[verdict.group] = group
                 demands = {**self._remote.get(verdict.group, {}),
                            **{m: b.demand for m, b in group.members.items()}}
-                group.shares = split(verdict.rate, verdict.window_s, demands,
-                                     verdict.burst_s)
+                group.demand = sum(d or 0.0 for d in demands.values())
+                # Shares and assignments are interned: a bucket holds the same few
+                # objects as its neighbours, not two of its own for the GC to walk.
+                group.shares = {m: self._share(s) for m, s in split(
+                    verdict.rate, verdict.window_s, demands, verdict.burst_s).items()}
             else:
                 group.shares = {}
             self._changed.update(dict.fromkeys(group.members.values()))
             self._unsettled.update(dict.fromkeys(group.members.values()))
+
+    def _share(self, share: TokenShare) -> TokenShare:
+        assignment = self._interned.get(share)
+        if assignment is None:
+            if len(self._interned) >= MAX_INTERNED:
+                self._interned.clear()
+            assignment = self._interned[share] = Assignment(Kind.SHARED, share)
+        return assignment.share or share
 
     def _settle(self) -> None:
         """The assignments of the buckets whose groups moved: the stricter of their
@@ -476,17 +546,19 @@ class QuotaService:
             groups = [g for g in (bucket.rule, bucket.admission) if g is not None]
             bucket.groups = tuple(g.verdict.group for g in groups
                                   if g.verdict.kind is Kind.SHARED)
-            bucket.due = _stricter(groups, bucket.member)
+            bucket.due = self._stricter(groups, bucket.member)
 
-
-def _stricter(groups: list[_Group], member: str) -> Assignment:
-    result = _ALLOWED
-    for group in groups:
-        verdict = group.verdict
-        if verdict.kind is Kind.DENY:
-            return Assignment(Kind.DENY)
-        if verdict.kind is Kind.SHARED:
-            share = group.shares[member]
-            if result.share is None or share.rate < result.share.rate:
-                result = Assignment(Kind.SHARED, share)
-    return result
+    def _stricter(self, groups: list[_Group], member: str) -> Assignment:
+        result = _ALLOWED
+        for group in groups:
+            verdict = group.verdict
+            if verdict.kind is Kind.DENY:
+                return _DENIED
+            if verdict.kind is Kind.SHARED:
+                share = group.shares.get(member) or equal_share(
+                    verdict.rate, verdict.window_s,
+                    len(group.members) + len(self._remote.get(verdict.group, ())),
+                    verdict.burst_s)
+                if result.share is None or share.rate < result.share.rate:
+                    result = self._interned.get(share) or Assignment(Kind.SHARED, share)
+        return result

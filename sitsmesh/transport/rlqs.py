@@ -36,7 +36,7 @@ MAX_QUEUED = 64  # replies waiting for one slow Envoy; past it the stream is end
 WRITE_S = 30.0   # a reply not taken this long: the caller is not reading
 # Buckets taken from a report, or put in a reply, between two yields to the loop: a
 # report of 1 000 buckets costs ~8 ms of Python, and Check shares the loop.
-CHUNK = 200
+CHUNK = 100
 
 _Response = rlqs_pb2.RateLimitQuotaResponse
 _Action = _Response.BucketAction

@@ -38,7 +38,7 @@ class World:
         config = build([("edge.yaml", CONFIG)])
         self.service = QuotaService(lambda: config.domains, lambda: self.decisions,
                                     lambda hint, model: "infer" if model == "llama" else "",
-                                    clock=lambda: self.now)
+                                    clock=lambda: self.now, timer=lambda: 0.0)
 
 
 def _bucket(tenant: str, priority: str = "0", model: str = "other") -> dict[str, str]:
@@ -209,7 +209,7 @@ class CountingWorld(World):
             return "infer" if model == "llama" else ""
 
         self.service = QuotaService(lambda: config.domains, lambda: self.decisions,
-                                    pipeline_for, clock=lambda: self.now)
+                                    pipeline_for, clock=lambda: self.now, timer=lambda: 0.0)
 
 
 def _fleet(world: World, streams: int, per_stream: int) -> list[Stream]:
@@ -261,7 +261,7 @@ def test_a_refresh_step_does_bounded_work_and_finishes_later() -> None:
     Check between steps."""
     world = World()
     world.service = QuotaService(world.service._domains, lambda: world.decisions,
-                                 lambda hint, model: "", clock=lambda: world.now,
+                                 lambda hint, model: "", clock=lambda: world.now, timer=lambda: 0.0,
                                  work_per_step=500)
     streams = _fleet(world, 4, 1_000)
     config = build([("edge.yaml", CONFIG.replace("600", "1200"))])
@@ -299,7 +299,7 @@ def test_bucket_id_bytes_are_bounded_per_stream_and_across_streams() -> None:
     """Issue 26: ~25 MB per stream of long ids, past 512 MB at 17 streams."""
     world = World()
     world.service = QuotaService(world.service._domains, lambda: world.decisions,
-                                 lambda hint, model: "", clock=lambda: world.now,
+                                 lambda hint, model: "", clock=lambda: world.now, timer=lambda: 0.0,
                                  max_stream_id_bytes=200_000, max_id_bytes=500_000)
     long_ids = [{f"k{e}": f"{s}-{i}-" + "v" * 250 for e in range(16)} for s in range(4)
                 for i in range(1_000)]
