@@ -5,7 +5,8 @@ One `sitsmesh serve` (1 worker, started and stopped by this script on free
 on domain `edge`, so RLQS buckets share rates across streams). Tenant `bench`
 (models `*`) and one API key are created with the admin CLI. The caller is a
 gRPC client on one connection sending `--checks` sequential Checks (POST
-/v2/models/llama/infer with the key); every answer must be OK. Scenarios:
+/v2/models/llama/infer with the key) paced at `--rate` a second (2 400 at 200/s:
+12 s, over two report intervals); every answer must be OK. Scenarios:
 
 - **idle**: nothing else;
 - **N RLQS streams** (`--streams`, default 30 and 100): a subprocess opens N
@@ -84,11 +85,17 @@ def provision(node: harness.Sitsmesh) -> str:
 
 
 def measure(stub: Any, key: str, count: int, *, unique_models: bool = False,
-            budget_s: float = 600.0) -> list[float]:
-    """Round trips (ms) of up to `count` sequential Checks, within `budget_s`."""
+            budget_s: float = 600.0, rate: float = 0.0) -> list[float]:
+    """Round trips (ms) of up to `count` sequential Checks, within `budget_s`, paced at
+    `rate` a second (0: back to back)."""
     times: list[float] = []
     end = time.monotonic() + budget_s
+    began = time.monotonic()
     for i in range(count):
+        if rate:
+            wait = began + i / rate - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
         request = check_request(key, f"unseen-{i}-{time.monotonic_ns()}" if unique_models
                                 else "llama")
         start = time.perf_counter()
@@ -201,11 +208,14 @@ def rlqs_scenario(node: harness.Sitsmesh, stub: Any, key: str, args: argparse.Na
         first_reply_s = time.monotonic() - (deadline - args.report_s * 3 - 30)
         time.sleep(args.report_s)  # every stream reports again: steady state
         held = metric(node, "sitsmesh_rlqs_buckets")
+        open_streams = metric(node, "sitsmesh_rlqs_streams")
         before = (stats[0], stats[1])
-        times = measure(stub, key, args.checks)
+        times = measure(stub, key, args.checks, rate=args.rate)
         sent, answered = stats[0] - before[0], stats[1] - before[1]
         rss = rss_mb(node)
         pending = metric(node, "sitsmesh_rlqs_pending_work")
+        ended = metric(node, "sitsmesh_rlqs_streams_not_reading_total")
+        refused = metric(node, "sitsmesh_rlqs_buckets_refused_total")
     finally:
         stop.set()
         proc.join(30)
@@ -218,7 +228,8 @@ def rlqs_scenario(node: harness.Sitsmesh, stub: Any, key: str, args: argparse.Na
     if answered < sent - streams:
         raise BenchError(f"{streams} streams: {answered} replies to {sent} reports")
     return {"times": times, "note": (
-        f"{held:.0f} buckets held; {sent} reports, {answered} replies during the Checks; "
+        f"{open_streams:.0f} streams, {held:.0f} buckets held ({refused:.0f} refused, "
+        f"{ended:.0f} streams ended not reading); {sent} reports, {answered} replies during the Checks; "
         f"all streams answered in {first_reply_s:.1f} s; pending work {pending:.0f}; "
         f"RSS {rss:.0f} MB")}
 
@@ -257,7 +268,10 @@ def row(name: str, result: dict[str, Any], idle_p99: float | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checks", type=int, default=2000)
+    p.add_argument("--checks", type=int, default=2400)
+    p.add_argument("--rate", type=float, default=200.0,
+                   help="Checks a second (the caller is paced, so the Checks span "
+                        "several report intervals); 0: back to back")
     p.add_argument("--streams", type=int, nargs="*", default=[30, 100])
     p.add_argument("--buckets", type=int, default=1000)
     p.add_argument("--report-s", type=float, default=5.0)
@@ -276,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             with grpc.insecure_channel(node.data_addr) as channel:
                 stub = external_auth_pb2_grpc.AuthorizationStub(channel)
                 measure(stub, key, 200)  # warm-up
-                idle: dict[str, Any] = {"times": measure(stub, key, args.checks),
+                idle: dict[str, Any] = {"times": measure(stub, key, args.checks,
+                                                         rate=args.rate),
                                         "note": f"RSS {rss_mb(node):.0f} MB"}
                 results.append(("idle", idle))
                 print(row("idle", idle, None), file=sys.stderr)

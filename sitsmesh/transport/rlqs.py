@@ -1,12 +1,14 @@
 """envoy.service.rate_limit_quota.v3.RateLimitQuotaService: Envoy's rate_limit_quota
 filter reports usage per bucket; sitsmesh answers, and pushes, quota assignments.
 
-Each stream gets a queue: the report reader and the periodic refresh both put
-replies on it and one writer sends them, since a gRPC call takes one write at a
-time. A caller that reads nothing leaves the writer inside `context.write` for good
-(HTTP/2 flow control): the stream is ended when its queue is full or a write has
-waited WRITE_S, so its reader stops and its buckets are freed. Its status reaches
-the caller only if it reads again (the data queued before it comes first).
+Each stream gets an outbox: the report reader and the refresh both put updates in
+it and one writer sends them, since a gRPC call takes one write at a time. Updates
+waiting for the writer are merged by bucket (the newest wins), so a stream holds at
+most one pending update per bucket, however often the refresh pushes. A caller that
+reads nothing leaves the writer inside `context.write` for good (HTTP/2 flow
+control): the stream is ended once MAX_QUEUED reports came in during one write, or a
+write has waited WRITE_S, so its reader stops and its buckets are freed. Its status
+reaches the caller only if it reads again (the data queued before it comes first).
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from sitsmesh.transport.streams import OpenStreams
 
 SERVICE_NAME = rlqs_pb2.DESCRIPTOR.services_by_name["RateLimitQuotaService"].full_name
 REFRESH_S = 0.05
-MAX_QUEUED = 64  # replies waiting for one slow Envoy; past it the stream is ended
+MAX_QUEUED = 64  # reports answered while one write waits; past it the stream is ended
 WRITE_S = 30.0   # a reply not taken this long: the caller is not reading
 # Buckets taken from a report, or put in a reply, between two yields to the loop: a
 # report of 1 000 buckets costs ~8 ms of Python, and Check shares the loop.
 CHUNK = 100
+MAX_REPLY = 200  # updates in one reply; the rest follow in the next
 
 _Response = rlqs_pb2.RateLimitQuotaResponse
 _Action = _Response.BucketAction
@@ -90,6 +93,47 @@ async def _response(updates: Sequence[Update], ttl_s: int) -> Any:
     return _Response(bucket_action=actions)
 
 
+class _Outbox:
+    """What one stream's writer has to send."""
+
+    __slots__ = ("done", "pending", "ready", "stuck", "waiting")
+
+    def __init__(self) -> None:
+        # id(bucket id) -> update: the id dict is kept alive by the update itself, so
+        # its id names it while it waits; a bucket's ids are one object in its life.
+        self.pending: dict[int, Update] = {}
+        self.ready = asyncio.Event()
+        self.stuck = asyncio.Event()
+        self.waiting = 0     # reports answered since the writer last took the pending
+        self.done = False    # the reader has ended
+
+    def put(self, updates: Sequence[Update], *, report: bool) -> None:
+        pending = self.pending
+        for update in updates:
+            pending[id(update[0])] = update
+        if report:
+            self.waiting += 1
+            if self.waiting > MAX_QUEUED:
+                # A caller that reads nothing: end its stream rather than answer into
+                # the void (an Envoy opens a new one at its next report).
+                self.stuck.set()
+        self.ready.set()
+
+    def take(self) -> list[Update]:
+        """At most MAX_REPLY updates, oldest first: one reply of every bucket's long
+        id cost its size several times over while being built and sent."""
+        pending = self.pending
+        if len(pending) <= MAX_REPLY:
+            updates = list(pending.values())
+            pending.clear()
+            self.ready.clear()
+        else:
+            keys = list(itertools.islice(pending, MAX_REPLY))
+            updates = [pending.pop(key) for key in keys]
+        self.waiting = 0
+        return updates
+
+
 class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # type: ignore[misc]
     def __init__(self, service: QuotaService, ttl_s: int,
                  streams: OpenStreams | None = None) -> None:
@@ -97,8 +141,7 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
         # Envoy 1.40 reads the TTL's whole seconds, and 0 expires at once.
         self._ttl_s = max(1, ttl_s)
         self.streams = streams or OpenStreams()
-        self._queues: dict[str, asyncio.Queue[Sequence[Update] | None]] = {}
-        self._stuck: dict[str, asyncio.Event] = {}
+        self._outboxes: dict[str, _Outbox] = {}
         self.not_reading = 0  # streams ended because their caller did not read
 
     async def StreamRateLimitQuotas(self, request_iterator: AsyncIterator[Any],
@@ -112,15 +155,18 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
     async def _serve(self, request_iterator: AsyncIterator[Any],
                      context: aio.ServicerContext[Any, Any]) -> None:
         stream = self._service.open()
-        queue: asyncio.Queue[Sequence[Update] | None] = asyncio.Queue()
-        stuck = asyncio.Event()
-        self._queues[stream.name] = queue
-        self._stuck[stream.name] = stuck
-        reader = asyncio.ensure_future(self._read(request_iterator, stream, queue))
+        box = self._outboxes[stream.name] = _Outbox()
+        reader = asyncio.ensure_future(self._read(request_iterator, stream, box))
         try:
-            while (updates := await queue.get()) is not None:
+            while True:
+                await box.ready.wait()
+                updates = box.take()
+                if not updates:
+                    if box.done:
+                        break
+                    continue
                 reply = await _response(updates, self._ttl_s)
-                if not await self._write(context, reply, stuck):
+                if not await self._write(context, reply, box.stuck):
                     self.not_reading += 1
                     _log.warning("RLQS stream not reading; ended it", stream=stream.name)
                     context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -129,15 +175,14 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
             await reader  # raises what ended the reading, if anything
         finally:
             reader.cancel()
-            self._queues.pop(stream.name, None)
-            self._stuck.pop(stream.name, None)
+            self._outboxes.pop(stream.name, None)
             self._service.close(stream)
 
     @staticmethod
     async def _write(context: aio.ServicerContext[Any, Any], reply: Any,
                      stuck: asyncio.Event) -> bool:
-        """Send one reply; False if the caller took none of it in WRITE_S, or its
-        queue filled up meanwhile."""
+        """Send one reply; False if the caller took none of it in WRITE_S, or too many
+        reports came in meanwhile."""
         write = asyncio.ensure_future(context.write(reply))
         full = asyncio.ensure_future(stuck.wait())
         try:
@@ -153,7 +198,7 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
         return True
 
     async def _read(self, request_iterator: AsyncIterator[Any], stream: Any,
-                    queue: asyncio.Queue[Sequence[Update] | None]) -> None:
+                    box: _Outbox) -> None:
         try:
             async for reports in request_iterator:
                 # Where a per-message byte charge (one budget across every stream)
@@ -168,28 +213,16 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
                                u.time_elapsed.seconds + u.time_elapsed.nanos * 1e-9)
                               for u in itertools.islice(every, start, start + CHUNK)]
                     updates += self._service.report(stream, reports.domain, usages)
-                if updates:
-                    self._put(stream.name, queue, updates)
+                box.put(updates, report=True)
         finally:
-            queue.put_nowait(None)
-
-    def _put(self, name: str, queue: asyncio.Queue[Sequence[Update] | None],
-             updates: Sequence[Update]) -> None:
-        if queue.qsize() >= MAX_QUEUED:
-            # A caller that reads nothing: end its stream rather than queue without end
-            # (an Envoy opens a new one at its next report). A None on the queue would
-            # wait behind the write that never ends.
-            stuck = self._stuck.get(name)
-            if stuck is not None:
-                stuck.set()
-            return
-        queue.put_nowait(updates)
+            box.done = True
+            box.ready.set()
 
     def push(self) -> int:
         """Send every stream what changed since it was last told; returns how many."""
         pushes = self._service.refresh()
         for name, updates in pushes.items():
-            queue = self._queues.get(name)
-            if queue is not None:
-                self._put(name, queue, updates)
+            box = self._outboxes.get(name)
+            if box is not None:
+                box.put(updates, report=False)
         return len(pushes)
