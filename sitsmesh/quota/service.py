@@ -31,12 +31,13 @@ MAX_BUCKETS = 1_000    # per stream; past it new buckets are abandoned, not kept
 IDLE_S = 300.0         # a bucket with no requests this long is abandoned (Envoy frees it)
 CHANGE = 0.2           # a share that moved less than this is not worth a new bucket
 SMOOTHING = 0.5        # weight of the newest report in a demand estimate
-# Bytes a stored bucket id costs, as counted by `id_bytes`: its text twice (the id and
-# its key), and the objects around each entry and each bucket. Long ids cost ~25 MB a
+# Bytes a stored bucket id costs, as counted by `id_bytes`: its text three times (the
+# id, its key, and its wire form the RLQS transport keeps), and the objects around
+# each entry and each bucket. Long ids cost ~25 MB a
 # stream before these bounds (issue 26); 2 MiB still holds 1 000 ids of the fragment's
 # four entries (~0.6 KiB each).
 MAX_STREAM_ID_BYTES = 2 * 1024 * 1024
-# Across every stream: 100 Envoys of 1 000 such buckets fit (~70 MiB counted), and
+# Across every stream: 100 Envoys of 1 000 such buckets fit (~75 MiB counted), and
 # ids of the longest kind stop at ~130 MB of a 512 Mi pod.
 MAX_ID_BYTES = 96 * 1024 * 1024
 ENTRY_BYTES = 96
@@ -56,7 +57,7 @@ RESPLIT_S = 5.0
 def id_bytes(bucket_id: Mapping[str, str]) -> int:
     """What keeping `bucket_id` costs, charged against the per-stream and global bounds."""
     text = sum(len(k) + len(v) for k, v in bucket_id.items())
-    return 2 * text + ENTRY_BYTES * len(bucket_id) + BUCKET_BYTES
+    return 3 * text + ENTRY_BYTES * len(bucket_id) + BUCKET_BYTES
 
 
 @dataclass(frozen=True, slots=True)
