@@ -229,7 +229,8 @@ def rlqs_scenario(node: harness.Sitsmesh, stub: Any, key: str, args: argparse.Na
         raise BenchError(f"{streams} streams: {answered} replies to {sent} reports")
     return {"times": times, "note": (
         f"{open_streams:.0f} streams, {held:.0f} buckets held ({refused:.0f} refused, "
-        f"{ended:.0f} streams ended not reading); {sent} reports, {answered} replies during the Checks; "
+        f"{ended:.0f} streams ended not reading); {sent} reports, {answered} replies "
+        f"during the Checks; "
         f"all streams answered in {first_reply_s:.1f} s; pending work {pending:.0f}; "
         f"RSS {rss:.0f} MB")}
 
@@ -300,6 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     name = f"{streams} RLQS streams x {args.buckets} buckets"
                     results.append((name, rlqs_scenario(node, stub, key, args, streams)))
                     print(row(name, results[-1][1], idle_p99), file=sys.stderr)
+                again: dict[str, Any] = {"times": measure(stub, key, args.checks,
+                                                          rate=args.rate),
+                                         "note": "idle again, after the RLQS streams: the "
+                                                 f"machine's noise; RSS {rss_mb(node):.0f} MB"}
+                results.append(("idle (after)", again))
+                print(row("idle (after)", again, idle_p99), file=sys.stderr)
                 if not args.no_globs:
                     name = f"{args.globs}-glob pipeline, unseen models"
                     results.append((name, glob_scenario(node, stub, key, args)))
