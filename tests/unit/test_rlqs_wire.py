@@ -20,3 +20,30 @@ def test_encoded_replies_equal_the_protobuf_build() -> None:
     for _ in range(2):  # the second time from the cache
         assert encoder.response(updates) == response(updates, 20)
     assert encoder.response([]) == response([], 20)
+
+
+def test_an_outbox_keeps_one_update_per_bucket_and_marks_a_caller_that_does_not_read(
+) -> None:
+    """Issue 26: the refresh pushed a reply per step into a queue of 64, so a busy but
+    reading stream was ended; and a stream that never read was never ended. Pending
+    updates now merge by bucket (the newest wins), and only reports answered during
+    one stuck write count towards the bound."""
+    from sitsmesh.transport.rlqs import MAX_QUEUED, MAX_REPLY, _Outbox
+
+    ids = [{"tenant": f"t{i}"} for i in range(MAX_REPLY + 50)]
+    box = _Outbox(20)
+    for step in range(500):  # pushes: however many, one pending update per bucket
+        box.put([(bid, Assignment(Kind.SHARED, TokenShare(step + 1, 1, 2)))
+                 for bid in ids], report=False)
+    assert len(box.pending) == len(ids) and not box.stuck.is_set()
+    first = box.take()
+    assert len(first) == MAX_REPLY and box.ready.is_set()  # the rest follow
+    rest = box.take()
+    assert len(rest) == 50 and not box.ready.is_set()
+    assert all(a is not None and a.share is not None and a.share.tokens_per_fill == 500
+               for _, a in first + rest)
+    for _ in range(MAX_QUEUED):
+        box.put([(ids[0], None)], report=True)
+    assert not box.stuck.is_set()
+    box.put([(ids[0], None)], report=True)
+    assert box.stuck.is_set()
