@@ -124,6 +124,7 @@ class Stream:
     name: str
     domain: str = ""
     buckets: dict[str, _Bucket] = field(default_factory=dict)
+    by_id: dict[int, _Bucket] = field(default_factory=dict)  # id(bucket.id) -> bucket
     id_bytes: int = 0
     root: Node | None = None  # the domain's tree its buckets were matched against
 
@@ -190,6 +191,7 @@ class QuotaService:
         self.id_bytes -= stream.id_bytes
         stream.id_bytes = 0
         stream.buckets.clear()
+        stream.by_id.clear()
 
     # -- what the other replicas ask -----------------------------------------------
 
@@ -228,15 +230,20 @@ class QuotaService:
         reported: list[_Bucket] = []
         joined: list[_Bucket] = []
         abandon: list[Update] = []
+        by_id = stream.by_id
         for bucket_id, allowed, denied, elapsed in usages:
-            key = buckets.key_of(stream.domain, bucket_id)
-            bucket = stream.buckets.get(key)
-            if bucket is None:
-                bucket = self._keep(stream, bucket_id, key, now)
+            # A caller that hands back the id object a bucket keeps (the RLQS transport
+            # does, from the report's bytes) skips building its key.
+            bucket = by_id.get(id(bucket_id))
+            if bucket is None or bucket.id is not bucket_id:
+                key = buckets.key_of(stream.domain, bucket_id)
+                bucket = stream.buckets.get(key)
                 if bucket is None:
-                    abandon.append((bucket_id, None))
-                    continue
-                joined.append(bucket)
+                    bucket = self._keep(stream, bucket_id, key, now)
+                    if bucket is None:
+                        abandon.append((bucket_id, None))
+                        continue
+                    joined.append(bucket)
             if allowed or denied:
                 bucket.last_used = now
             if elapsed > 0:
@@ -276,6 +283,7 @@ class QuotaService:
             return None
         bucket = _Bucket(bucket_id, key, stream.name, cost, last_used=now)
         stream.buckets[key] = bucket
+        stream.by_id[id(bucket_id)] = bucket  # the bucket keeps its id alive
         stream.id_bytes += cost
         self.id_bytes += cost
         return bucket
@@ -469,6 +477,8 @@ class QuotaService:
     def _drop(self, stream: Stream, bucket: _Bucket) -> None:
         self._leave(bucket)
         del stream.buckets[bucket.key]
+        if stream.by_id.get(id(bucket.id)) is bucket:
+            del stream.by_id[id(bucket.id)]
         stream.id_bytes -= bucket.cost
         self.id_bytes -= bucket.cost
 

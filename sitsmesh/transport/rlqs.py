@@ -79,25 +79,52 @@ class _Encoder:
     bucket, the largest part of RLQS's time on the loop. Serialized messages
     concatenated merge, so an action is its id's bytes then its assignment's."""
 
-    __slots__ = ("_actions", "_ids", "_ttl_s")
+    __slots__ = ("_actions", "_fresh", "_ids", "_ttl_s", "_wire")
 
     def __init__(self, ttl_s: int) -> None:
         self._ttl_s = ttl_s
-        # id(bucket id) -> (the id, its bytes): holding the id keeps id() its own.
+        # A report's BucketId bytes -> the id dict made from them, the object the
+        # service keeps: the next report of the bucket costs a lookup, not a dict and
+        # a key. And id(that dict) -> (it, its bytes) for the replies; holding the
+        # dict keeps id() its own. One bytes object serves both.
+        self._wire: dict[bytes, dict[str, str]] = {}
         self._ids: dict[int, tuple[dict[str, str], bytes]] = {}
         self._actions: dict[Assignment | None, bytes] = {}
+        self._fresh: dict[int, tuple[dict[str, str], bytes]] = {}
 
-    def _bucket(self, bucket_id: dict[str, str], keep: bool) -> bytes:
+    def bucket_id(self, wire: bytes, message: Any) -> dict[str, str]:
+        """The id dict of a report's BucketId (`wire`: its bytes)."""
+        known = self._wire.get(wire)
+        if known is not None:
+            return known
+        made = dict(message.bucket)
+        self._fresh[id(made)] = (made, wire)
+        return made
+
+    def kept(self, updates: Sequence[Update]) -> None:
+        """Remember the new ids the service kept (an assignment, not an abandon): only
+        those, so the service's byte bounds bound this too."""
+        fresh, self._fresh = self._fresh, {}
+        if not fresh:
+            return
+        for bucket_id, assignment in updates:
+            entry = fresh.get(id(bucket_id))
+            if assignment is None or entry is None or entry[0] is not bucket_id:
+                continue
+            if len(self._wire) >= MAX_ENCODED:
+                self._wire.clear()
+                self._ids.clear()
+            self._wire[entry[1]] = bucket_id
+            self._ids[id(bucket_id)] = entry
+
+    def _bucket(self, bucket_id: dict[str, str]) -> bytes:
+        """The BucketAction bytes of its bucket_id field."""
         hit = self._ids.get(id(bucket_id))
         if hit is not None and hit[0] is bucket_id:
-            return hit[1]
-        encoded: bytes = _Action(
-            bucket_id=rlqs_pb2.BucketId(bucket=bucket_id)).SerializeToString()
-        if keep:  # a kept bucket's id comes again; an abandoned one's does not
-            if len(self._ids) >= MAX_ENCODED:
-                self._ids.clear()
-            self._ids[id(bucket_id)] = (bucket_id, encoded)
-        return encoded
+            wire = hit[1]
+        else:
+            wire = rlqs_pb2.BucketId(bucket=bucket_id).SerializeToString()
+        return b"\x0a" + _varint(len(wire)) + wire
 
     def _action(self, assignment: Assignment | None) -> bytes:
         encoded = self._actions.get(assignment)
@@ -112,12 +139,13 @@ class _Encoder:
     def response(self, updates: Sequence[Update]) -> Any:
         parts = []
         for bucket_id, assignment in updates:
-            body = self._bucket(bucket_id, assignment is not None) + self._action(assignment)
+            body = self._bucket(bucket_id) + self._action(assignment)
             parts.append(b"\x0a" + _varint(len(body)) + body)
         return _Response.FromString(b"".join(parts))
 
     def forget(self) -> None:
         self._ids.clear()
+        self._wire.clear()
 
 
 def _actions(updates: Sequence[Update], ttl_s: int,
@@ -253,14 +281,20 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
                 # would take the decoded report's size: reports.ByteSize().
                 every = reports.bucket_quota_usages
                 updates: list[Update] = []
+                id_of = box.encoder.bucket_id
                 for start in range(0, len(every), CHUNK):
                     if start:
                         await asyncio.sleep(0)
-                    usages = [(dict(u.bucket_id.bucket), u.num_requests_allowed,
-                               u.num_requests_denied,
-                               u.time_elapsed.seconds + u.time_elapsed.nanos * 1e-9)
-                              for u in itertools.islice(every, start, start + CHUNK)]
-                    updates += self._service.report(stream, reports.domain, usages)
+                    usages = []
+                    for u in itertools.islice(every, start, start + CHUNK):
+                        message = u.bucket_id
+                        elapsed = u.time_elapsed
+                        usages.append((id_of(message.SerializeToString(), message),
+                                       u.num_requests_allowed, u.num_requests_denied,
+                                       elapsed.seconds + elapsed.nanos * 1e-9))
+                    answered = self._service.report(stream, reports.domain, usages)
+                    box.encoder.kept(answered)
+                    updates += answered
                 box.put(updates, report=True)
         finally:
             box.done = True

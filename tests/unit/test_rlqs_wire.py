@@ -47,3 +47,17 @@ def test_an_outbox_keeps_one_update_per_bucket_and_marks_a_caller_that_does_not_
     assert not box.stuck.is_set()
     box.put([(ids[0], None)], report=True)
     assert box.stuck.is_set()
+
+
+def test_a_kept_bucket_id_is_made_once_from_its_bytes_and_an_abandoned_one_not_kept(
+) -> None:
+    from envoy.service.rate_limit_quota.v3 import rlqs_pb2
+
+    encoder = _Encoder(20)
+    kept, refused = (rlqs_pb2.BucketId(bucket={"tenant": t}) for t in ("a", "b"))
+    first = [encoder.bucket_id(m.SerializeToString(), m) for m in (kept, refused)]
+    encoder.kept([(first[0], Assignment(Kind.ALLOW)), (first[1], None)])
+    again = [encoder.bucket_id(m.SerializeToString(), m) for m in (kept, refused)]
+    assert again[0] is first[0]  # the service finds its bucket by this object
+    assert again[1] is not first[1] and again[1] == first[1]
+    assert encoder.response([(again[0], None)]) == response([({"tenant": "a"}, None)], 20)
