@@ -186,6 +186,14 @@ def rss_mb(node: harness.Sitsmesh) -> float:
     return 0.0
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def metric(node: harness.Sitsmesh, name: str) -> float:
     return harness.metric_value(node.metrics(), name)
 
@@ -210,7 +218,12 @@ def rlqs_scenario(node: harness.Sitsmesh, stub: Any, key: str, args: argparse.Na
         held = metric(node, "sitsmesh_rlqs_buckets")
         open_streams = metric(node, "sitsmesh_rlqs_streams")
         before = (stats[0], stats[1])
+        assert proc.pid is not None
+        cpu_before = (cpu_s(node.proc.pid), cpu_s(proc.pid), time.monotonic())
         times = measure(stub, key, args.checks, rate=args.rate)
+        wall = time.monotonic() - cpu_before[2]
+        server_cores = (cpu_s(node.proc.pid) - cpu_before[0]) / wall
+        load_cores = (cpu_s(proc.pid) - cpu_before[1]) / wall
         sent, answered = stats[0] - before[0], stats[1] - before[1]
         rss = rss_mb(node)
         pending = metric(node, "sitsmesh_rlqs_pending_work")
@@ -232,7 +245,8 @@ def rlqs_scenario(node: harness.Sitsmesh, stub: Any, key: str, args: argparse.Na
         f"{ended:.0f} streams ended not reading); {sent} reports, {answered} replies "
         f"during the Checks; "
         f"all streams answered in {first_reply_s:.1f} s; pending work {pending:.0f}; "
-        f"RSS {rss:.0f} MB")}
+        f"RSS {rss:.0f} MB; server {server_cores:.2f} cores busy, load generator "
+        f"{load_cores:.2f}")}
 
 
 def glob_scenario(node: harness.Sitsmesh, stub: Any, key: str,
