@@ -52,6 +52,7 @@ STEP_S = 0.001
 # before they are sent anyway).
 DRIFT = 0.1
 RESPLIT_S = 5.0
+DRIFT_SCAN_S = 0.5
 
 
 def id_bytes(bucket_id: Mapping[str, str]) -> int:
@@ -163,6 +164,7 @@ class QuotaService:
         self._named: dict[str, _Group] = {}
         self._dirty: dict[_Group, None] = {}       # to recompute, in order
         self._drifting: dict[_Group, float] = {}   # to recompute at that time
+        self._drift_scan = 0.0
         self._interned: dict[TokenShare, Assignment] = {}
         self._changed: dict[_Bucket, None] = {}    # `due` may have moved since last sent
         self._unsettled: dict[_Bucket, None] = {}  # `due` to compute again
@@ -319,8 +321,10 @@ class QuotaService:
         one Envoy's report moves every other Envoy's share. Does a bounded step of the
         pending work; what is left waits for the next call."""
         self._notice_inputs()
-        if self._drifting:
-            now = self._clock()
+        now = self._clock()
+        if self._drifting and now >= self._drift_scan:
+            # Scanned every DRIFT_SCAN_S, not every step: there may be many such groups.
+            self._drift_scan = now + DRIFT_SCAN_S
             due = [g for g, at in self._drifting.items() if at <= now]
             for group in due:
                 del self._drifting[group]

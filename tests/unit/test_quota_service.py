@@ -320,3 +320,31 @@ def test_bucket_id_bytes_are_bounded_per_stream_and_across_streams() -> None:
     [(_, got)] = world.service.report(fresh, "edge", [(_bucket("acme"), 1, 0, 0.0)])
     assert got is not None
     assert world.service.id_bytes == sum(s.id_bytes for s in world.service.streams.values())
+
+
+def test_small_demand_drift_waits_for_the_resplit_and_a_large_one_does_not() -> None:
+    """Every Envoy reports every bucket each 5 s: a rate is split again at once only when
+    its members' demand moved 10 % of its total, else within RESPLIT_S."""
+    from sitsmesh.quota.service import RESPLIT_S
+
+    world = World()
+    a, b = world.service.open(), world.service.open()
+    for stream in (a, b):
+        world.service.report(stream, "edge", [(_bucket("acme"), 50, 0, 5.0)])
+    world.service.refresh()
+    [bucket] = a.buckets.values()
+    split_at = bucket.due
+    world.now = 1.0
+    world.service.report(a, "edge", [(_bucket("acme"), 53, 0, 5.0)])  # +3 % of the total
+    world.service.refresh()
+    assert bucket.due is split_at  # not split again yet
+    world.now = 1.0 + RESPLIT_S
+    world.service.refresh()
+    assert bucket.due is not None and bucket.due != split_at  # split within RESPLIT_S
+    world.now += 1.0
+    resplit = bucket.due
+    world.service.report(b, "edge", [(_bucket("acme"), 10, 0, 5.0)])  # -40 %: at once
+    world.service.refresh()
+    assert bucket.due is not None and bucket.due.share is not None
+    assert resplit is not None and resplit.share is not None
+    assert bucket.due.share.rate > resplit.share.rate
