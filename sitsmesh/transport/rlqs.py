@@ -201,7 +201,6 @@ class _Outbox:
         if len(pending) <= MAX_REPLY:
             updates = list(pending.values())
             pending.clear()
-            self.ready.clear()
         else:
             keys = list(itertools.islice(pending, MAX_REPLY))
             updates = [pending.pop(key) for key in keys]
@@ -234,13 +233,13 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
         reader = asyncio.ensure_future(self._read(request_iterator, stream, box))
         try:
             while True:
-                await box.ready.wait()
-                updates = box.take()
-                if not updates:
-                    if box.done:
+                if not box.pending:
+                    if box.done:  # what the reader left was sent: the stream ends
                         break
+                    box.ready.clear()
+                    await box.ready.wait()
                     continue
-                reply = box.encoder.response(updates)
+                reply = box.encoder.response(box.take())
                 if not await self._write(context, reply, box.stuck):
                     self.not_reading += 1
                     _log.warning("RLQS stream not reading; ended it", stream=stream.name)

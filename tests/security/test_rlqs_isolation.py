@@ -146,3 +146,16 @@ def test_long_bucket_ids_are_bounded_per_stream_and_in_all(node: harness.Sitsmes
         for call in calls:
             call.cancel()
         channel.close()
+
+
+def test_a_stream_that_half_closes_gets_every_reply_then_ends(
+        node: harness.Sitsmesh) -> None:
+    """The writer sends what the reader left (in replies of at most 200), then ends
+    the stream OK, rather than wait for updates that will not come."""
+    with grpc.insecure_channel(node.data_addr) as channel:
+        stub = rlqs_pb2_grpc.RateLimitQuotaServiceStub(channel)
+        ids = [{"tenant": f"t{i}", "priority": "0"} for i in range(450)]
+        call = stub.StreamRateLimitQuotas(iter([_report(ids)]), timeout=15)
+        answered = sum(len(reply.bucket_action) for reply in call)  # ends, or times out
+        assert call.code() == grpc.StatusCode.OK
+        assert answered == 450
