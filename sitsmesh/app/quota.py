@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 
 from sitsmesh import logs
 from sitsmesh.app.background import Background, DataService
-from sitsmesh.app.components import PressureComponent, RateLimitComponent
+from sitsmesh.app.components import ChainsComponent, PressureComponent, RateLimitComponent
 from sitsmesh.app.tls import redis_url
 from sitsmesh.config import Settings
 from sitsmesh.pressure.controller import Decision
@@ -26,6 +29,36 @@ from sitsmesh.transport.streams import OpenStreams
 _log = logs.get("sitsmesh.app.quota")
 _NO_DECISIONS: Mapping[str, Decision] = {}
 PEERS_S = 1.0
+PENDING_S = 0.002
+
+
+class QuotaMetrics(Collector):
+    """What RLQS holds and what its bounds refused, read at scrape time."""
+
+    def __init__(self, service: QuotaService, servicer: RateLimitQuotaServicer) -> None:
+        self._service = service
+        self._servicer = servicer
+
+    def collect(self) -> Iterator[Metric]:
+        service = self._service
+        yield GaugeMetricFamily("sitsmesh_rlqs_streams", "Open RLQS streams.",
+                                value=len(service.streams))
+        yield GaugeMetricFamily("sitsmesh_rlqs_buckets", "Buckets kept across RLQS streams.",
+                                value=sum(len(s.buckets) for s in service.streams.values()))
+        yield GaugeMetricFamily("sitsmesh_rlqs_bucket_id_bytes",
+                                "Bytes counted for the bucket ids kept, all streams.",
+                                value=service.id_bytes)
+        yield GaugeMetricFamily("sitsmesh_rlqs_pending_work",
+                                "Buckets and groups waiting to be matched or recomputed.",
+                                value=service.pending)
+        yield CounterMetricFamily(
+            "sitsmesh_rlqs_buckets_refused", "New buckets abandoned because the bucket-id "
+            "byte bound of their stream or of all streams was reached.",
+            value=service.refused_ids)
+        yield CounterMetricFamily(
+            "sitsmesh_rlqs_streams_not_reading",
+            "RLQS streams ended because their caller did not read its replies.",
+            value=self._servicer.not_reading)
 
 
 class QuotaComponent:
@@ -35,7 +68,8 @@ class QuotaComponent:
     no_assignment_behavior, and the start-up log says why)."""
 
     def __init__(self, settings: Settings, ratelimit: RateLimitComponent,
-                 pressure: PressureComponent | None, *, serve: bool) -> None:
+                 pressure: PressureComponent | None, *, serve: bool,
+                 registry: CollectorRegistry | None = None) -> None:
         self._settings = settings
         self._background = Background()
         self.servicer: RateLimitQuotaServicer | None = None
@@ -61,10 +95,19 @@ class QuotaComponent:
 
         self.service = QuotaService(domains, decisions, pipeline_for)
         self.servicer = RateLimitQuotaServicer(self.service, settings.rlqs_assignment_ttl_s)
+        if registry is not None:
+            registry.register(QuotaMetrics(self.service, self.servicer))
         # Replicas split each global rate over every Envoy of the fleet, through the
         # Redis the rate limits or the shared runtime already use.
         if settings.shared_runtime == "redis" or settings.ratelimit_store == "redis":
             self.peers = QuotaPeers(Redis.from_url(redis_url(settings)), holder_id())
+
+    def attach(self, chains: ChainsComponent) -> None:
+        """Buckets are matched to pipelines once; again (a step at a time) when the
+        pipelines change. Registered after the gate's listener, so it sees the new ones."""
+        if self.servicer is not None:
+            service = self.service
+            chains.pipelines.on_change(lambda _pipelines: service.pipelines_changed())
 
     def services(self, streams: OpenStreams) -> list[DataService]:
         servicer = self.servicer
@@ -78,9 +121,16 @@ class QuotaComponent:
         if self.servicer is not None:
             # Decisions move every controller tick, and one Envoy's report moves the
             # others' shares: what changed goes out without waiting for their reports.
-            self._background.every(REFRESH_S, self.servicer.push)
+            self._background.spawn(self._refresh(self.servicer))
         if self.peers is not None:
             self._background.spawn(self._share())
+
+    async def _refresh(self, servicer: RateLimitQuotaServicer) -> None:
+        """Push what changed every REFRESH_S; while work is pending (a step is kept
+        short, for Check's sake), the next step follows as soon as the loop is free."""
+        while True:
+            await asyncio.sleep(PENDING_S if self.service.pending else REFRESH_S)
+            servicer.push()
 
     async def _share(self) -> None:
         """Every second: this replica's members out, the others' in. Redis down: after

@@ -95,25 +95,51 @@ def walk(root: Node, bucket: Mapping[str, str]) -> list[tuple[str, str]]:
     return ordered
 
 
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The rules a bucket reaches in one domain's tree: buckets with one target share
+    its rate. The verdict depends on nothing else but the pipelines' admitted
+    fractions, so it is computed once per target, not per bucket."""
+
+    domain: str
+    parts: tuple[str, ...]
+    rules: tuple[Rule, ...]
+
+    @property
+    def adaptive(self) -> frozenset[str]:
+        return frozenset(r.adaptive_pipeline for r in self.rules if r.adaptive_pipeline)
+
+    def verdict(self, fraction: Mapping[str, float]) -> Verdict:
+        if not self.rules or any(r.shadow_mode for r in self.rules):
+            return ALLOW
+        rule = min(self.rules, key=lambda r: _rate(r, fraction))
+        rate = _rate(rule, fraction)
+        group = "\x1f".join(("rule", self.domain, *self.parts, str(rule.index)))
+        if rate <= 0:
+            return Verdict(Kind.DENY, why=rule.stats_key, group=group)
+        return Verdict(Kind.SHARED, rate, rule.window_s, rule.stats_key, group)
+
+
+def target(domain: str, root: Node | None, bucket: Mapping[str, str]) -> Target | None:
+    """The target `bucket` reaches in one domain's tree; None: no rule governs it."""
+    if root is None:
+        return None
+    ordered = walk(root, bucket)
+    if not ordered:
+        return None
+    node, parts, _ = match(root, ordered)
+    rules = tuple(r for r in (node.rules if node is not None else ()) if not r.unlimited)
+    if not rules or any(r.shadow_mode for r in rules):
+        return None
+    return Target(domain, tuple(parts), rules)
+
+
 def rule_verdict(domain: str, root: Node | None, bucket: Mapping[str, str],
                  fraction: Mapping[str, float]) -> Verdict:
     """The verdict of the rule `bucket` reaches in one domain's tree. `fraction`: the
     admitted fraction of each pipeline, for adaptive rules."""
-    if root is None:
-        return ALLOW
-    ordered = walk(root, bucket)
-    if not ordered:
-        return ALLOW
-    node, parts, _ = match(root, ordered)
-    rules = [r for r in (node.rules if node is not None else ()) if not r.unlimited]
-    if not rules or any(r.shadow_mode for r in rules):
-        return ALLOW
-    rule = min(rules, key=lambda r: _rate(r, fraction))
-    rate = _rate(rule, fraction)
-    group = "\x1f".join(("rule", domain, *parts, str(rule.index)))
-    if rate <= 0:
-        return Verdict(Kind.DENY, why=rule.stats_key, group=group)
-    return Verdict(Kind.SHARED, rate, rule.window_s, rule.stats_key, group)
+    reached = target(domain, root, bucket)
+    return ALLOW if reached is None else reached.verdict(fraction)
 
 
 def _rate(rule: Rule, fraction: Mapping[str, float]) -> float:

@@ -82,3 +82,13 @@ def split(rate: float, window_s: int, demands: Mapping[str, float | None],
             tokens[e] = 1
     return {e: TokenShare(t, fill, max(MIN_BURST, math.ceil(t / fill * burst_s)))
             for e, t in tokens.items()}
+
+
+def equal_share(rate: float, window_s: int, envoys: int,
+                burst_s: float = BURST_S) -> TokenShare:
+    """One Envoy's share when `envoys` split `rate` evenly: what a bucket that joins a
+    rate gets at once, until the next split places it by demand."""
+    envoys = max(1, envoys)
+    fill = fill_seconds(rate, envoys, window_s)
+    tokens = max(1, round(rate * fill / envoys))
+    return TokenShare(tokens, fill, max(MIN_BURST, math.ceil(tokens / fill * burst_s)))

@@ -56,3 +56,15 @@ def test_more_envoys_than_tokens_still_gives_each_one() -> None:
 def test_burst_is_small_next_to_the_rate() -> None:
     share = split(100.0, 60, {"a": 100.0})["a"]
     assert 1 <= share.max_tokens <= share.rate  # at most a second's worth
+
+
+def test_an_equal_share_is_what_an_even_split_gives_each() -> None:
+    """What a bucket joining a shared rate gets at once, before the next split."""
+    from sitsmesh.quota.split import equal_share
+
+    for rate, window, envoys in ((10.0, 60, 5), (0.5, 3600, 3), (1000.0, 1, 7)):
+        even = split(rate, window, dict.fromkeys(map(str, range(envoys))))
+        share = equal_share(rate, window, envoys)
+        assert share.fill_s == next(iter(even.values())).fill_s
+        assert min(s.tokens_per_fill for s in even.values()) <= share.tokens_per_fill
+        assert share.tokens_per_fill <= max(s.tokens_per_fill for s in even.values())
