@@ -105,8 +105,9 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     pressure = (PressureComponent(settings, store, registry, serve=serve or shared)
                 if role is not Role.WORKER or shared else None)
     gate = pressure.gate if pressure is not None and serve else None
-    def pipeline_of(model: str) -> str:
-        return gate.pipeline_for("", model) if gate is not None else ""
+    def pipeline_of(model: str, tenant: str) -> str:
+        # The pipeline the request entered: only one that governs its tenant.
+        return gate.pipeline_of("", model, tenant) if gate is not None else ""
 
     telemetry = TelemetryComponent(settings, registry, serve=serve, pipeline_of=pipeline_of)
     ratelimit = RateLimitComponent(settings, store, registry, board, serve=serve, gate=gate,

@@ -15,7 +15,7 @@ from sitsmesh.telemetry.decisions import AuthzMetrics, Telemetry
 
 class TelemetryComponent:
     def __init__(self, settings: Settings, registry: CollectorRegistry | None, *,
-                 serve: bool, pipeline_of: Callable[[str], str]) -> None:
+                 serve: bool, pipeline_of: Callable[[str, str], str]) -> None:
         log = None
         if serve and settings.decision_log != "off":
             log = DecisionLog(

@@ -55,7 +55,7 @@ class DecisionLog:
 
     def __init__(self, mode: str, *, sample: float = 1.0, max_per_s: int = 100,
                  headers: Iterable[str] = (), mask: Iterable[str] = (),
-                 pipeline_of: Callable[[str], str] = lambda model: "",
+                 pipeline_of: Callable[[str, str], str] = lambda model, tenant: "",
                  rand: Callable[[], float] = random.random,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if mode not in MODES:
@@ -99,7 +99,7 @@ class DecisionLog:
             record.update(decision="deny", reason=decision.code, status=decision.status)
         else:
             record.update(decision="allow", reason="ok", status=200, model=decision.model,
-                          pipeline=self._pipeline_of(decision.model),
+                          pipeline=self._pipeline_of(decision.model, decision.tenant),
                           priority=decision.priority)
         if request.principal:
             record["principal"] = request.principal[:MAX_VALUE_CHARS]

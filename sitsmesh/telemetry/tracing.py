@@ -134,7 +134,7 @@ class Tracing:
         self._propagator = TraceContextTextMapPropagator()
         self._decisions: dict[str, Decision] = {}
         # The pipeline a model's requests enter (sitsmesh.app.compose sets the gate's).
-        self.pipeline_of: Callable[[str], str] = lambda model: ""
+        self.pipeline_of: Callable[[str, str], str] = lambda model, tenant: ""
 
     def parent(self, traceparent: str, tracestate: str = "") -> Context | None:
         """The context a W3C traceparent names; None (a new root) when it is absent or
@@ -172,7 +172,8 @@ class Tracing:
             attributes = {"sitsmesh.decision": "allow", "sitsmesh.reason": "ok",
                           "http.response.status_code": 200,
                           "sitsmesh.tenant": decision.tenant, "sitsmesh.model": decision.model,
-                          "sitsmesh.pipeline": self.pipeline_of(decision.model),
+                          "sitsmesh.pipeline": self.pipeline_of(decision.model,
+                                                                  decision.tenant),
                           "sitsmesh.priority": decision.priority,
                           "sitsmesh.request_class": decision.request_class}
         if request.request_id:

@@ -121,7 +121,7 @@ def test_masking(name: str, value: str, shown: str) -> None:
 
 def test_records_hold_no_secret_and_name_the_key_by_id(captured: list[dict[str, Any]]) -> None:
     log = DecisionLog("all", headers=("x-api-key", "x-note", "X-Org"), mask=("x-org",),
-                      pipeline_of=lambda model: f"p-{model}")
+                      pipeline_of=lambda model, tenant: f"p-{model}-{tenant}")
     request = CheckInput({"x-api-key": KEY, "x-note": "hello", "x-org": "s3cret"},
                          f"/v2/models/bert/infer?key={KEY}", b"", "spiffe://a/b", "rid-1")
     log.authz(request, ALLOWED, 0.00125)
@@ -137,7 +137,7 @@ def test_records_hold_no_secret_and_name_the_key_by_id(captured: list[dict[str, 
     assert authz == {
         "event": "decision", "kind": "authz", "request_id": "rid-1", "tenant": "acme",
         "latency_ms": 1.25, "path": "/v2/models/bert/infer", "decision": "allow",
-        "reason": "ok", "status": 200, "model": "bert", "pipeline": "p-bert", "priority": 3,
+        "reason": "ok", "status": 200, "model": "bert", "pipeline": "p-bert-acme", "priority": 3,
         "principal": "spiffe://a/b", "api_key_id": KEY_ID,
         "headers": {"x-api-key": MASK, "x-note": "hello", "x-org": MASK},
         "log_level": "info", "component": "sitsmesh.decisions"}
