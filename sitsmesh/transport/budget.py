@@ -1,0 +1,351 @@
+"""One budget for the request bytes a process holds in flight, across every RPC and
+stream it serves (Check, ShouldRateLimit, access logs, stats, RLQS, the admin API).
+
+Each message bound on its own (max_message_bytes and the like) bounded one message;
+200 access-log streams of 3.7 MB each still took the RSS past 1 GB, because every
+stream held its message, parsed (about 4x its bytes), at once. Here every request
+message is charged from its length before it is parsed and given back when its
+handler is done with it; a message that does not fit is refused unparsed, at once:
+
+- a unary call gets RESOURCE_EXHAUSTED (Check: a 503 deny with Retry-After, see
+  checklimits.busy);
+- a stream is ended with RESOURCE_EXHAUSTED; what it sent before was processed.
+
+Refusing, not waiting: grpcio (measured on 1.85) takes each stream's message in full
+as it arrives, whether or not the handler has asked for it, and whatever the HTTP/2
+window (50 streams of 3.7 MB held 185 MB before any read), so a stream made to wait
+keeps its bytes held; ending it frees them.
+
+Messages over `LARGE_BYTES` (more than Envoy ever forwards in a Check body) take the
+event loop for milliseconds each to parse (a 1 MiB JSON body up to ~40 ms): while the
+loop is behind (`large_message_lag_ms`), they are refused fast (unary calls) or their
+stream waits before its next read, so a caller sending the largest messages allowed
+cannot starve the small Checks queued behind them. An idle server parses them all.
+
+The event loop's threads call it; a lock keeps the counts right should the admin
+server run on a loop of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from sitsmesh.transport.handlers import behaviour
+
+MIB = 1 << 20
+FALLBACK_BYTES = 64 * MIB       # no memory limit found (cgroup "max", or no cgroup)
+LIMIT_SHARE = 8                 # the budget is 1/8 of the memory limit
+MIN_BYTES = 4 * MIB
+LARGE_BYTES = 64 << 10          # Envoy's ext_authz fragment forwards at most 64 KiB of body
+TICK_S = 0.02
+READ_AHEAD = 2                  # messages gRPC buffers for a stream it has read from
+CGROUP_FILES = (Path("/sys/fs/cgroup/memory.max"),                       # cgroup v2
+                Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))     # cgroup v1
+_UNLIMITED_V1 = 1 << 60         # v1 reports "no limit" as a huge page-rounded number
+
+
+def memory_limit(files: Sequence[Path] = CGROUP_FILES) -> int | None:
+    """The container's memory limit in bytes, or None when there is none."""
+    for path in files:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            continue
+        return value if 0 < value < _UNLIMITED_V1 else None
+    return None
+
+
+def default_capacity(limit: int | None) -> int:
+    """1/LIMIT_SHARE of the memory limit: the parsed form of a message takes up to ~5x
+    its wire bytes, and the caches and the interpreter need the rest."""
+    if limit is None:
+        return FALLBACK_BYTES
+    return max(MIN_BYTES, limit // LIMIT_SHARE)
+
+
+class ByteBudget:
+    """Bytes held in flight: `take` when a message arrives, `give` when it is done."""
+
+    def __init__(self, capacity: int, large_lag_s: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity = capacity
+        self.held = 0
+        self.peak = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+        self.lag = LoopLag(large_lag_s, clock)
+
+    def take(self, size: int) -> bool:
+        """Charge `size` if it fits."""
+        with self._lock:
+            if self.held + size > self.capacity:
+                self.refused += 1
+                return False
+            self.held += size
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def give(self, size: int) -> None:
+        if size:
+            with self._lock:
+                self.held -= size
+
+    def note_refused(self) -> None:
+        with self._lock:
+            self.refused += 1
+
+
+class LoopLag:
+    """Whether the event loop is behind: a tick every TICK_S notes how late it ran, and
+    a tick overdue by more than `limit_s` counts as late already (while a backlog of
+    large messages is parsed, the tick itself waits behind it)."""
+
+    def __init__(self, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit_s = limit_s
+        self._clock = clock
+        self._due = clock() + TICK_S
+        self.late_s = 0.0
+        self._caught_up = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def behind(self) -> bool:
+        if self._task is None:  # started on the loop, by the first large message
+            self.start()
+        return self.late_s > self.limit_s or self._clock() - self._due > self.limit_s
+
+    def tick(self) -> None:
+        """Note one tick, due at `self._due` (the ticker calls this every TICK_S)."""
+        now = self._clock()
+        self.late_s = max(0.0, now - self._due)
+        self._due = now + TICK_S
+        if self.late_s <= self.limit_s:
+            self._caught_up.set()
+        else:
+            self._caught_up.clear()
+
+    async def caught_up(self) -> None:
+        """Return once the loop is no longer behind."""
+        while self.behind():
+            self._caught_up.clear()
+            await self._caught_up.wait()
+
+    def start(self) -> None:
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(TICK_S)
+                self.tick()
+
+        self._due = self._clock() + TICK_S
+        self._task = asyncio.get_running_loop().create_task(ticker())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+Refusal = Callable[[str, Any], Any]
+"""(why, context) -> a reply for a unary call refused by the budget; None: abort with
+RESOURCE_EXHAUSTED."""
+
+
+class BudgetedRegistrar:
+    """Stands in for a server (or another registrar) while services register: every
+    handler is wrapped so its request messages are charged to `budget`."""
+
+    def __init__(self, server: Any, budget: ByteBudget,
+                 refusals: dict[str, Refusal] | None = None,
+                 refused_unparsed: dict[str, int] | None = None) -> None:
+        self._server = server
+        self._budget = budget
+        self._refusals = refusals or {}
+        # method -> the length past which its own deserializer refuses a message
+        # unparsed: such a message costs nothing to refuse, so it is not charged.
+        self._unparsed = refused_unparsed or {}
+        self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_Generic(h, self) for h in handlers))
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        self._server.add_registered_method_handlers(
+            service, {name: self.wrapped(f"/{service}/{name}", handler)
+                      for name, handler in handlers.items()})
+
+    def wrapped(self, method: str, handler: grpc.RpcMethodHandler[Any, Any]
+                ) -> grpc.RpcMethodHandler[Any, Any]:
+        cached = self._wrapped.get(method)
+        if cached is None:
+            cached = self._wrapped[method] = _wrap(
+                handler, self._budget, self._refusals.get(method),
+                self._unparsed.get(method, 1 << 62))
+        return cached
+
+
+class _Generic(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler, registrar: BudgetedRegistrar) -> None:
+        self._inner = inner
+        self._registrar = registrar
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails
+                ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        return self._registrar.wrapped(handler_call_details.method, handler)
+
+
+async def _refuse(refusal: Refusal | None, why: str, context: Any) -> Any:
+    if refusal is not None:
+        return refusal(why, context)
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+    raise AssertionError("unreachable")
+
+
+def _over(budget: ByteBudget) -> str:
+    # The same text every time: a refusal flood must stay cheap (see checklimits.busy).
+    return (f"server busy: request bytes in flight over the budget of {budget.capacity} "
+            "(inflight_budget_bytes); retry")
+
+
+def _paced(budget: ByteBudget) -> str:
+    return (f"server busy: messages over {LARGE_BYTES} bytes wait while the event loop is "
+            f"over {budget.lag.limit_s * 1000:g} ms behind (large_message_lag_ms); retry")
+
+
+def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget,
+          refusal: Refusal | None, unparsed: int) -> grpc.RpcMethodHandler[Any, Any]:
+    inner, factory = behaviour(handler)
+    parse = handler.request_deserializer or (lambda data: data)
+    serialize = handler.response_serializer
+    if handler.request_streaming:
+        return _wrap_stream(inner, factory, parse=parse, serialize=serialize, budget=budget)
+
+    over, paced = _over(budget), _paced(budget)
+
+    def admit(size: int) -> tuple[str, int]:
+        """('', bytes charged) if a message of `size` may be parsed, else (why not, 0)."""
+        if size > unparsed:
+            return "", 0  # its deserializer refuses it from its length alone
+        if size > LARGE_BYTES and budget.lag.behind():
+            budget.note_refused()
+            return paced, 0
+        if not budget.take(size):
+            return over, 0
+        return "", size
+
+    if inspect.isasyncgenfunction(inner):
+        async def gen_behavior(data: bytes, context: Any) -> Any:
+            why, charged = admit(len(data))
+            if why:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+            try:
+                request = parse(data)
+                del data
+                async for item in inner(request, context):
+                    yield item
+            finally:
+                budget.give(charged)
+
+        return factory(gen_behavior, None, serialize)
+
+    async def unary(data: bytes, context: Any) -> Any:
+        why, charged = admit(len(data))
+        if why:
+            return await _refuse(refusal, why, context)
+        try:
+            request = parse(data)
+            del data
+            return await inner(request, context)
+        finally:
+            budget.give(charged)
+
+    return factory(unary, None, serialize)
+
+
+class _Metered:
+    """A stream's request iterator: each message is charged READ_AHEAD times its length
+    (gRPC reads the next one meanwhile) until the handler asks for the next, and a
+    message that does not fit ends the stream at once."""
+
+    __slots__ = ("_budget", "_context", "_held", "_inner", "_paced", "_parse")
+
+    def __init__(self, inner: AsyncIterator[bytes], parse: Callable[[bytes], Any],
+                 budget: ByteBudget, context: Any) -> None:
+        self._inner = inner
+        self._parse = parse
+        self._budget = budget
+        self._held = 0
+        self._paced = 0
+        self._context = context
+
+    def __aiter__(self) -> _Metered:
+        return self
+
+    async def __anext__(self) -> Any:
+        budget = self._budget
+        if self._paced:
+            # The last message was large: read on once the loop has caught up.
+            self._paced = 0
+            await budget.lag.caught_up()
+        if self._held:
+            budget.give(self._held)
+            self._held = 0
+        data = await self._inner.__anext__()
+        size = len(data)
+        if not budget.take(READ_AHEAD * size):
+            del data  # what gRPC holds for the stream goes with it
+            await self._context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      _over(budget))
+        self._held = READ_AHEAD * size
+        if size > LARGE_BYTES:
+            self._paced = size
+        return self._parse(data)
+
+    def close(self) -> None:
+        if self._held:
+            self._budget.give(self._held)
+            self._held = 0
+
+
+def _wrap_stream(inner: Callable[..., Any], factory: Any, *, parse: Callable[[bytes], Any],
+                 serialize: Any, budget: ByteBudget) -> grpc.RpcMethodHandler[Any, Any]:
+    if inspect.isasyncgenfunction(inner):
+        async def gen_behavior(requests: AsyncIterator[bytes], context: Any) -> Any:
+            metered = _Metered(requests, parse, budget, context)
+            try:
+                async for item in inner(metered, context):
+                    yield item
+            finally:
+                metered.close()
+
+        return factory(gen_behavior, None, serialize)  # type: ignore[no-any-return]
+
+    async def stream(requests: AsyncIterator[bytes], context: Any) -> Any:
+        metered = _Metered(requests, parse, budget, context)
+        try:
+            return await inner(metered, context)
+        finally:
+            metered.close()
+
+    return factory(stream, None, serialize)  # type: ignore[no-any-return]
+
