@@ -129,7 +129,7 @@ def _budgeted(settings: Settings, budget: ByteBudget,
     def add(service: DataService) -> Callable[[aio.Server], None]:
         def register(server: aio.Server) -> None:
             service.add_to_server(BudgetedRegistrar(  # type: ignore[arg-type]
-                server, budget, {check: check_busy}, unparsed))
+                server, budget, settings.max_message_bytes, {check: check_busy}, unparsed))
 
         return register
 

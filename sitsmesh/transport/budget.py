@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import grpc
@@ -47,6 +48,11 @@ LIMIT_SHARE = 8                 # the budget is 1/8 of the memory limit
 MIN_BYTES = 4 * MIB
 LARGE_BYTES = 64 << 10          # Envoy's ext_authz fragment forwards at most 64 KiB of body
 TICK_S = 0.02
+# Large messages may take a tenth of the loop's time, 50 ms of it back to back: one
+# 1 MiB JSON body parsed costs 30-300 ms (more on a busy machine), and each one delays
+# every small Check queued behind it by as much.
+LARGE_SHARE = 0.1
+LARGE_BURST_S = 0.05
 READ_AHEAD = 2                  # messages gRPC buffers for a stream it has read from
 CGROUP_FILES = (Path("/sys/fs/cgroup/memory.max"),                       # cgroup v2
                 Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))     # cgroup v1
@@ -120,13 +126,25 @@ class LoopLag:
         self._clock = clock
         self._due = clock() + TICK_S
         self.late_s = 0.0
+        self._credit = LARGE_BURST_S
+        self._stamp = clock()
         self._caught_up = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def behind(self) -> bool:
+        """Whether large work must wait: the loop is late, or large messages have used
+        their share of it (LARGE_SHARE of the loop's time, LARGE_BURST_S at once)."""
         if self._task is None:  # started on the loop, by the first large message
             self.start()
-        return self.late_s > self.limit_s or self._clock() - self._due > self.limit_s
+        now = self._clock()
+        self._credit = min(LARGE_BURST_S, self._credit + (now - self._stamp) * LARGE_SHARE)
+        self._stamp = now
+        return (self._credit <= 0 or self.late_s > self.limit_s
+                or now - self._due > self.limit_s)
+
+    def spent(self, seconds: float) -> None:
+        """Large work took `seconds` of the loop."""
+        self._credit -= seconds
 
     def tick(self) -> None:
         """Note one tick, due at `self._due` (the ticker calls this every TICK_S)."""
@@ -170,11 +188,12 @@ class BudgetedRegistrar:
     """Stands in for a server (or another registrar) while services register: every
     handler is wrapped so its request messages are charged to `budget`."""
 
-    def __init__(self, server: Any, budget: ByteBudget,
+    def __init__(self, server: Any, budget: ByteBudget, stream_first: int = 4 * MIB,
                  refusals: dict[str, Refusal] | None = None,
                  refused_unparsed: dict[str, int] | None = None) -> None:
         self._server = server
         self._budget = budget
+        self._first = stream_first
         self._refusals = refusals or {}
         # method -> the length past which its own deserializer refuses a message
         # unparsed: such a message costs nothing to refuse, so it is not charged.
@@ -196,7 +215,7 @@ class BudgetedRegistrar:
         cached = self._wrapped.get(method)
         if cached is None:
             cached = self._wrapped[method] = _wrap(
-                handler, self._budget, self._refusals.get(method),
+                handler, self._budget, self._first, self._refusals.get(method),
                 self._unparsed.get(method, 1 << 62))
         return cached
 
@@ -232,13 +251,14 @@ def _paced(budget: ByteBudget) -> str:
             f"over {budget.lag.limit_s * 1000:g} ms behind (large_message_lag_ms); retry")
 
 
-def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget,
+def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: int,
           refusal: Refusal | None, unparsed: int) -> grpc.RpcMethodHandler[Any, Any]:
     inner, factory = behaviour(handler)
     parse = handler.request_deserializer or (lambda data: data)
     serialize = handler.response_serializer
     if handler.request_streaming:
-        return _wrap_stream(inner, factory, parse=parse, serialize=serialize, budget=budget)
+        return _wrap_stream(inner, factory, parse=parse, serialize=serialize, budget=budget,
+                            first=first)
 
     over, paced = _over(budget), _paced(budget)
 
@@ -272,30 +292,42 @@ def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget,
         why, charged = admit(len(data))
         if why:
             return await _refuse(refusal, why, context)
+        started = perf_counter() if charged > LARGE_BYTES else 0.0
         try:
             request = parse(data)
             del data
             return await inner(request, context)
         finally:
             budget.give(charged)
+            if started:
+                budget.lag.spent(perf_counter() - started)
 
     return factory(unary, None, serialize)
 
 
-class _Metered:
-    """A stream's request iterator: each message is charged READ_AHEAD times its length
-    (gRPC reads the next one meanwhile) until the handler asks for the next, and a
-    message that does not fit ends the stream at once."""
+class _Refused(Exception):
+    """A stream message the budget has no room for."""
 
-    __slots__ = ("_budget", "_context", "_held", "_inner", "_paced", "_parse")
+
+class _Metered:
+    """A stream's request iterator. Before its first read the stream needs room for the
+    largest message the port takes (gRPC takes a stream's message as it arrives, read or
+    not, so a stream is refused before it can send one); from then on each message is
+    charged READ_AHEAD times its length (gRPC reads the next meanwhile) until the handler
+    asks for the next. A message that does not fit ends the stream at once."""
+
+    __slots__ = ("_budget", "_context", "_first", "_held", "_inner", "_large_since",
+                 "_parse", "_started")
 
     def __init__(self, inner: AsyncIterator[bytes], parse: Callable[[bytes], Any],
-                 budget: ByteBudget, context: Any) -> None:
+                 budget: ByteBudget, context: Any, first: int) -> None:
         self._inner = inner
         self._parse = parse
         self._budget = budget
+        self._first = first
+        self._started = False
         self._held = 0
-        self._paced = 0
+        self._large_since = 0.0
         self._context = context
 
     def __aiter__(self) -> _Metered:
@@ -303,22 +335,37 @@ class _Metered:
 
     async def __anext__(self) -> Any:
         budget = self._budget
-        if self._paced:
-            # The last message was large: read on once the loop has caught up.
-            self._paced = 0
+        if self._large_since:
+            # The last message was large: charge what the handler spent on it, and read
+            # on once large work may run again.
+            budget.lag.spent(perf_counter() - self._large_since)
+            self._large_since = 0.0
             await budget.lag.caught_up()
         if self._held:
             budget.give(self._held)
             self._held = 0
-        data = await self._inner.__anext__()
+        try:
+            if self._started:
+                return self._charge(await self._inner.__anext__())
+            self._started = True
+            if not budget.take(self._first):
+                raise _Refused
+            try:
+                data = await self._inner.__anext__()
+            finally:
+                budget.give(self._first)
+            return self._charge(data)
+        except _Refused:
+            await self._context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _over(budget))
+            raise
+
+    def _charge(self, data: bytes) -> Any:
         size = len(data)
-        if not budget.take(READ_AHEAD * size):
-            del data  # what gRPC holds for the stream goes with it
-            await self._context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      _over(budget))
+        if not self._budget.take(READ_AHEAD * size):
+            raise _Refused  # `data` goes, and what gRPC holds for the stream with it
         self._held = READ_AHEAD * size
         if size > LARGE_BYTES:
-            self._paced = size
+            self._large_since = perf_counter()
         return self._parse(data)
 
     def close(self) -> None:
@@ -328,10 +375,11 @@ class _Metered:
 
 
 def _wrap_stream(inner: Callable[..., Any], factory: Any, *, parse: Callable[[bytes], Any],
-                 serialize: Any, budget: ByteBudget) -> grpc.RpcMethodHandler[Any, Any]:
+                 serialize: Any, budget: ByteBudget, first: int
+                 ) -> grpc.RpcMethodHandler[Any, Any]:
     if inspect.isasyncgenfunction(inner):
         async def gen_behavior(requests: AsyncIterator[bytes], context: Any) -> Any:
-            metered = _Metered(requests, parse, budget, context)
+            metered = _Metered(requests, parse, budget, context, first)
             try:
                 async for item in inner(metered, context):
                     yield item
@@ -341,7 +389,7 @@ def _wrap_stream(inner: Callable[..., Any], factory: Any, *, parse: Callable[[by
         return factory(gen_behavior, None, serialize)  # type: ignore[no-any-return]
 
     async def stream(requests: AsyncIterator[bytes], context: Any) -> Any:
-        metered = _Metered(requests, parse, budget, context)
+        metered = _Metered(requests, parse, budget, context, first)
         try:
             return await inner(metered, context)
         finally:
