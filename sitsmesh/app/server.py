@@ -47,7 +47,13 @@ from sitsmesh.transport.admin.config import ConfigServicer
 from sitsmesh.transport.adminaccess import AdminAccess
 from sitsmesh.transport.auth import CallerGate
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
-from sitsmesh.transport.budget import BudgetedRegistrar, ByteBudget, default_capacity, memory_limit
+from sitsmesh.transport.budget import (
+    BudgetedRegistrar,
+    ByteBudget,
+    default_capacity,
+    memory_limit,
+    tune_allocator,
+)
 from sitsmesh.transport.checklimits import busy as check_busy
 from sitsmesh.transport.metrics import SERVICE_NAME as METRICS_SERVICE
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
@@ -257,6 +263,7 @@ def _reload_on_hup(component: RateLimitComponent) -> Callable[[], None]:
 def worker_main(settings: Settings, index: int, ready: Any) -> None:
     """A worker process's entry (the pool spawns it); `ready` is set once it serves."""
     logs.configure(settings.log_level, settings.log_format)
+    tune_allocator()
     raise SystemExit(asyncio.run(run_worker(settings, index, ready.set)))
 
 

@@ -186,6 +186,9 @@ def add_commands(sub: Subcommands) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from sitsmesh.transport.budget import tune_allocator
+
+    tune_allocator()  # first: before gRPC's threads make their heaps
     from sitsmesh import logs
     from sitsmesh.app import preflight, tls
     from sitsmesh.ratelimit import config as rlconfig

@@ -108,14 +108,19 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                        release: Callable[[str, float | None], bool],
                        max_request_id: int) -> None:
         pace = self._pace
+        cancelled = False
         async for message in request_iterator:
             if pace is not None:
                 await pace()
             for done, entry in enumerate(message.http_logs.log_entry, 1):
                 if not done % YIELD_EVERY:
                     # A 4 MiB batch is ~30 000 entries, ~0.3 s of work: let the Checks
-                    # waiting on the loop through between slices.
-                    await asyncio.sleep(0)
+                    # waiting on the loop through between slices. A batch taken is
+                    # finished even if the stream is cancelled meanwhile.
+                    try:
+                        await asyncio.sleep(0)
+                    except asyncio.CancelledError:
+                        cancelled = True
                 self.entries += 1
                 if entry.common_properties.intermediate_log_entry:
                     continue  # a periodic log of a long stream; its final entry follows
@@ -134,3 +139,5 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                     add(hop)
             # Not kept while the next message is awaited: parsed, it is ~4x its bytes.
             del message
+            if cancelled:
+                raise asyncio.CancelledError
