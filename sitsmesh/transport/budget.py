@@ -49,6 +49,7 @@ LIMIT_SHARE = 8                 # the budget is 1/8 of the memory limit
 MIN_BYTES = 4 * MIB
 LARGE_BYTES = 64 << 10          # Envoy's ext_authz fragment forwards at most 64 KiB of body
 TICK_S = 0.02
+LARGE_PART = 0.75
 # Large messages may take a tenth of the loop's time, 50 ms of it back to back: one
 # 1 MiB JSON body parsed costs 30-300 ms (more on a busy machine), and each one delays
 # every small Check queued behind it by as much.
@@ -111,16 +112,19 @@ class ByteBudget:
     def __init__(self, capacity: int, large_lag_s: float = 0.05,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = capacity
+        self._large_cap = int(capacity * LARGE_PART)
         self.held = 0
         self.peak = 0
         self.refused = 0
         self._lock = threading.Lock()
         self.lag = LoopLag(large_lag_s, clock)
 
-    def take(self, size: int) -> bool:
-        """Charge `size` if it fits."""
+    def take(self, size: int, large: bool = False) -> bool:
+        """Charge `size` if it fits. Large messages (and a stream's first read, which may
+        be one) fit only in the first LARGE_PART of the budget: the rest stays for the
+        small ones Envoy sends, so a caller of large messages cannot starve it."""
         with self._lock:
-            if self.held + size > self.capacity:
+            if self.held + size > (self._large_cap if large else self.capacity):
                 self.refused += 1
                 return False
             self.held += size
@@ -290,7 +294,7 @@ def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: i
         if size > LARGE_BYTES and budget.lag.behind():
             budget.note_refused()
             return paced, 0
-        if not budget.take(size):
+        if not budget.take(size, size > LARGE_BYTES):
             return over, 0
         return "", size
 
@@ -369,7 +373,7 @@ class _Metered:
             if self._started:
                 return self._charge(await self._inner.__anext__())
             self._started = True
-            if not budget.take(self._first):
+            if not budget.take(self._first, large=True):
                 raise _Refused
             try:
                 data = await self._inner.__anext__()
@@ -382,7 +386,7 @@ class _Metered:
 
     def _charge(self, data: bytes) -> Any:
         size = len(data)
-        if not self._budget.take(READ_AHEAD * size):
+        if not self._budget.take(READ_AHEAD * size, size > LARGE_BYTES):
             raise _Refused  # `data` goes, and what gRPC holds for the stream with it
         self._held = READ_AHEAD * size
         if size > LARGE_BYTES:
