@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from sitsmesh import __version__, logs
 from sitsmesh.admin.v1 import admin_pb2
-from sitsmesh.app import admincreds, admintoken, compose, tls
+from sitsmesh.app import admincreds, admintoken, budgets, compose, tls
 from sitsmesh.app.background import DataService
 from sitsmesh.app.components import RateLimitComponent
 from sitsmesh.app.metrics import (
@@ -47,14 +47,8 @@ from sitsmesh.transport.admin.config import ConfigServicer
 from sitsmesh.transport.adminaccess import AdminAccess
 from sitsmesh.transport.auth import CallerGate
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
-from sitsmesh.transport.budget import (
-    BudgetedRegistrar,
-    ByteBudget,
-    default_capacity,
-    memory_limit,
-    tune_allocator,
-)
-from sitsmesh.transport.checklimits import busy as check_busy
+from sitsmesh.transport.budget import ByteBudget, tune_allocator
+from sitsmesh.transport.budgetwrap import BudgetedRegistrar
 from sitsmesh.transport.metrics import SERVICE_NAME as METRICS_SERVICE
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
 from sitsmesh.transport.rlqs import SERVICE_NAME as RLQS_SERVICE
@@ -115,33 +109,6 @@ def _server_options(settings: Settings, reuseport: bool) -> dict[str, Any]:
                         ("grpc.max_receive_message_length", largest),
                         *HTTP2_WINDOWS],
             "maximum_concurrent_rpcs": settings.max_concurrent_rpcs}
-def _budget(settings: Settings) -> ByteBudget:
-    """The process's one in-flight byte budget, shared by the data and admin servers."""
-    limit = memory_limit()
-    capacity = settings.inflight_budget_bytes or default_capacity(limit)
-    _log.info("in-flight byte budget", bytes=capacity, memory_limit=limit,
-              large_message_lag_ms=settings.large_message_lag_ms)
-    return ByteBudget(capacity, settings.large_message_lag_ms / 1000)
-
-
-def _budgeted(settings: Settings, budget: ByteBudget,
-              services: list[DataService]) -> list[DataService]:
-    """`services`, each charging its request messages to `budget` (innermost: a caller
-    the gate refuses is never charged, and the RPC metrics count budget refusals)."""
-    check = f"/{AUTHZ_SERVICE}/Check"
-    unparsed = {check: settings.max_check_message_bytes,
-                f"/{RATELIMIT_SERVICE}/ShouldRateLimit": settings.max_ratelimit_message_bytes}
-
-    def add(service: DataService) -> Callable[[aio.Server], None]:
-        def register(server: aio.Server) -> None:
-            service.add_to_server(BudgetedRegistrar(  # type: ignore[arg-type]
-                server, budget, settings.max_message_bytes, {check: check_busy}, unparsed))
-
-        return register
-
-    return [DataService(s.name, add(s)) for s in services]
-
-
 def _gated(settings: Settings, services: list[DataService],
            registry: CollectorRegistry | None) -> list[DataService]:
     """`services`, each answering only the callers `data_callers` names for it. The gate
@@ -278,8 +245,8 @@ async def run_worker(settings: Settings, index: int,
     graph = compose.build(settings, state, None, board, compose.Role.WORKER)
     stop = _stop_event(_reload_on_hup(graph.ratelimit))
     await graph.start()
-    budget = _budget(settings)
-    services = _budgeted(settings, budget, graph.data_services())
+    budget = budgets.budget(settings)
+    services = budgets.budgeted(settings, budget, graph.data_services())
     server, data = await _start_data(settings, board, RpcMetrics(None), reuseport=True,
                                      services=_gated(settings, services, None))
     board.set_all(Serving.SERVING)
@@ -379,7 +346,7 @@ async def run(settings: Settings) -> int:
     credentials_watch = admincreds.Watch(settings, access)
     role = compose.Role.SINGLE if settings.workers == 1 else compose.Role.SUPERVISOR
     graph = compose.build(settings, store, metric_registry, board, role)
-    _register_state_metrics(registry, board, graph, budget := _budget(settings))
+    _register_state_metrics(registry, board, graph, budget := budgets.budget(settings))
     pools: list[WorkerPool] = []
     stop = _stop_event(_reload_everywhere(graph.ratelimit, pools,
                                           lambda: admincreds.reload(settings, access)))
@@ -395,7 +362,7 @@ async def run(settings: Settings) -> int:
         if role is compose.Role.SINGLE:
             data_server, bound["data"] = await _start_data(
                 settings, board, rpc_metrics, reuseport=False,
-                services=_gated(settings, _budgeted(settings, budget, graph.data_services()),
+                services=_gated(settings, budgets.budgeted(settings, budget, graph.data_services()),
                                 metric_registry))
             servers.append(data_server)
         else:
