@@ -128,6 +128,8 @@ class Settings:
     ratelimit_store_bytes: int = 64 << 20
     request_id_max_length: int = 128
     chain_max_bytes: int = 32 << 20
+    inflight_budget_bytes: int = 0  # 0: 1/8 of the container's memory limit
+    large_message_lag_ms: int = 50
     # transport security: TLS / mTLS, who may call, secrets in files
     data_tls_cert_file: Path | None = None
     data_tls_key_file: Path | None = None

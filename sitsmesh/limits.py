@@ -14,6 +14,20 @@ from sitsmesh.settingvalues import int_range
 KIB = 1 << 10
 MIB = 1 << 20
 
+
+def _zero_or(parse: Callable[[Any], int]) -> Callable[[Any], int]:
+    """0 (work it out at startup), or a value `parse` accepts."""
+    def zero_or(raw: Any) -> int:
+        if not isinstance(raw, bool) and str(raw).strip() == "0":
+            return 0
+        try:
+            return parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (or 0: from the memory limit)") from None
+
+    return zero_or
+
+
 LIMIT_PARSERS: dict[str, Callable[[Any], int]] = {
     "max_message_bytes": int_range(4 * KIB, 256 * MIB),
     "max_check_message_bytes": int_range(4 * KIB, 256 * MIB),
@@ -29,4 +43,7 @@ LIMIT_PARSERS: dict[str, Callable[[Any], int]] = {
     "ratelimit_store_bytes": int_range(MIB, 64 * 1024 * MIB),
     "request_id_max_length": int_range(1, 64 * KIB),
     "chain_max_bytes": int_range(MIB, 64 * 1024 * MIB),
+    # 0: 1/8 of the container's memory limit (see sitsmesh/transport/budget.py)
+    "inflight_budget_bytes": _zero_or(int_range(4 * MIB, 64 * 1024 * MIB)),
+    "large_message_lag_ms": int_range(1, 10_000),
 }

@@ -22,6 +22,7 @@ SERIAL = frozenset({
     "integration/test_tracing_swap_triton.py",
     "integration/test_chains_envoy.py", "integration/test_prometheus_live.py",
     "integration/test_dev.py", "integration/test_shutdown.py",
+    "security/test_soak_hostile.py",
 })
 HERE = Path(__file__).parent
 

@@ -20,10 +20,11 @@ from prometheus_client import (
     ProcessCollector,
     multiprocess,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sitsmesh.status import Serving, StatusBoard
+from sitsmesh.transport.budget import ByteBudget
 from sitsmesh.transport.handlers import behaviour
 
 # Sub-millisecond buckets: the request path answers in well under 1 ms.
@@ -71,6 +72,27 @@ class ServingStates(Collector):
             family.add_metric([service.server, service.name],
                               1.0 if service.state is Serving.SERVING else 0.0)
         yield family
+
+
+class BudgetMetrics(Collector):
+    """The in-flight byte budget (sitsmesh/transport/budget.py), read at scrape time."""
+
+    def __init__(self, budget: ByteBudget) -> None:
+        self._budget = budget
+
+    def collect(self) -> Iterator[Metric]:
+        budget = self._budget
+        for name, text, value in (
+            ("sitsmesh_inflight_bytes", "Request bytes held in flight now.", budget.held),
+            ("sitsmesh_inflight_peak_bytes", "Most request bytes held in flight at once.",
+             budget.peak),
+            ("sitsmesh_inflight_capacity_bytes", "The in-flight byte budget.",
+             budget.capacity),
+        ):
+            yield GaugeMetricFamily(name, text, value=float(value))
+        yield CounterMetricFamily("sitsmesh_inflight_refused",
+                                  "Requests and streams refused by the in-flight budget or "
+                                  "the large-message rate.", value=float(budget.refused))
 
 
 class RpcMetrics:

@@ -123,6 +123,12 @@ _FLAG_HELP = {
     "ratelimit_store_bytes": "memory bound of the in-process counter store",
     "request_id_max_length": "access-log entries with a longer request id are dropped",
     "chain_max_bytes": "memory bound of open latency chains (oldest evicted first)",
+    "inflight_budget_bytes": "request bytes held at once across every RPC and stream, admin "
+                             "included; past it: RESOURCE_EXHAUSTED (0: 1/8 of the memory "
+                             "limit)",
+    "large_message_lag_ms": "while the event loop is this far behind, messages over 64 KiB "
+                            "are refused (unary: RESOURCE_EXHAUSTED, Check: 503) or wait "
+                            "(streams)",
     # transport security
     "data_tls_cert_file": "PEM certificate chain: the data plane serves TLS (reloaded when "
                           "the file changes)",
@@ -186,7 +192,9 @@ def add_commands(sub: Subcommands) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from sitsmesh import tlsversion
+    from sitsmesh.transport.budget import tune_allocator
 
+    tune_allocator()  # first: before gRPC's threads make their heaps
     settings = settings_from(args, list(PARSERS))
     # Before anything imports grpc: it reads the TLS floor once, at import.
     tlsversion.require(settings.tls_min_version, "tls_min_version")

@@ -40,15 +40,45 @@ _MANY = _Refused("too_many_headers")
 _WIDE = _Refused("headers_too_large")
 
 
-def _deny(status: int, code: str, message: str) -> Any:
-    header = base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+def _header(key: str, value: str) -> Any:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, value=value),
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def _deny(status: int, code: str, message: str, rpc_code: int = code_pb2.INVALID_ARGUMENT,
+          retry_after_s: int = 0) -> Any:
+    headers = [_header("content-type", "application/json")]
+    body: dict[str, Any] = {"code": code, "message": message}
+    if retry_after_s:
+        headers.append(_header("retry-after", str(retry_after_s)))
+        body["retry_after_s"] = retry_after_s
     return external_auth_pb2.CheckResponse(
-        status=status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=message),
+        status=status_pb2.Status(code=rpc_code, message=message),
         denied_response=external_auth_pb2.DeniedHttpResponse(
-            status=http_status_pb2.HttpStatus(code=status), headers=[header],
-            body=json.dumps({"code": code, "message": message})))
+            status=http_status_pb2.HttpStatus(code=status), headers=headers,
+            body=json.dumps(body)))
+
+
+BUSY = "server_busy"
+
+
+def busy(why: str, context: Any) -> Any:
+    """The deny of a Check the in-flight byte budget refused (sitsmesh/transport/budget.py).
+
+    A deny, not a gRPC error: Envoy's ext_authz turns an error into its
+    `status_on_error` (403 unless set) or, with failure_mode_allow, lets the request
+    through unchecked; a 503 with Retry-After tells the client what happened, as a shed
+    request's 429 does, whatever the filter's failure mode."""
+    del context
+    reply = _BUSY_REPLIES.get(why)
+    if reply is None:  # the budget words each refusal the same way: a few replies
+        reply = _BUSY_REPLIES[why] = _deny(503, BUSY, why, code_pb2.RESOURCE_EXHAUSTED,
+                                           retry_after_s=1)
+    return reply
+
+
+_BUSY_REPLIES: dict[str, Any] = {}
 
 
 class CheckLimits:

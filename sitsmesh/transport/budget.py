@@ -1,0 +1,198 @@
+"""One budget for the request bytes a process holds in flight, across every RPC and
+stream it serves (Check, ShouldRateLimit, access logs, stats, RLQS, the admin API).
+
+Each message bound on its own (max_message_bytes and the like) bounded one message;
+200 access-log streams of 3.7 MB each still took the RSS past 1 GB, because every
+stream held its message, parsed (about 4x its bytes), at once. Here every request
+message is charged from its length before it is parsed and given back when its
+handler is done with it; a message that does not fit is refused unparsed, at once:
+
+- a unary call gets RESOURCE_EXHAUSTED (Check: a 503 deny with Retry-After, see
+  checklimits.busy);
+- a stream is ended with RESOURCE_EXHAUSTED; what it sent before was processed.
+
+Refusing, not waiting: grpcio (measured on 1.85) takes each stream's message in full
+as it arrives, whether or not the handler has asked for it, and whatever the HTTP/2
+window (50 streams of 3.7 MB held 185 MB before any read), so a stream made to wait
+keeps its bytes held; ending it frees them.
+
+Messages over `LARGE_BYTES` (more than Envoy ever forwards in a Check body) take the
+event loop for milliseconds each to parse (a 1 MiB JSON body up to ~40 ms): while the
+loop is behind (`large_message_lag_ms`), they are refused fast (unary calls) or their
+stream waits before its next read, so a caller sending the largest messages allowed
+cannot starve the small Checks queued behind them. An idle server parses them all.
+
+The event loop's threads call it; a lock keeps the counts right should the admin
+server run on a loop of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+MIB = 1 << 20
+FALLBACK_BYTES = 64 * MIB       # no memory limit found (cgroup "max", or no cgroup)
+LIMIT_SHARE = 8                 # the budget is 1/8 of the memory limit
+MIN_BYTES = 4 * MIB
+LARGE_BYTES = 64 << 10          # Envoy's ext_authz fragment forwards at most 64 KiB of body
+TICK_S = 0.02
+LARGE_PART = 0.75
+# Large messages may take a tenth of the loop's time, 50 ms of it back to back: one
+# 1 MiB JSON body parsed costs 30-300 ms (more on a busy machine), and each one delays
+# every small Check queued behind it by as much.
+LARGE_SHARE = 0.1
+LARGE_BURST_S = 0.05
+READ_AHEAD = 2                  # messages gRPC buffers for a stream it has read from
+CGROUP_FILES = (Path("/sys/fs/cgroup/memory.max"),                       # cgroup v2
+                Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))     # cgroup v1
+_UNLIMITED_V1 = 1 << 60         # v1 reports "no limit" as a huge page-rounded number
+
+
+def memory_limit(files: Sequence[Path] = CGROUP_FILES) -> int | None:
+    """The container's memory limit in bytes, or None when there is none."""
+    for path in files:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            continue
+        return value if 0 < value < _UNLIMITED_V1 else None
+    return None
+
+
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD = 256 << 10
+ARENA_MAX = 2
+
+
+def tune_allocator() -> bool:
+    """Make glibc return message buffers to the system once freed. By default glibc
+    raises its mmap threshold after the first large free, so later megabyte buffers
+    come from per-thread heaps that keep their pages: 200 callers sending 1 MiB Checks
+    left the RSS at 611-758 MB; with a fixed 256 KiB threshold and two arenas, 206 MB
+    (measured). False where the C library is not glibc (nothing changed)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(M_ARENA_MAX, ARENA_MAX))
+
+
+def default_capacity(limit: int | None) -> int:
+    """1/LIMIT_SHARE of the memory limit: the parsed form of a message takes up to ~5x
+    its wire bytes, and the caches and the interpreter need the rest."""
+    if limit is None:
+        return FALLBACK_BYTES
+    return max(MIN_BYTES, limit // LIMIT_SHARE)
+
+
+class ByteBudget:
+    """Bytes held in flight: `take` when a message arrives, `give` when it is done."""
+
+    def __init__(self, capacity: int, large_lag_s: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity = capacity
+        self._large_cap = int(capacity * LARGE_PART)
+        self.held = 0
+        self.peak = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+        self.lag = LoopLag(large_lag_s, clock)
+
+    def take(self, size: int, large: bool = False) -> bool:
+        """Charge `size` if it fits. Large messages (and a stream's first read, which may
+        be one) fit only in the first LARGE_PART of the budget: the rest stays for the
+        small ones Envoy sends, so a caller of large messages cannot starve it."""
+        with self._lock:
+            if self.held + size > (self._large_cap if large else self.capacity):
+                self.refused += 1
+                return False
+            self.held += size
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def give(self, size: int) -> None:
+        if size:
+            with self._lock:
+                self.held -= size
+
+    def note_refused(self) -> None:
+        with self._lock:
+            self.refused += 1
+
+
+class LoopLag:
+    """Whether the event loop is behind: a tick every TICK_S notes how late it ran, and
+    a tick overdue by more than `limit_s` counts as late already (while a backlog of
+    large messages is parsed, the tick itself waits behind it)."""
+
+    def __init__(self, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit_s = limit_s
+        self._clock = clock
+        self._due = clock() + TICK_S
+        self.late_s = 0.0
+        self._credit = LARGE_BURST_S
+        self._stamp = clock()
+        self._caught_up = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def behind(self) -> bool:
+        """Whether large work must wait: the loop is late, or large messages have used
+        their share of it (LARGE_SHARE of the loop's time, LARGE_BURST_S at once). The
+        share holds on an idle loop too: lateness shows only after a parse has held the
+        loop, and one 1 MiB body may hold it for 300 ms."""
+        if self._task is None:  # started on the loop, by the first large message
+            self.start()
+        now = self._clock()
+        self._credit = min(LARGE_BURST_S, self._credit + (now - self._stamp) * LARGE_SHARE)
+        self._stamp = now
+        return self._credit <= 0 or max(self.late_s, now - self._due) > self.limit_s
+
+    def spent(self, seconds: float) -> None:
+        """Large work took `seconds` of the loop."""
+        self._credit -= seconds
+
+    def tick(self) -> None:
+        """Note one tick, due at `self._due` (the ticker calls this every TICK_S)."""
+        now = self._clock()
+        self.late_s = max(0.0, now - self._due)
+        self._due = now + TICK_S
+        if self.late_s <= self.limit_s:
+            self._caught_up.set()
+        else:
+            self._caught_up.clear()
+
+    async def caught_up(self) -> None:
+        """Return once the loop is no longer behind."""
+        while self.behind():
+            self._caught_up.clear()
+            await self._caught_up.wait()
+
+    def start(self) -> None:
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(TICK_S)
+                self.tick()
+
+        self._due = self._clock() + TICK_S
+        self._task = asyncio.get_running_loop().create_task(ticker())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

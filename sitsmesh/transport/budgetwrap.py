@@ -1,0 +1,233 @@
+"""Wrapping every handler a service registers so that its request messages are charged to
+the process's ByteBudget (see sitsmesh/transport/budget.py for why and how)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Callable, Sequence
+from time import perf_counter
+from typing import Any
+
+import grpc
+
+from sitsmesh.transport.budget import LARGE_BYTES, MIB, READ_AHEAD, ByteBudget
+from sitsmesh.transport.handlers import behaviour
+
+Refusal = Callable[[str, Any], Any]
+"""(why, context) -> a reply for a unary call refused by the budget; None: abort with
+RESOURCE_EXHAUSTED."""
+
+
+class BudgetedRegistrar:
+    """Stands in for a server (or another registrar) while services register: every
+    handler is wrapped so its request messages are charged to `budget`."""
+
+    def __init__(self, server: Any, budget: ByteBudget, stream_first: int = 4 * MIB,
+                 refusals: dict[str, Refusal] | None = None,
+                 refused_unparsed: dict[str, int] | None = None) -> None:
+        self._server = server
+        self._budget = budget
+        self._first = stream_first
+        self._refusals = refusals or {}
+        # method -> the length past which its own deserializer refuses a message
+        # unparsed: such a message costs nothing to refuse, so it is not charged.
+        self._unparsed = refused_unparsed or {}
+        self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_Generic(h, self) for h in handlers))
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        self._server.add_registered_method_handlers(
+            service, {name: self.wrapped(f"/{service}/{name}", handler)
+                      for name, handler in handlers.items()})
+
+    def wrapped(self, method: str, handler: grpc.RpcMethodHandler[Any, Any]
+                ) -> grpc.RpcMethodHandler[Any, Any]:
+        cached = self._wrapped.get(method)
+        if cached is None:
+            cached = self._wrapped[method] = _wrap(
+                handler, self._budget, self._first, self._refusals.get(method),
+                self._unparsed.get(method, 1 << 62))
+        return cached
+
+
+class _Generic(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler, registrar: BudgetedRegistrar) -> None:
+        self._inner = inner
+        self._registrar = registrar
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails
+                ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        return self._registrar.wrapped(handler_call_details.method, handler)
+
+
+async def _refuse(refusal: Refusal | None, why: str, context: Any) -> Any:
+    if refusal is not None:
+        return refusal(why, context)
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+    raise AssertionError("unreachable")
+
+
+def _over(budget: ByteBudget) -> str:
+    # The same text every time: a refusal flood must stay cheap (see checklimits.busy).
+    return (f"server busy: request bytes in flight over the budget of {budget.capacity} "
+            "(inflight_budget_bytes); retry")
+
+
+def _paced(budget: ByteBudget) -> str:
+    return (f"server busy: messages over {LARGE_BYTES} bytes wait while the event loop is "
+            f"over {budget.lag.limit_s * 1000:g} ms behind (large_message_lag_ms); retry")
+
+
+def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: int,
+          refusal: Refusal | None, unparsed: int) -> grpc.RpcMethodHandler[Any, Any]:
+    inner, factory = behaviour(handler)
+    parse = handler.request_deserializer or (lambda data: data)
+    serialize = handler.response_serializer
+    if handler.request_streaming:
+        return _wrap_stream(inner, factory, parse=parse, serialize=serialize, budget=budget,
+                            first=first)
+
+    over, paced = _over(budget), _paced(budget)
+
+    def admit(size: int) -> tuple[str, int]:
+        """('', bytes charged) if a message of `size` may be parsed, else (why not, 0)."""
+        if size > unparsed:
+            return "", 0  # its deserializer refuses it from its length alone
+        if size > LARGE_BYTES and budget.lag.behind():
+            budget.note_refused()
+            return paced, 0
+        if not budget.take(size, size > LARGE_BYTES):
+            return over, 0
+        return "", size
+
+    if inspect.isasyncgenfunction(inner):
+        async def gen_behavior(data: bytes, context: Any) -> Any:
+            why, charged = admit(len(data))
+            if why:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+            try:
+                request = parse(data)
+                del data
+                async for item in inner(request, context):
+                    yield item
+            finally:
+                budget.give(charged)
+
+        return factory(gen_behavior, None, serialize)
+
+    async def unary(data: bytes, context: Any) -> Any:
+        why, charged = admit(len(data))
+        if why:
+            return await _refuse(refusal, why, context)
+        started = perf_counter() if charged > LARGE_BYTES else 0.0
+        try:
+            request = parse(data)
+            del data
+            return await inner(request, context)
+        finally:
+            budget.give(charged)
+            if started:
+                budget.lag.spent(perf_counter() - started)
+
+    return factory(unary, None, serialize)
+
+
+class _Refused(Exception):
+    """A stream message the budget has no room for."""
+
+
+class _Metered:
+    """A stream's request iterator. Before its first read the stream needs room for the
+    largest message the port takes (gRPC takes a stream's message as it arrives, read or
+    not, so a stream is refused before it can send one); from then on each message is
+    charged READ_AHEAD times its length (gRPC reads the next meanwhile) until the handler
+    asks for the next. A message that does not fit ends the stream at once."""
+
+    __slots__ = ("_budget", "_context", "_first", "_held", "_inner", "_large_since",
+                 "_parse", "_started")
+
+    def __init__(self, inner: AsyncIterator[bytes], parse: Callable[[bytes], Any],
+                 budget: ByteBudget, context: Any, first: int) -> None:
+        self._inner = inner
+        self._parse = parse
+        self._budget = budget
+        self._first = first
+        self._started = False
+        self._held = 0
+        self._large_since = 0.0
+        self._context = context
+
+    def __aiter__(self) -> _Metered:
+        return self
+
+    async def __anext__(self) -> Any:
+        budget = self._budget
+        if self._large_since:
+            # The last message was large: charge what the handler spent on it, and read
+            # on once large work may run again.
+            budget.lag.spent(perf_counter() - self._large_since)
+            self._large_since = 0.0
+            await budget.lag.caught_up()
+        if self._held:
+            budget.give(self._held)
+            self._held = 0
+        try:
+            if self._started:
+                return self._charge(await self._inner.__anext__())
+            self._started = True
+            if not budget.take(self._first, large=True):
+                raise _Refused
+            try:
+                data = await self._inner.__anext__()
+            finally:
+                budget.give(self._first)
+            return self._charge(data)
+        except _Refused:
+            await self._context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _over(budget))
+            raise
+
+    def _charge(self, data: bytes) -> Any:
+        size = len(data)
+        if not self._budget.take(READ_AHEAD * size, size > LARGE_BYTES):
+            raise _Refused  # `data` goes, and what gRPC holds for the stream with it
+        self._held = READ_AHEAD * size
+        if size > LARGE_BYTES:
+            self._large_since = perf_counter()
+        return self._parse(data)
+
+    def close(self) -> None:
+        if self._held:
+            self._budget.give(self._held)
+            self._held = 0
+
+
+def _wrap_stream(inner: Callable[..., Any], factory: Any, *, parse: Callable[[bytes], Any],
+                 serialize: Any, budget: ByteBudget, first: int
+                 ) -> grpc.RpcMethodHandler[Any, Any]:
+    if inspect.isasyncgenfunction(inner):
+        async def gen_behavior(requests: AsyncIterator[bytes], context: Any) -> Any:
+            metered = _Metered(requests, parse, budget, context, first)
+            try:
+                async for item in inner(metered, context):
+                    yield item
+            finally:
+                metered.close()
+
+        return factory(gen_behavior, None, serialize)  # type: ignore[no-any-return]
+
+    async def stream(requests: AsyncIterator[bytes], context: Any) -> Any:
+        metered = _Metered(requests, parse, budget, context, first)
+        try:
+            return await inner(metered, context)
+        finally:
+            metered.close()
+
+    return factory(stream, None, serialize)  # type: ignore[no-any-return]
+
