@@ -57,6 +57,9 @@ from sitsmesh.transport.streams import OpenStreams
 _log = logs.get("sitsmesh.server")
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 ADMIN_NAME = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+# How long a large admin write may wait for the event loop to catch up (see
+# BudgetedRegistrar) before it is refused as busy.
+ADMIN_PACE_S = 5.0
 _HEALTH = {Serving.SERVING: health_pb2.HealthCheckResponse.SERVING}
 
 
@@ -168,8 +171,8 @@ async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMe
         registrar = CallerGate({ADMIN_NAME: settings.admin_clients,
                                 CONFIG_NAME: settings.admin_clients}).registrar(server)
     # Admin requests draw on the data plane's budget too: a refused 4 MiB write is
-    # bytes held all the same.
-    registrar = BudgetedRegistrar(registrar, budget)
+    # bytes held all the same. A large one waits for the loop rather than failing.
+    registrar = BudgetedRegistrar(registrar, budget, pace_s=ADMIN_PACE_S)
     # Each RPC is authenticated and authorized inside its handler: the check needs the
     # request, which an interceptor never sees.
     access.add_to_server(servicer, registrar)

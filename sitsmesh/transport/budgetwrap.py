@@ -3,6 +3,8 @@ the process's ByteBudget (see sitsmesh/transport/budget.py for why and how)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 from collections.abc import AsyncIterator, Callable, Sequence
 from time import perf_counter
@@ -24,8 +26,13 @@ class BudgetedRegistrar:
 
     def __init__(self, server: Any, budget: ByteBudget, stream_first: int = 4 * MIB,
                  refusals: dict[str, Refusal] | None = None,
-                 refused_unparsed: dict[str, int] | None = None) -> None:
+                 refused_unparsed: dict[str, int] | None = None, *,
+                 pace_s: float = 0.0) -> None:
         self._server = server
+        # > 0: a large unary message waits up to this long for the loop to catch up
+        # before it is refused (the admin API: its callers are people and CI, who
+        # would rather wait a second than retry; the data plane refuses at once).
+        self._pace_s = pace_s
         self._budget = budget
         self._first = stream_first
         self._refusals = refusals or {}
@@ -50,7 +57,7 @@ class BudgetedRegistrar:
         if cached is None:
             cached = self._wrapped[method] = _wrap(
                 handler, self._budget, self._first, self._refusals.get(method),
-                self._unparsed.get(method, 1 << 62))
+                self._unparsed.get(method, 1 << 62), pace_s=self._pace_s)
         return cached
 
 
@@ -86,7 +93,8 @@ def _paced(budget: ByteBudget) -> str:
 
 
 def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: int,
-          refusal: Refusal | None, unparsed: int) -> grpc.RpcMethodHandler[Any, Any]:
+          refusal: Refusal | None, unparsed: int, *,
+          pace_s: float = 0.0) -> grpc.RpcMethodHandler[Any, Any]:
     inner, factory = behaviour(handler)
     parse = handler.request_deserializer or (lambda data: data)
     serialize = handler.response_serializer
@@ -96,20 +104,26 @@ def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: i
 
     over, paced = _over(budget), _paced(budget)
 
-    def admit(size: int) -> tuple[str, int]:
+    async def admit(size: int) -> tuple[str, int]:
         """('', bytes charged) if a message of `size` may be parsed, else (why not, 0)."""
         if size > unparsed:
             return "", 0  # its deserializer refuses it from its length alone
-        if size > LARGE_BYTES and budget.lag.behind():
-            budget.note_refused()
-            return paced, 0
-        if not budget.take(size, size > LARGE_BYTES):
+        large = size > LARGE_BYTES
+        if not budget.take(size, large):
             return over, 0
+        if large and budget.lag.behind():
+            if pace_s > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(budget.lag.caught_up(), pace_s)
+            if budget.lag.behind():
+                budget.give(size)
+                budget.note_refused()
+                return paced, 0
         return "", size
 
     if inspect.isasyncgenfunction(inner):
         async def gen_behavior(data: bytes, context: Any) -> Any:
-            why, charged = admit(len(data))
+            why, charged = await admit(len(data))
             if why:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
             try:
@@ -123,7 +137,7 @@ def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: i
         return factory(gen_behavior, None, serialize)
 
     async def unary(data: bytes, context: Any) -> Any:
-        why, charged = admit(len(data))
+        why, charged = await admit(len(data))
         if why:
             return await _refuse(refusal, why, context)
         started = perf_counter() if charged > LARGE_BYTES else 0.0
