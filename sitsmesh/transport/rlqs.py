@@ -46,9 +46,10 @@ MAX_ENCODED = 2_000  # encoded ids kept per stream (its buckets, and some left b
 # again. The collector's full passes walk every object of the process: as 100
 # streams of 1 000 buckets joined, 7-8 passes of 45-185 ms each (growing with the
 # heap), Check waiting behind each. Frozen objects are skipped (with this rule, 3
-# passes of 5-66 ms). They are still freed by their reference counts; only a cycle
-# among them is not, so the freeze is undone once as many buckets have gone, and the
-# next full pass collects what died meanwhile.
+# passes of 5-66 ms). They are still freed by their reference counts, but a cycle
+# that reaches one is never collected (an ended stream's task, frame and exception),
+# so once this many buckets have left with their streams, the freeze is undone and
+# done again only after the next full pass has collected what died meanwhile.
 FREEZE_BUCKETS = 10_000
 
 _Response = rlqs_pb2.RateLimitQuotaResponse
@@ -236,6 +237,8 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
         self._outboxes: dict[str, _Outbox] = {}
         self.not_reading = 0  # streams ended because their caller did not read
         self._frozen_at = 0   # buckets held at the last gc.freeze()
+        self._left = 0        # buckets gone with their streams since the last thaw
+        self._thawed_at: int | None = None  # full passes counted at the thaw, until the next
 
     async def StreamRateLimitQuotas(self, request_iterator: AsyncIterator[Any],
                                     context: aio.ServicerContext[Any, Any]) -> None:
@@ -270,6 +273,7 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
             reader.cancel()
             self._outboxes.pop(stream.name, None)
             box.encoder.forget()
+            self._left += len(stream.buckets)
             self._service.close(stream)
 
     @staticmethod
@@ -329,12 +333,17 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
         return len(pushes)
 
     def _collector(self) -> None:
-        """Freeze what the process holds once many buckets joined; undo it once as many
-        left (FREEZE_BUCKETS says why)."""
+        """Freeze what the process holds once many buckets joined; thaw once many left
+        (FREEZE_BUCKETS says why)."""
         held = sum(len(s.buckets) for s in self._service.streams.values())
+        if self._left >= FREEZE_BUCKETS:
+            gc.unfreeze()
+            self._left, self._frozen_at = 0, 0
+            self._thawed_at = gc.get_stats()[2]["collections"]
+        if self._thawed_at is not None:
+            if gc.get_stats()[2]["collections"] == self._thawed_at:
+                return  # the dead cycles are not collected yet: freezing would keep them
+            self._thawed_at = None
         if held >= self._frozen_at + FREEZE_BUCKETS:
             gc.freeze()
-            self._frozen_at = held
-        elif held <= self._frozen_at - FREEZE_BUCKETS:
-            gc.unfreeze()
             self._frozen_at = held

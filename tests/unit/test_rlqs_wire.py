@@ -77,8 +77,9 @@ def test_equal_assignments_of_distinct_objects_encode_alike() -> None:
 def test_the_collector_is_frozen_as_buckets_join_and_thawed_as_they_leave() -> None:
     """Issue 26 (A2): the GC's full passes walked every bucket of every stream, 45-185 ms
     each while 100 streams of 1 000 joined, with Check waiting. The objects held once
-    FREEZE_BUCKETS more buckets joined are frozen (skipped by the passes); once as many
-    left, they are thawed so the passes can collect what died."""
+    FREEZE_BUCKETS more buckets joined are frozen (skipped by the passes). Once as many
+    left with their streams they are thawed, and frozen again only after a full pass
+    has collected the cycles that died meanwhile."""
     import gc
     from types import SimpleNamespace
     from typing import Any, cast
@@ -101,11 +102,16 @@ def test_the_collector_is_frozen_as_buckets_join_and_thawed_as_they_leave() -> N
         servicer.push()  # nothing joined: no new freeze
         assert gc.get_freeze_count() == frozen
         del garbage
+        # Streams ending: the transport counts their buckets as they close.
+        servicer._left = FREEZE_BUCKETS
         del streams["a"]
-        servicer.push()  # not yet as many as left: still frozen (less what was freed)
-        assert gc.get_freeze_count() > 0
-        del streams["b"]
         servicer.push()
         assert gc.get_freeze_count() == 0
+        streams["c"] = SimpleNamespace(buckets=dict.fromkeys(range(2 * FREEZE_BUCKETS)))
+        servicer.push()  # no full pass since the thaw: not frozen again yet
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        servicer.push()
+        assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
