@@ -21,6 +21,12 @@ gRPC client on one connection sending `--checks` sequential Checks (POST
   new model each time (`/v2/models/unseen-<i>/infer`), as many as fit in
   `--glob-budget-s`. If the apply is refused, the row says so.
 
+- **control** (before each N, unless `--no-control`): the same N streams aimed at a
+  second `sitsmesh serve` while the Checks go to the first. The measured server
+  does no RLQS work, so this row is the machine's contention alone (server, load
+  generator and caller share the cores); an RLQS row's p99 over its control's is
+  what RLQS costs sitsmesh.
+
 Reported per scenario: p50, p99 and max of the Check round trip, the ratio of
 p99 to idle p99 (goal <= 1.5), and for RLQS the buckets held, the reports
 answered and the server's RSS. Exit status 1 if a server fails to start, a Check
@@ -199,7 +205,12 @@ def metric(node: harness.Sitsmesh, name: str) -> float:
 
 
 def rlqs_scenario(node: harness.Sitsmesh, stub: Any, key: str, args: argparse.Namespace,
-                  streams: int) -> dict[str, Any]:
+                  streams: int, target: harness.Sitsmesh | None = None) -> dict[str, Any]:
+    """Checks to `node` while `streams` RLQS streams report to `target` (default: the
+    same node). With a separate target the measured server does no RLQS work: what is
+    left is the machine's contention (the load generator and the other server on the
+    same cores), the control for the RLQS rows."""
+    measured, node = node, target or node
     ctx = multiprocessing.get_context("spawn")
     stop, ready = ctx.Event(), ctx.Event()
     stats = ctx.Array("l", 3)
@@ -219,11 +230,13 @@ def rlqs_scenario(node: harness.Sitsmesh, stub: Any, key: str, args: argparse.Na
         open_streams = metric(node, "sitsmesh_rlqs_streams")
         before = (stats[0], stats[1])
         assert proc.pid is not None
-        cpu_before = (cpu_s(node.proc.pid), cpu_s(proc.pid), time.monotonic())
+        cpu_before = (cpu_s(measured.proc.pid), cpu_s(node.proc.pid), cpu_s(proc.pid),
+                      time.monotonic())
         times = measure(stub, key, args.checks, rate=args.rate)
-        wall = time.monotonic() - cpu_before[2]
-        server_cores = (cpu_s(node.proc.pid) - cpu_before[0]) / wall
-        load_cores = (cpu_s(proc.pid) - cpu_before[1]) / wall
+        wall = time.monotonic() - cpu_before[3]
+        server_cores = (cpu_s(measured.proc.pid) - cpu_before[0]) / wall
+        rlqs_cores = (cpu_s(node.proc.pid) - cpu_before[1]) / wall
+        load_cores = (cpu_s(proc.pid) - cpu_before[2]) / wall
         sent, answered = stats[0] - before[0], stats[1] - before[1]
         rss = rss_mb(node)
         pending = metric(node, "sitsmesh_rlqs_pending_work")
@@ -240,12 +253,14 @@ def rlqs_scenario(node: harness.Sitsmesh, stub: Any, key: str, args: argparse.Na
     # in flight at the end) means reports went unanswered.
     if answered < sent - streams:
         raise BenchError(f"{streams} streams: {answered} replies to {sent} reports")
+    where = ("" if measured is node else
+             f"RLQS on the second server ({rlqs_cores:.2f} cores busy); ")
     return {"times": times, "note": (
-        f"{open_streams:.0f} streams, {held:.0f} buckets held ({refused:.0f} refused, "
+        f"{where}{open_streams:.0f} streams, {held:.0f} buckets held ({refused:.0f} refused, "
         f"{ended:.0f} streams ended not reading); {sent} reports, {answered} replies "
         f"during the Checks; "
         f"all streams answered in {first_reply_s:.1f} s; pending work {pending:.0f}; "
-        f"RSS {rss:.0f} MB; server {server_cores:.2f} cores busy, load generator "
+        f"RSS {rss:.0f} MB; measured server {server_cores:.2f} cores busy, load generator "
         f"{load_cores:.2f}")}
 
 
@@ -271,14 +286,16 @@ def glob_scenario(node: harness.Sitsmesh, stub: Any, key: str,
         f"{len(times)} Checks, each naming a new model, in the {args.glob_budget_s:.0f} s budget")}
 
 
-def row(name: str, result: dict[str, Any], idle_p99: float | None) -> str:
+def row(name: str, result: dict[str, Any], idle_p99: float | None,
+        control_p99: float | None = None) -> str:
     times = result["times"]
     if not times:
-        return f"| {name} | 0 | - | - | - | - | {result['note']} |"
+        return f"| {name} | 0 | - | - | - | - | - | {result['note']} |"
     p50, p99 = percentile(times, 50), percentile(times, 99)
     ratio = f"{p99 / idle_p99:.2f}" if idle_p99 else "1.00"
+    versus = f"{p99 / control_p99:.2f}" if control_p99 else "-"
     return (f"| {name} | {len(times)} | {p50:.2f} | {p99:.2f} | {max(times):.1f} | {ratio} | "
-            f"{result['note']} |")
+            f"{versus} | {result['note']} |")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -293,14 +310,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--globs", type=int, default=40_000)
     p.add_argument("--glob-budget-s", type=float, default=60.0)
     p.add_argument("--no-globs", action="store_true")
+    p.add_argument("--no-control", action="store_true",
+                   help="skip the control rows (the same RLQS load on a second server)")
     args = p.parse_args(argv)
-    results: list[tuple[str, dict[str, Any]]] = []
+    # (name, result, the control's p99 for an RLQS row on the measured server)
+    results: list[tuple[str, dict[str, Any], float | None]] = []
     with tempfile.TemporaryDirectory(prefix="sitsmesh-isolation-") as tmp:
         work = Path(tmp)
         config = work / "edge.yaml"
         config.write_text(RATELIMIT_CONFIG)
         node = harness.start_sitsmesh(work, "--ratelimit-config", str(config))
+        other: harness.Sitsmesh | None = None
         try:
+            if not args.no_control:
+                (work / "control").mkdir()
+                other = harness.start_sitsmesh(work / "control", "--ratelimit-config",
+                                               str(config))
             key = provision(node)
             with grpc.insecure_channel(node.data_addr) as channel:
                 stub = external_auth_pb2_grpc.AuthorizationStub(channel)
@@ -308,38 +333,54 @@ def main(argv: Sequence[str] | None = None) -> int:
                 idle: dict[str, Any] = {"times": measure(stub, key, args.checks,
                                                          rate=args.rate),
                                         "note": f"RSS {rss_mb(node):.0f} MB"}
-                results.append(("idle", idle))
+                results.append(("idle", idle, None))
                 print(row("idle", idle, None), file=sys.stderr)
                 idle_p99 = percentile(idle["times"], 99)
                 for streams in args.streams:
+                    control_p99 = None
+                    if other is not None:
+                        name = f"control: {streams} RLQS streams on a second server"
+                        result = rlqs_scenario(node, stub, key, args, streams, other)
+                        results.append((name, result, None))
+                        print(row(name, result, idle_p99), file=sys.stderr)
+                        control_p99 = percentile(result["times"], 99)
                     name = f"{streams} RLQS streams x {args.buckets} buckets"
-                    results.append((name, rlqs_scenario(node, stub, key, args, streams)))
-                    print(row(name, results[-1][1], idle_p99), file=sys.stderr)
+                    result = rlqs_scenario(node, stub, key, args, streams)
+                    results.append((name, result, control_p99))
+                    print(row(name, result, idle_p99, control_p99), file=sys.stderr)
                 again: dict[str, Any] = {"times": measure(stub, key, args.checks,
                                                           rate=args.rate),
                                          "note": "idle again, after the RLQS streams: the "
                                                  f"machine's noise; RSS {rss_mb(node):.0f} MB"}
-                results.append(("idle (after)", again))
+                results.append(("idle (after)", again, None))
                 print(row("idle (after)", again, idle_p99), file=sys.stderr)
                 if not args.no_globs:
                     name = f"{args.globs}-glob pipeline, unseen models"
-                    results.append((name, glob_scenario(node, stub, key, args)))
+                    results.append((name, glob_scenario(node, stub, key, args), None))
                     print(row(name, results[-1][1], idle_p99), file=sys.stderr)
         except (BenchError, grpc.RpcError, TimeoutError) as exc:
             print(f"FAILED: {exc}", file=sys.stderr)
             return 1
         finally:
             node.kill()
-    print("| scenario | Checks | p50 ms | p99 ms | max ms | p99 / idle p99 | notes |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+            if other is not None:
+                other.kill()
+    print("| scenario | Checks | p50 ms | p99 ms | max ms | p99 / idle p99 "
+          "| p99 / control p99 | notes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     idle_p99 = percentile(results[0][1]["times"], 99)
-    for name, result in results:
-        print(row(name, result, idle_p99 if name != "idle" else None))
-    worst = [percentile(r["times"], 99) / idle_p99 for n, r in results[1:]
-             if r["times"] and "RLQS" in n]
-    if worst:
+    for name, result, control in results:
+        print(row(name, result, idle_p99 if name != "idle" else None, control))
+    rlqs = [(percentile(r["times"], 99), c) for n, r, c in results[1:]
+            if r["times"] and n[0].isdigit() and "RLQS" in n]
+    if rlqs:
+        worst = max(p99 / idle_p99 for p99, _ in rlqs)
         print(f"\nRLQS goal (p99 <= {GOAL}x idle): "
-              f"{'met' if max(worst) <= GOAL else 'missed'} (worst {max(worst):.2f}x)")
+              f"{'met' if worst <= GOAL else 'missed'} (worst {worst:.2f}x)")
+        controlled = [p99 / c for p99, c in rlqs if c]
+        if controlled:
+            print(f"Against the control (same load on a second server): worst "
+                  f"{max(controlled):.2f}x")
     return 0
 
 

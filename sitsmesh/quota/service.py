@@ -208,9 +208,12 @@ class QuotaService(GroupBook):
         takes part in did. Shares go out together, from one computation: kept apart,
         each Envoy held a share from a different pass, and they added up to 114 % of
         the rate (bench/rlqs_envoy.py)."""
-        if bucket.due is None or bucket.due == bucket.sent:
+        due = bucket.due
+        # Assignments are interned, so `is` settles most: a dataclass `==` on every
+        # reported bucket was ~12 % of the loop's RLQS time under 100 streams (py-spy).
+        if due is None or due is bucket.sent or due == bucket.sent:
             return False
-        return not bucket.due.close_to(bucket.sent) or not self._regroup.isdisjoint(
+        return not due.close_to(bucket.sent) or not self._regroup.isdisjoint(
             bucket.groups)
 
     def refresh(self) -> dict[str, list[Update]]:

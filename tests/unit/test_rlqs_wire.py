@@ -61,3 +61,57 @@ def test_a_kept_bucket_id_is_made_once_from_its_bytes_and_an_abandoned_one_not_k
     assert again[0] is first[0]  # the service finds its bucket by this object
     assert again[1] is not first[1] and again[1] == first[1]
     assert encoder.response([(again[0], None)]) == response([({"tenant": "a"}, None)], 20)
+
+
+def test_equal_assignments_of_distinct_objects_encode_alike() -> None:
+    """The encoder looks an assignment up by identity first: an equal one that is
+    another object (not interned) still gets the same bytes."""
+    encoder = _Encoder(20)
+    updates: list[Update] = [({"tenant": f"t{i}"},
+                              Assignment(Kind.SHARED, TokenShare(37 + i % 2, 10, 4)))
+                             for i in range(50)]
+    assert encoder.response(updates) == response(updates, 20)
+    assert encoder.response(updates[::-1]) == response(updates[::-1], 20)
+
+
+def test_the_collector_is_frozen_as_buckets_join_and_thawed_as_they_leave() -> None:
+    """Issue 26 (A2): the GC's full passes walked every bucket of every stream, 45-185 ms
+    each while 100 streams of 1 000 joined, with Check waiting. The objects held once
+    FREEZE_BUCKETS more buckets joined are frozen (skipped by the passes). Once as many
+    left with their streams they are thawed, and frozen again only after a full pass
+    has collected the cycles that died meanwhile."""
+    import gc
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from sitsmesh.transport.rlqs import FREEZE_BUCKETS, RateLimitQuotaServicer
+
+    streams: dict[str, Any] = {}
+    service = SimpleNamespace(streams=streams, refresh=dict)
+    servicer = RateLimitQuotaServicer(cast(Any, service), 20)
+    gc.unfreeze()
+    try:
+        streams["a"] = SimpleNamespace(buckets=dict.fromkeys(range(FREEZE_BUCKETS - 1)))
+        servicer.push()
+        assert gc.get_freeze_count() == 0
+        streams["b"] = SimpleNamespace(buckets=dict.fromkeys(range(1)))
+        servicer.push()
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        garbage: list[list[int]] = [[] for _ in range(100)]
+        servicer.push()  # nothing joined: no new freeze
+        assert gc.get_freeze_count() == frozen
+        del garbage
+        # Streams ending: the transport counts their buckets as they close.
+        servicer._left = FREEZE_BUCKETS
+        del streams["a"]
+        servicer.push()
+        assert gc.get_freeze_count() == 0
+        streams["c"] = SimpleNamespace(buckets=dict.fromkeys(range(2 * FREEZE_BUCKETS)))
+        servicer.push()  # no full pass since the thaw: not frozen again yet
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        servicer.push()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
