@@ -226,17 +226,18 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
         if triton is not None:
             _demo_pipeline(bin_dir, run_dir, serve_args)
         hints = [
-            (f"curl -s -H 'x-api-key: {key}' http://127.0.0.1:{ports.listen}/v2/models/demo/infer",
+            (f"curl -s -d '{{}}' -H 'x-api-key: {key}' "
+             f"http://127.0.0.1:{ports.listen}/v2/models/demo/infer",
              "via Envoy to the demo upstream"),
-            (f"curl -si http://127.0.0.1:{ports.listen}/v2/models/demo/infer | head -1",
+            (f"curl -si -d '{{}}' http://127.0.0.1:{ports.listen}/v2/models/demo/infer | head -1",
              "no key: 401"),
             (".venv/bin/sitsmesh status", "admin API, token from the state dir"),
-            (f"curl -si -H 'x-api-key: {key}' -H 'x-user: alice' "
+            (f"curl -si -d '{{}}' -H 'x-api-key: {key}' -H 'x-user: alice' "
              f"http://127.0.0.1:{ports.listen}/v2/models/demo/infer | head -5",
              "6th in a minute gets 429")
             if not rlqs else
-            (f"for i in 1 2 3 4; do curl -s -o /dev/null -w '%{{http_code}} ' -H 'x-api-key: "
-             f"{key}' http://127.0.0.1:{ports.listen}/v2/models/demo/infer; done",
+            (f"for i in 1 2 3 4; do curl -s -o /dev/null -w '%{{http_code}} ' -d '{{}}' "
+             f"-H 'x-api-key: {key}' http://127.0.0.1:{ports.listen}/v2/models/demo/infer; done",
              "RLQS: tenant demo's 30 a minute, enforced in Envoy: 429s"),
             (f".venv/bin/sitsmesh health --addr {ports.data_addr}",
              "gRPC health of the data plane"),

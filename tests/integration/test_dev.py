@@ -28,8 +28,9 @@ def test_dev_stack_serves_through_envoy_and_status_is_serving_and_swaps(
                            "sitsmesh dev to print its hints")
         key = next(line.split("x-api-key: ")[1].split("'")[0]
                    for line in node.output().splitlines() if "x-api-key: smk_" in line)
+        # Inference routes take POST only (README, Request-path policy).
         req = urllib.request.Request(f"http://127.0.0.1:{listen}/v2/models/demo/infer",
-                                     headers={"x-api-key": key})
+                                     headers={"x-api-key": key}, data=b"{}", method="POST")
         with urllib.request.urlopen(req, timeout=5) as resp:
             assert json.loads(resp.read())["upstream"] == "demo"
         status = harness.run_cli("status", "--admin", admin, "--state-dir", str(state))

@@ -57,7 +57,8 @@ class Stack:
     def request(self, path: str, headers: dict[str, str], body: bytes | None = None) -> int:
         req = urllib.request.Request(f"http://127.0.0.1:{self.listen}{path}",
                                      headers=headers, data=body,
-                                     method="POST" if body else "GET")
+                                     method="POST" if body or path.endswith("/infer")
+                                     else "GET")
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 resp.read()
