@@ -6,7 +6,6 @@ hundreds of objects stays PERMISSION_DENIED; deep YAML is INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -16,10 +15,9 @@ import grpc
 import pytest
 from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
 
-from sitsmesh.access.credentials import hash_token
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc, config_pb2, config_pb2_grpc
 from sitsmesh.dev import harness
-from tests.security import tlsnode
+from tests.security import credfile, tlsnode
 
 pytestmark = pytest.mark.integration
 
@@ -35,12 +33,10 @@ NESTED = "[" * 1000 + "]" * 1000        # within it, past ours
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Sitsmesh]:
     tmp = tmp_path_factory.mktemp("isolation")
-    creds = tmp / "credentials.yaml"
-    creds.write_text(json.dumps({"credentials": [
-        {"name": "root", "role": "admin", "token_hash": hash_token(ROOT)},
-        {"name": "team-a", "role": "operator", "token_hash": hash_token(TEAM_A),
-         "scopes": {"tenants": ["team-a"], "pipelines": ["pipe-a"], "models": ["team-a-*"]}},
-        {"name": "dashboards", "role": "viewer", "token_hash": hash_token(VIEWER)}]}))
+    creds = credfile.write(tmp, credfile.entry("root", "admin", ROOT), credfile.entry(
+        "team-a", "operator", TEAM_A,
+        {"tenants": ["team-a"], "pipelines": ["pipe-a"], "models": ["team-a-*"]}),
+        credfile.entry("dashboards", "viewer", VIEWER))
     started = harness.start_sitsmesh(tmp, "--admin-credentials", str(creds))
     try:
         yield started

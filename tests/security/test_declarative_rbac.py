@@ -5,15 +5,14 @@ outside its scope, and cannot change global rate-limit config; a viewer reads on
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
-from sitsmesh.access.credentials import hash_token
 from sitsmesh.admin.v1 import config_pb2, config_pb2_grpc
 from sitsmesh.dev import harness
+from tests.security import credfile
 
 pytestmark = pytest.mark.integration
 
@@ -35,12 +34,10 @@ LIMITS = ("apiVersion: sitsmesh.io/v1alpha1\nkind: RateLimitConfig\nmetadata: {n
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Sitsmesh]:
     tmp = tmp_path_factory.mktemp("decl-rbac")
-    creds = tmp / "credentials.yaml"
-    creds.write_text(json.dumps({"credentials": [
-        {"name": "root", "role": "admin", "token_hash": hash_token(ROOT)},
-        {"name": "team-a", "role": "operator", "token_hash": hash_token(TEAM_A),
-         "scopes": {"tenants": ["team-a"], "pipelines": ["pipe-a"], "models": ["m"]}},
-        {"name": "dashboards", "role": "viewer", "token_hash": hash_token(VIEWER)}]}))
+    creds = credfile.write(tmp, credfile.entry("root", "admin", ROOT), credfile.entry(
+        "team-a", "operator", TEAM_A,
+        {"tenants": ["team-a"], "pipelines": ["pipe-a"], "models": ["m"]}),
+        credfile.entry("dashboards", "viewer", VIEWER))
     started = harness.start_sitsmesh(tmp, "--admin-credentials", str(creds))
     try:
         yield started

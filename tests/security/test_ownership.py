@@ -17,9 +17,9 @@ import pytest
 import yaml
 from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
 
-from sitsmesh.access.credentials import hash_token
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
+from tests.security import credfile
 
 pytestmark = pytest.mark.integration
 
@@ -36,15 +36,11 @@ def _closed_port() -> int:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Sitsmesh]:
     tmp = tmp_path_factory.mktemp("ownership")
-    creds = tmp / "credentials.yaml"
-    creds.write_text(json.dumps({"credentials": [
-        {"name": "root", "role": "admin", "token_hash": hash_token(ROOT)},
-        {"name": "team-a", "role": "operator", "token_hash": hash_token(TEAM_A),
-         "scopes": {"tenants": ["team-a"], "pipelines": ["pipe-a"],
-                    "models": ["team-a-*", "shared-llm"]}},
-        {"name": "team-b", "role": "operator", "token_hash": hash_token(TEAM_B),
-         "scopes": {"tenants": ["team-b"], "pipelines": ["pipe-b"],
-                    "models": ["team-b-*", "shared-llm"]}}]}))
+    creds = credfile.write(tmp, credfile.entry("root", "admin", ROOT), *(
+        credfile.entry(f"team-{t}", "operator", token,
+                       {"tenants": [f"team-{t}"], "pipelines": [f"pipe-{t}"],
+                        "models": [f"team-{t}-*", "shared-llm"]})
+        for t, token in (("a", TEAM_A), ("b", TEAM_B))))
     # Nothing answers the Triton metrics URL: a pipeline's stage is stale, and its
     # pipeline sheds (fail safe), which is what shows whose requests it governs.
     started = harness.start_sitsmesh(
