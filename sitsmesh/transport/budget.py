@@ -48,6 +48,7 @@ LARGE_PART = 0.75
 # every small Check queued behind it by as much.
 LARGE_SHARE = 0.1
 LARGE_BURST_S = 0.05
+TRIM_TICKS = 25                 # at most one malloc_trim every 25 ticks (0.5 s)
 READ_AHEAD = 2                  # messages gRPC buffers for a stream it has read from
 CGROUP_FILES = (Path("/sys/fs/cgroup/memory.max"),                       # cgroup v2
                 Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))     # cgroup v1
@@ -89,6 +90,15 @@ def tune_allocator() -> bool:
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(M_ARENA_MAX, ARENA_MAX))
+
+
+def allocator_trim() -> Callable[[], object] | None:
+    """glibc's malloc_trim(0), or None where the C library is not glibc."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return lambda: trim(0)
 
 
 def default_capacity(limit: int | None) -> int:
@@ -148,6 +158,9 @@ class LoopLag:
         self._stamp = clock()
         self._caught_up = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._trim = allocator_trim()
+        self._trim_due = False
+        self._trimming: asyncio.Future[object] | None = None
 
     def behind(self) -> bool:
         """Whether large work must wait: the loop is late, or large messages have used
@@ -164,6 +177,7 @@ class LoopLag:
     def spent(self, seconds: float) -> None:
         """Large work took `seconds` of the loop."""
         self._credit -= seconds
+        self._trim_due = True
 
     def tick(self) -> None:
         """Note one tick, due at `self._due` (the ticker calls this every TICK_S)."""
@@ -183,12 +197,29 @@ class LoopLag:
 
     def start(self) -> None:
         async def ticker() -> None:
+            ticks = 0
             while True:
                 await asyncio.sleep(TICK_S)
                 self.tick()
+                ticks += 1
+                if not ticks % TRIM_TICKS:
+                    self._trim_now()
 
         self._due = self._clock() + TICK_S
         self._task = asyncio.get_running_loop().create_task(ticker())
+
+    def _trim_now(self) -> None:
+        """Give the allocator's free pages back, in a thread, once large messages have
+        come and gone since the last time. Their gRPC slices and parsed forms are small
+        blocks of the main heap, freed between long-lived ones: glibc returns only the
+        heap's top, so under a stream of 3.7 MB access-log batches it kept 180 MB free
+        but resident (244 MB of heap, 63 MB in use, measured); malloc_trim(0) hands the
+        free pages inside back too, in a few ms, with the loop free meanwhile."""
+        if self._trim is None or not self._trim_due or (
+                self._trimming is not None and not self._trimming.done()):
+            return
+        self._trim_due = False
+        self._trimming = asyncio.get_running_loop().run_in_executor(None, self._trim)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -169,15 +169,19 @@ class _Metered:
 
     async def __anext__(self) -> Any:
         budget = self._budget
+        if self._held:
+            # Given back before any wait: the handler is done with the last message,
+            # and a stream paced below holds nothing of it.
+            budget.give(self._held)
+            self._held = 0
         if self._large_since:
-            # The last message was large: charge what the handler spent on it, and read
-            # on once large work may run again.
+            # The last message was large: charge the time until this read (its parse and
+            # the handler's slices, and other tasks' in between: an overcharge that keeps
+            # a crowd of large streams slow, which is the point) and read on once large
+            # work may run again.
             budget.lag.spent(perf_counter() - self._large_since)
             self._large_since = 0.0
             await budget.lag.caught_up()
-        if self._held:
-            budget.give(self._held)
-            self._held = 0
         try:
             if self._started:
                 return self._charge(await self._inner.__anext__())
