@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from sitsmesh.transport.budget import LARGE_BYTES, MIB, READ_AHEAD, ByteBudget
+from sitsmesh.transport.budget import LARGE_BYTES, MIB, READ_AHEAD, ByteBudget, cost
 from sitsmesh.transport.handlers import behaviour
 
 Refusal = Callable[[str, Any], Any]
@@ -103,9 +103,10 @@ def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: i
         if size > LARGE_BYTES and budget.lag.behind():
             budget.note_refused()
             return paced, 0
-        if not budget.take(size, size > LARGE_BYTES):
+        charge = cost(size)
+        if not budget.take(charge, size > LARGE_BYTES):
             return over, 0
-        return "", size
+        return "", charge
 
     if inspect.isasyncgenfunction(inner):
         async def gen_behavior(data: bytes, context: Any) -> Any:
@@ -199,9 +200,10 @@ class _Metered:
 
     def _charge(self, data: bytes) -> Any:
         size = len(data)
-        if not self._budget.take(READ_AHEAD * size, size > LARGE_BYTES):
+        charge = max(READ_AHEAD * size, cost(size))
+        if not self._budget.take(charge, size > LARGE_BYTES):
             raise _Refused  # `data` goes, and what gRPC holds for the stream with it
-        self._held = READ_AHEAD * size
+        self._held = charge
         if size > LARGE_BYTES:
             self._large_since = perf_counter()
         return self._parse(data)
