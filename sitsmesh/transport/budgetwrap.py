@@ -170,11 +170,6 @@ class _Metered:
 
     async def __anext__(self) -> Any:
         budget = self._budget
-        if self._held:
-            # Given back before any wait: the handler is done with the last message,
-            # and a stream paced below holds nothing of it.
-            budget.give(self._held)
-            self._held = 0
         if self._large_since:
             # The last message was large: charge the time until this read (its parse and
             # the handler's slices, and other tasks' in between: an overcharge that keeps
@@ -183,6 +178,13 @@ class _Metered:
             budget.lag.spent(perf_counter() - self._large_since)
             self._large_since = 0.0
             await budget.lag.caught_up()
+        if self._held:
+            # Given back only now, after any wait above: while large work is paced, the
+            # budget a waiting stream keeps stops others' large messages being taken
+            # (given back before the wait, the full soak's RSS peaked at 798-931 MB
+            # instead of 517-524, 20 s runs).
+            budget.give(self._held)
+            self._held = 0
         try:
             if self._started:
                 return self._charge(await self._inner.__anext__())
