@@ -47,11 +47,12 @@ async def test_an_access_log_stream_holds_no_part_of_a_batch_while_it_awaits_the
     async def messages() -> AsyncIterator[Any]:
         yield _batch(3)
         # The consumer is suspended on this read: what does its frame still hold?
-        assert consumer.cr_frame is not None
-        held.extend(name for name, value in consumer.cr_frame.f_locals.items()
+        frame = consumer.cr_frame
+        assert frame is not None
+        held.extend(name for name, value in frame.f_locals.items()
                     if isinstance(value, Message))
 
-    consumer = servicer._consume(messages(), hops.add, lambda request_id, end: True, 128)
+    consumer: Any = servicer._consume(messages(), hops.add, lambda request_id, end: True, 128)
     await consumer
     assert len(hops.hops) == 3
     assert held == []
