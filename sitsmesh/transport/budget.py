@@ -35,6 +35,7 @@ import gc
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 MIB = 1 << 20
@@ -173,6 +174,7 @@ class LoopLag:
         self._trim = allocator_trim()
         self._trim_due = False
         self._trimming: asyncio.Future[object] | None = None
+        self._trimmer: ThreadPoolExecutor | None = None
 
     def behind(self) -> bool:
         """Whether large work must wait: the loop is late, or large messages have used
@@ -228,8 +230,7 @@ class LoopLag:
         of 3.7 MB access-log batches it kept 180 MB free but resident (244 MB of heap,
         63 MB in use, measured); malloc_trim(0) hands the free pages inside back too,
         in a few ms, with the loop free meanwhile."""
-        if self._trim is None or not self._trim_due or (
-                self._trimming is not None and not self._trimming.done()):
+        if not self._trim_due:
             return
         self._trim_due = False
         # grpc aio keeps an aborted call's exception on the call's state, and the
@@ -239,7 +240,14 @@ class LoopLag:
         # collecting here took a viewer's refused writes from 506 to 311 MB RSS and large
         # ShouldRateLimits from 397 to 271 (15 s runs), for a few ms of the loop.
         gc.collect()
-        self._trimming = asyncio.get_running_loop().run_in_executor(None, self._trim)
+        if self._trim is None or (self._trimming is not None and not self._trimming.done()):
+            return
+        # A thread of its own: in the loop's default executor it queued behind the admin
+        # API's YAML parsing, and the collection above with it (the soak's RSS then rose
+        # to 580 MB between the interpreter's own full collections).
+        if self._trimmer is None:
+            self._trimmer = ThreadPoolExecutor(1, thread_name_prefix="malloc-trim")
+        self._trimming = asyncio.get_running_loop().run_in_executor(self._trimmer, self._trim)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -247,3 +255,6 @@ class LoopLag:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._trimmer is not None:
+            self._trimmer.shutdown(wait=False)
+            self._trimmer = None
