@@ -33,6 +33,7 @@ LIMIT_PARSERS: dict[str, Callable[[Any], int]] = {
     "max_check_message_bytes": int_range(4 * KIB, 256 * MIB),
     "max_ratelimit_message_bytes": int_range(4 * KIB, 256 * MIB),
     "max_concurrent_rpcs": int_range(1, 1_000_000),
+    "max_streams_per_connection": int_range(1, 1_000_000),
     "check_max_headers": int_range(1, 100_000),
     "check_max_header_bytes": int_range(KIB, 256 * MIB),
     "ratelimit_max_entries": int_range(1, 1000),

@@ -113,6 +113,7 @@ _FLAG_HELP = {
     "max_check_message_bytes": "largest Check (headers + body); bigger ones: a 413 deny, unparsed",
     "max_ratelimit_message_bytes": "largest ShouldRateLimit request (RESOURCE_EXHAUSTED)",
     "max_concurrent_rpcs": "data-port RPCs at once, streams included; more: RESOURCE_EXHAUSTED",
+    "max_streams_per_connection": "HTTP/2 streams one data-port connection may have open at once",
     "check_max_headers": "more request headers in a Check get a 431 deny",
     "check_max_header_bytes": "more header bytes (names + values) in a Check get a 431 deny",
     "ratelimit_max_entries": "most entries one rate-limit descriptor may carry",

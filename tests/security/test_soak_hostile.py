@@ -291,6 +291,8 @@ def test_hostile_soak_keeps_memory_latency_and_admitted_work(node: harness.Sitsm
             finally:
                 attacker.terminate()
                 attacker.join(10)
+    # Crossing the limit ends the good caller's loop at once, maybe before its first Check.
+    assert watch.peak < POD_LIMIT_MB, f"RSS peaked at {watch.peak:.0f} MB"
     latencies.sort()
     p50, p99 = (latencies[int(len(latencies) * q)] * 1000 for q in (0.5, 0.99))
     processed = harness.metric_value(node.metrics(), "sitsmesh_accesslog_entries_dropped_total",
