@@ -118,7 +118,7 @@ class Settings:
     max_check_message_bytes: int = 1 << 20
     max_ratelimit_message_bytes: int = 1 << 20
     max_concurrent_rpcs: int = 1000
-    max_streams_per_connection: int = 32
+    max_streams_per_connection: int = 16
     check_max_headers: int = 128
     check_max_header_bytes: int = 64 << 10
     ratelimit_max_entries: int = 16

@@ -61,7 +61,7 @@ async def test_an_access_log_stream_holds_no_part_of_a_batch_while_it_awaits_the
 def test_data_port_caps_streams_per_connection_from_a_validated_setting() -> None:
     settings = load_settings({}, env={})
     options = dict(_server_options(settings, reuseport=False)["options"])
-    assert options["grpc.max_concurrent_streams"] == settings.max_streams_per_connection == 32
+    assert options["grpc.max_concurrent_streams"] == settings.max_streams_per_connection == 16
     flagged = load_settings({"max_streams_per_connection": "100"}, env={})
     assert dict(_server_options(flagged, False)["options"])["grpc.max_concurrent_streams"] == 100
     with pytest.raises(ConfigError, match="SITSMESH_MAX_STREAMS_PER_CONNECTION: must be "
