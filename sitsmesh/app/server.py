@@ -57,9 +57,6 @@ from sitsmesh.transport.streams import OpenStreams
 _log = logs.get("sitsmesh.server")
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 ADMIN_NAME = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
-# How long a large admin write may wait for the event loop to catch up (see
-# BudgetedRegistrar) before it is refused as busy.
-ADMIN_PACE_S = 5.0
 _HEALTH = {Serving.SERVING: health_pb2.HealthCheckResponse.SERVING}
 
 
@@ -177,8 +174,9 @@ async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMe
         registrar = CallerGate({ADMIN_NAME: settings.admin_clients,
                                 CONFIG_NAME: settings.admin_clients}).registrar(server)
     # Admin requests draw on the data plane's budget too: a refused 4 MiB write is
-    # bytes held all the same. A large one waits for the loop rather than failing.
-    registrar = BudgetedRegistrar(registrar, budget, pace_s=ADMIN_PACE_S)
+    # bytes held all the same. Its large YAML is parsed off the loop, so it is not
+    # paced for the loop's time as the data plane's large messages are.
+    registrar = BudgetedRegistrar(registrar, budget, loop_share=False)
     # Each RPC is authenticated and authorized inside its handler: the check needs the
     # request, which an interceptor never sees.
     access.add_to_server(servicer, registrar)

@@ -3,8 +3,6 @@ the process's ByteBudget (see sitsmesh/transport/budget.py for why and how)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import inspect
 from collections.abc import AsyncIterator, Callable, Sequence
 from time import perf_counter
@@ -27,12 +25,12 @@ class BudgetedRegistrar:
     def __init__(self, server: Any, budget: ByteBudget, stream_first: int = 4 * MIB,
                  refusals: dict[str, Refusal] | None = None,
                  refused_unparsed: dict[str, int] | None = None, *,
-                 pace_s: float = 0.0) -> None:
+                 loop_share: bool = True) -> None:
         self._server = server
-        # > 0: a large unary message waits up to this long for the loop to catch up
-        # before it is refused (the admin API: its callers are people and CI, who
-        # would rather wait a second than retry; the data plane refuses at once).
-        self._pace_s = pace_s
+        # False: large messages are charged bytes only, never paced for the loop's time
+        # (the admin API, whose handlers parse large YAML off the loop already; paced,
+        # a viewer's refused write answered "busy" instead of PERMISSION_DENIED).
+        self._loop_share = loop_share
         self._budget = budget
         self._first = stream_first
         self._refusals = refusals or {}
@@ -57,7 +55,7 @@ class BudgetedRegistrar:
         if cached is None:
             cached = self._wrapped[method] = _wrap(
                 handler, self._budget, self._first, self._refusals.get(method),
-                self._unparsed.get(method, 1 << 62), pace_s=self._pace_s)
+                self._unparsed.get(method, 1 << 62), loop_share=self._loop_share)
         return cached
 
 
@@ -94,7 +92,7 @@ def _paced(budget: ByteBudget) -> str:
 
 def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: int,
           refusal: Refusal | None, unparsed: int, *,
-          pace_s: float = 0.0) -> grpc.RpcMethodHandler[Any, Any]:
+          loop_share: bool = True) -> grpc.RpcMethodHandler[Any, Any]:
     inner, factory = behaviour(handler)
     parse = handler.request_deserializer or (lambda data: data)
     serialize = handler.response_serializer
@@ -104,29 +102,22 @@ def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: i
 
     over, paced = _over(budget), _paced(budget)
 
-    async def admit(size: int) -> tuple[str, int]:
+    def admit(size: int) -> tuple[str, int]:
         """('', bytes charged) if a message of `size` may be parsed, else (why not, 0)."""
         if size > unparsed:
             return "", 0  # its deserializer refuses it from its length alone
         large = size > LARGE_BYTES
-        if large and pace_s <= 0 and budget.lag.behind():
+        if large and loop_share and budget.lag.behind():
             budget.note_refused()
             return paced, 0
         charge = cost(size)
         if not budget.take(charge, large):
             return over, 0
-        if large and pace_s > 0 and budget.lag.behind():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(budget.lag.caught_up(), pace_s)
-            if budget.lag.behind():
-                budget.give(charge)
-                budget.note_refused()
-                return paced, 0
         return "", charge
 
     if inspect.isasyncgenfunction(inner):
         async def gen_behavior(data: bytes, context: Any) -> Any:
-            why, charged = await admit(len(data))
+            why, charged = admit(len(data))
             if why:
                 # Not held by this frame while the abort's traceback lives on: grpc keeps
                 # that exception in a cycle the collector reaches late.
@@ -143,11 +134,11 @@ def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: i
         return factory(gen_behavior, None, serialize)
 
     async def unary(data: bytes, context: Any) -> Any:
-        why, charged = await admit(len(data))
+        why, charged = admit(len(data))
         if why:
             del data  # as above: a refusal's traceback must not keep the message
             return await _refuse(refusal, why, context)
-        started = perf_counter() if charged > LARGE_BYTES else 0.0
+        started = perf_counter() if loop_share and charged > LARGE_BYTES else 0.0
         try:
             request = parse(data)
             del data
