@@ -304,7 +304,8 @@ def test_hostile_soak_keeps_memory_latency_and_admitted_work(node: harness.Sitsm
     processed = harness.metric_value(node.metrics(), "sitsmesh_accesslog_entries_dropped_total",
                                      reason="request_id_too_long")
     print(f"\nsoak {SOAK_SECONDS:.0f} s, components {','.join(COMPONENTS)}: RSS peak "
-          f"{watch.peak:.0f} MB (target {POD_LIMIT_MB:.0f}); good Checks {len(latencies)} p50 {p50:.1f} ms p99 "
+          f"{watch.peak:.0f} MB (target {POD_LIMIT_MB:.0f}); good Checks {len(latencies)} "
+          f"p50 {p50:.1f} ms p99 "
           f"{p99:.1f} ms (idle p99 {sorted(warm_latencies)[-1] * 1000:.1f} ms), answers "
           f"{answers}; good log entries taken {logs.taken} processed {processed:.0f}, "
           f"streams refused {logs.refused}")
