@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from sitsmesh.access.credentials import hash_token
+from sitsmesh.dev import harness
 
 
 def entry(name: str, role: str, token: str,
@@ -24,3 +26,15 @@ def write(directory: Path, *entries: dict[str, Any]) -> Path:
     path = directory / "credentials.yaml"
     path.write_text(json.dumps({"credentials": list(entries)}))
     return path
+
+
+@contextlib.contextmanager
+def serving(directory: Path, *entries: dict[str, Any],
+            args: Sequence[str] = ()) -> Iterator[harness.Sitsmesh]:
+    """A real `sitsmesh serve` with these credentials (and `args`), killed on exit."""
+    started = harness.start_sitsmesh(directory, "--admin-credentials",
+                                     str(write(directory, *entries)), *args)
+    try:
+        yield started
+    finally:
+        started.kill()

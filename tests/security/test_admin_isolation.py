@@ -32,16 +32,13 @@ NESTED = "[" * 1000 + "]" * 1000        # within it, past ours
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Sitsmesh]:
-    tmp = tmp_path_factory.mktemp("isolation")
-    creds = credfile.write(tmp, credfile.entry("root", "admin", ROOT), credfile.entry(
-        "team-a", "operator", TEAM_A,
-        {"tenants": ["team-a"], "pipelines": ["pipe-a"], "models": ["team-a-*"]}),
-        credfile.entry("dashboards", "viewer", VIEWER))
-    started = harness.start_sitsmesh(tmp, "--admin-credentials", str(creds))
-    try:
+    with credfile.serving(tmp_path_factory.mktemp("isolation"),
+                          credfile.entry("root", "admin", ROOT), credfile.entry(
+                              "team-a", "operator", TEAM_A,
+                              {"tenants": ["team-a"], "pipelines": ["pipe-a"],
+                               "models": ["team-a-*"]}),
+                          credfile.entry("dashboards", "viewer", VIEWER)) as started:
         yield started
-    finally:
-        started.kill()
 
 
 def _meta(token: str) -> tuple[tuple[str, str], ...]:

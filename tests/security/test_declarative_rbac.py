@@ -33,16 +33,13 @@ LIMITS = ("apiVersion: sitsmesh.io/v1alpha1\nkind: RateLimitConfig\nmetadata: {n
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Sitsmesh]:
-    tmp = tmp_path_factory.mktemp("decl-rbac")
-    creds = credfile.write(tmp, credfile.entry("root", "admin", ROOT), credfile.entry(
-        "team-a", "operator", TEAM_A,
-        {"tenants": ["team-a"], "pipelines": ["pipe-a"], "models": ["m"]}),
-        credfile.entry("dashboards", "viewer", VIEWER))
-    started = harness.start_sitsmesh(tmp, "--admin-credentials", str(creds))
-    try:
+    with credfile.serving(tmp_path_factory.mktemp("decl-rbac"),
+                          credfile.entry("root", "admin", ROOT), credfile.entry(
+                              "team-a", "operator", TEAM_A,
+                              {"tenants": ["team-a"], "pipelines": ["pipe-a"],
+                               "models": ["m"]}),
+                          credfile.entry("dashboards", "viewer", VIEWER)) as started:
         yield started
-    finally:
-        started.kill()
 
 
 def apply(node: harness.Sitsmesh, token: str, text: str, *, dry_run: bool = False,

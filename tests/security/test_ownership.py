@@ -35,27 +35,23 @@ def _closed_port() -> int:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Sitsmesh]:
-    tmp = tmp_path_factory.mktemp("ownership")
-    creds = credfile.write(tmp, credfile.entry("root", "admin", ROOT), *(
-        credfile.entry(f"team-{t}", "operator", token,
-                       {"tenants": [f"team-{t}"], "pipelines": [f"pipe-{t}"],
-                        "models": [f"team-{t}-*", "shared-llm"]})
-        for t, token in (("a", TEAM_A), ("b", TEAM_B))))
+    teams = (credfile.entry(f"team-{t}", "operator", token,
+                            {"tenants": [f"team-{t}"], "pipelines": [f"pipe-{t}"],
+                             "models": [f"team-{t}-*", "shared-llm"]})
+             for t, token in (("a", TEAM_A), ("b", TEAM_B)))
     # Nothing answers the Triton metrics URL: a pipeline's stage is stale, and its
     # pipeline sheds (fail safe), which is what shows whose requests it governs.
-    started = harness.start_sitsmesh(
-        tmp, "--admin-credentials", str(creds), "--triton-url",
-        f"127.0.0.1:{_closed_port()}", "--triton-metrics-url",
-        f"http://127.0.0.1:{_closed_port()}/metrics")
-    try:
+    with credfile.serving(tmp_path_factory.mktemp("ownership"),
+                          credfile.entry("root", "admin", ROOT), *teams,
+                          args=("--triton-url", f"127.0.0.1:{_closed_port()}",
+                                "--triton-metrics-url",
+                                f"http://127.0.0.1:{_closed_port()}/metrics")) as started:
         with grpc.insecure_channel(started.admin_addr) as channel:
             stub = admin_pb2_grpc.AdminServiceStub(channel)
             for name, models in (("team-a", ["team-a-llm"]), ("team-b", ["team-b-llm"])):
                 _admin(stub, "CreateTenant", admin_pb2.CreateTenantRequest(
                     tenant=admin_pb2.Tenant(name=name, models=models)))
         yield started
-    finally:
-        started.kill()
 
 
 def _admin(stub: admin_pb2_grpc.AdminServiceStub, method: str, request: Any,
