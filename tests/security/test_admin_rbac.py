@@ -20,7 +20,7 @@ from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.transport.adminaccess import RULES
 from tests.security import tlsnode
-from tests.security.pki import Ca, make_ca
+from tests.security.pki import Ca
 
 pytestmark = pytest.mark.integration
 
@@ -253,11 +253,6 @@ def test_serve_refuses_a_bad_credentials_file(tmp_path: Path) -> None:
         f"sitsmesh: error: {creds}: credentials[4] (team-b): an operator needs scopes: some "
         "of tenants, pipelines, models, each a list of names or '*'")
     assert not (tmp_path / "s").exists()
-
-
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> Ca:
-    return make_ca(tmp_path_factory.mktemp("pki"))
 
 
 def test_an_mtls_identity_mapped_to_operator(tmp_path: Path, ca: Ca) -> None:

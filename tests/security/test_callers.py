@@ -25,16 +25,11 @@ from sitsmesh.admin.enums import word
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.dev import harness
 from tests.security import pki, tlsnode
-from tests.security.pki import Ca, make_ca
+from tests.security.pki import Ca
 
 pytestmark = pytest.mark.integration
 
 ENVOY_ID = "spiffe://cluster.local/ns/istio-system/sa/gateway"
-
-
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> Ca:
-    return make_ca(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture

@@ -21,16 +21,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> Ca:
-    return make_ca(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def server_pair(ca: Ca) -> Pair:
-    return ca.issue("server", "DNS:localhost", "IP:127.0.0.1")
-
-
-@pytest.fixture(scope="module")
 def sre(ca: Ca) -> Pair:
     return ca.issue("sre", "URI:spiffe://test/sre")
 

@@ -22,7 +22,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from sitsmesh.dev import envoyconf, harness
 from tests.security import tlsnode
-from tests.security.pki import Ca, Pair, make_ca
+from tests.security.pki import Ca, Pair
 
 pytestmark = pytest.mark.integration
 
@@ -69,11 +69,6 @@ def mtls_bootstrap(work: Path, ca: Ca, envoy: Pair, sitsmesh_addr: str, upstream
     cluster.update(socket)
     config.setdefault("node", {"id": "gateway", "cluster": "gateway"})  # SDS needs both
     return config
-
-
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> Ca:
-    return make_ca(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture

@@ -18,21 +18,11 @@ from sitsmesh import tlsversion
 from sitsmesh.dev import harness
 from sitsmesh.errors import ConfigError
 from tests.security import tlsnode
-from tests.security.pki import Ca, Pair, make_ca
+from tests.security.pki import Ca, Pair
 
 pytestmark = pytest.mark.integration
 
 TLS12, TLS13 = ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3
-
-
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> Ca:
-    return make_ca(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def server_pair(ca: Ca) -> Pair:
-    return ca.issue("server", "DNS:localhost", "IP:127.0.0.1")
 
 
 @pytest.fixture
