@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from sitsmesh.status import Serving, StatusBoard
 from sitsmesh.transport.budget import ByteBudget
+from sitsmesh.transport.errors import Refused
 from sitsmesh.transport.handlers import behaviour
 
 # Sub-millisecond buckets: the request path answers in well under 1 ms.
@@ -219,6 +220,8 @@ class _MetricsInterceptor(aio.ServerInterceptor):
                     async for item in inner(request, context):
                         yield item
                     failed = False
+                except Refused:  # the status is set: ending the stream sends it
+                    failed = False
                 finally:
                     finish(context, start, failed)
 
@@ -233,6 +236,9 @@ class _MetricsInterceptor(aio.ServerInterceptor):
                 result = await inner(request, context)
                 failed = False
                 return result
+            except Refused:  # the status is set: returning sends it
+                failed = False
+                return None
             finally:
                 finish(context, start, failed)
 

@@ -47,7 +47,7 @@ from sitsmesh.transport.admin.config import ConfigServicer
 from sitsmesh.transport.adminaccess import AdminAccess
 from sitsmesh.transport.auth import CallerGate
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
-from sitsmesh.transport.budget import ByteBudget, tune_allocator
+from sitsmesh.transport.budget import MIB, ByteBudget, tune_allocator
 from sitsmesh.transport.budgetwrap import BudgetedRegistrar
 from sitsmesh.transport.metrics import SERVICE_NAME as METRICS_SERVICE
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
@@ -97,6 +97,12 @@ def _host(addr: str) -> str:
 # ahead that much per stream: 50 streams of 3.7 MB held 329 MB with it, 183 MB
 # without (measured, grpcio 1.85). Within a cluster 64 KiB windows lose nothing.
 HTTP2_WINDOWS = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 64 << 10))
+
+
+# gRPC's own default, named because the hostile tests send the largest admin message
+# the port takes: a whole envoyproxy/ratelimit config file travels in one request
+# (several MB for large ones), documents in the other kinds up to MAX_YAML_BYTES.
+ADMIN_MESSAGE_BYTES = 4 * MIB
 
 
 def _server_options(settings: Settings, reuseport: bool) -> dict[str, Any]:
@@ -167,7 +173,8 @@ async def _start_admin(settings: Settings, board: StatusBoard, *, metrics: RpcMe
                        access: AdminAccess, budget: ByteBudget) -> tuple[aio.Server, str]:
     server = aio.server(
         interceptors=[metrics.interceptor()],
-        options=[("grpc.so_reuseport", 0)],
+        options=[("grpc.so_reuseport", 0), *HTTP2_WINDOWS,
+                 ("grpc.max_receive_message_length", ADMIN_MESSAGE_BYTES)],
     )
     registrar: Any = server
     if settings.admin_clients:  # mTLS identities allowed to call, on top of the token

@@ -11,10 +11,11 @@ handler is done with it; a message that does not fit is refused unparsed, at onc
   checklimits.busy);
 - a stream is ended with RESOURCE_EXHAUSTED; what it sent before was processed.
 
-Refusing, not waiting: grpcio (measured on 1.85) takes each stream's message in full
-as it arrives, whether or not the handler has asked for it, and whatever the HTTP/2
-window (50 streams of 3.7 MB held 185 MB before any read), so a stream made to wait
-keeps its bytes held; ending it frees them.
+Refusing, not waiting: a stream made to wait keeps its concurrency slot, and its
+caller's retry waits with it. (What a waiting stream holds is small: with the 64 KiB
+HTTP/2 windows of app/server.py, gRPC holds a stream's window, not its message, until
+the handler reads; 48 unread streams of 3.7 MB took +3 MB, read once +105 MB, measured
+on grpcio 1.85.)
 
 Messages over `LARGE_BYTES` (more than Envoy ever forwards in a Check body) take the
 event loop for milliseconds each to parse (a 1 MiB JSON body up to ~40 ms): while the
@@ -193,6 +194,14 @@ class LoopLag:
         self._credit -= seconds
         self._trim_due = True
 
+    def note_large(self) -> None:
+        """A large message came and went without being paced (the admin API's): its
+        cycles and freed pages are collected on the next trim all the same, as after
+        the data plane's. Nothing else asks for a trim on the admin port."""
+        if self._task is None:
+            self.start()
+        self._trim_due = True
+
     def tick(self) -> None:
         """Note one tick, due at `self._due` (the ticker calls this every TICK_S)."""
         now = self._clock()
@@ -233,12 +242,10 @@ class LoopLag:
         if not self._trim_due:
             return
         self._trim_due = False
-        # grpc aio keeps an aborted call's exception on the call's state, and the
-        # exception's traceback holds the call's frames: a cycle, and with it the
-        # request (4 MB refused admin writes, 1 MB ShouldRateLimits) until the cyclic
-        # collector runs, which counts objects, not bytes, and so rarely reaches them:
-        # collecting here took a viewer's refused writes from 506 to 311 MB RSS and large
-        # ShouldRateLimits from 397 to 271 (15 s runs), for a few ms of the loop.
+        # Cycles that hold a large request wait for the cyclic collector, which counts
+        # objects, not bytes, and so rarely reaches them. grpc aio's abort() made one
+        # per refused call (transport/errors.refuse avoids it); collecting here bounds
+        # any that remain, for a few ms of the loop.
         gc.collect()
         if self._trim is None or (self._trimming is not None and not self._trimming.done()):
             return

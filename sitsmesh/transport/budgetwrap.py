@@ -11,10 +11,11 @@ from typing import Any
 import grpc
 
 from sitsmesh.transport.budget import LARGE_BYTES, MIB, READ_AHEAD, ByteBudget, cost
+from sitsmesh.transport.errors import refuse
 from sitsmesh.transport.handlers import behaviour
 
 Refusal = Callable[[str, Any], Any]
-"""(why, context) -> a reply for a unary call refused by the budget; None: abort with
+"""(why, context) -> a reply for a unary call refused by the budget; None: refuse with
 RESOURCE_EXHAUSTED."""
 
 
@@ -72,11 +73,10 @@ class _Generic(grpc.GenericRpcHandler):
         return self._registrar.wrapped(handler_call_details.method, handler)
 
 
-async def _refuse(refusal: Refusal | None, why: str, context: Any) -> Any:
-    if refusal is not None:
-        return refusal(why, context)
-    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
-    raise AssertionError("unreachable")
+def _refuse(refusal: Refusal | None, why: str, context: Any) -> Any:
+    if refusal is None:
+        refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+    return refusal(why, context)
 
 
 def _over(budget: ByteBudget) -> str:
@@ -119,10 +119,8 @@ def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: i
         async def gen_behavior(data: bytes, context: Any) -> Any:
             why, charged = admit(len(data))
             if why:
-                # Not held by this frame while the abort's traceback lives on: grpc keeps
-                # that exception in a cycle the collector reaches late.
                 del data
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+                refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
             try:
                 request = parse(data)
                 del data
@@ -136,9 +134,11 @@ def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: i
     async def unary(data: bytes, context: Any) -> Any:
         why, charged = admit(len(data))
         if why:
-            del data  # as above: a refusal's traceback must not keep the message
-            return await _refuse(refusal, why, context)
+            del data
+            return _refuse(refusal, why, context)
         started = perf_counter() if loop_share and charged > LARGE_BYTES else 0.0
+        if charged > LARGE_BYTES and not loop_share:
+            budget.lag.note_large()
         try:
             request = parse(data)
             del data
@@ -157,8 +157,8 @@ _REFUSED = object()
 
 class _Metered:
     """A stream's request iterator. Before its first read the stream needs room for the
-    largest message the port takes (gRPC takes a stream's message as it arrives, read or
-    not, so a stream is refused before it can send one); from then on each message is
+    largest message the port takes (a read takes the message whole, whatever its size,
+    so a stream is refused before its first is read); from then on each message is
     charged READ_AHEAD times its length (gRPC reads the next meanwhile) until the handler
     asks for the next. A message that does not fit ends the stream at once."""
 
@@ -210,9 +210,7 @@ class _Metered:
                 message = self._charge(data)
                 del data
         if message is _REFUSED:
-            # No frame of this call holds the message while the abort's exception lives
-            # on (grpc keeps it in a cycle that the collector reaches late).
-            await self._context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _over(budget))
+            refuse(self._context, grpc.StatusCode.RESOURCE_EXHAUSTED, _over(budget))
         return message
 
     def _charge(self, data: bytes) -> Any:

@@ -29,6 +29,7 @@ from sitsmesh.transport.adminaccess import (
     parsed,
     rule,
 )
+from sitsmesh.transport.errors import Refused
 
 TOKEN = "t" * 40
 HASH = hash_token(TOKEN)
@@ -187,10 +188,6 @@ def test_the_cli_hashes_generates_and_checks(tmp_path: Path, capsys: pytest.Capt
     assert "unknown role 'root'" in capsys.readouterr().err
 
 
-class _Aborted(Exception):
-    pass
-
-
 class _Caller:
     """What AdminAccess reads of a call: its metadata, peer and TLS context; `abort`
     records the status, as grpc.aio does by raising."""
@@ -208,9 +205,12 @@ class _Caller:
     def peer(self) -> str:
         return "ipv4:127.0.0.1:1"
 
-    async def abort(self, code: object, details: str) -> None:
-        self.status = (code, details)
-        raise _Aborted
+    def set_code(self, code: object) -> None:
+        self.status = (code, "")
+
+    def set_details(self, details: str) -> None:
+        assert self.status is not None
+        self.status = (self.status[0], details)
 
 
 def test_what_the_credential_alone_decides_is_decided_before_the_yaml_is_read() -> None:
@@ -239,7 +239,7 @@ def test_what_the_credential_alone_decides_is_decided_before_the_yaml_is_read() 
         caller = _Caller(token)
         try:
             outcomes[role] = asyncio.run(guarded(request, caller))
-        except _Aborted:
+        except Refused:
             outcomes[role] = caller.status[1] if caller.status else ""
     assert outcomes["admin"] == "done"
     assert "viewers only read" in outcomes["viewer"]

@@ -19,11 +19,7 @@ from sitsmesh.errors import (
 )
 from sitsmesh.transport.admin.common import read_yaml
 from sitsmesh.transport.admin.service import METHODS, AdminServicer, guarded
-from sitsmesh.transport.errors import MAX_MESSAGE_BYTES, bounded
-
-
-class _Aborted(Exception):
-    pass
+from sitsmesh.transport.errors import MAX_MESSAGE_BYTES, Refused, bounded
 
 
 class _Context:
@@ -32,9 +28,12 @@ class _Context:
     def __init__(self) -> None:
         self.status: tuple[grpc.StatusCode, str] | None = None
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.status = (code, details)
-        raise _Aborted
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.status = (code, "")
+
+    def set_details(self, details: str) -> None:
+        assert self.status is not None
+        self.status = (self.status[0], details)
 
 
 class _Everything:
@@ -93,7 +92,7 @@ def test_domain_errors_become_their_status_in_unary_handlers(error: SitsmeshErro
         raise error
 
     context = _Context()
-    with pytest.raises(_Aborted):
+    with pytest.raises(Refused):
         asyncio.run(guarded(handler)(None, context))
     assert context.status == (code, "bad")
 
@@ -107,7 +106,7 @@ def test_domain_errors_become_their_status_in_streams_after_items() -> None:
         return [item async for item in guarded(handler)(None, context)]
 
     context = _Context()
-    with pytest.raises(_Aborted):
+    with pytest.raises(Refused):
         asyncio.run(drain(context))
     assert context.status == (grpc.StatusCode.NOT_FOUND, "pipeline p does not exist")
 

@@ -21,6 +21,7 @@ from sitsmesh.state import Delete, Put
 from sitsmesh.state.sqlite import SqliteStore
 from sitsmesh.transport.admin.config import ACCESS_KIND, ConfigServicer
 from sitsmesh.transport.adminaccess import AdminAccess
+from sitsmesh.transport.errors import Refused
 
 DOCS = """\
 apiVersion: sitsmesh.io/v1alpha1
@@ -39,17 +40,16 @@ TOKEN = "t" * 40
 ACCESS = AdminAccess(builtin(TOKEN), {})
 
 
-class Aborted(Exception):
-    pass
-
-
 class Context:
     def __init__(self) -> None:
         self.status: tuple[grpc.StatusCode, str] | None = None
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.status = (code, details)
-        raise Aborted
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.status = (code, "")
+
+    def set_details(self, details: str) -> None:
+        assert self.status is not None
+        self.status = (self.status[0], details)
 
     def auth_context(self) -> dict[str, Any]:
         return {}
@@ -93,7 +93,7 @@ async def test_concurrent_change_aborts_the_whole_apply(tmp_path: Path) -> None:
 
     store.race = True
     context = Context()
-    with pytest.raises(Aborted):
+    with pytest.raises(Refused):
         await config.Apply(request(
             (DOCS % 2).replace("policy: seed", "policy: 'off'")), context)
     assert context.status is not None
@@ -170,7 +170,7 @@ async def test_refused_like_the_imperative_rpcs(tmp_path: Path) -> None:
             (edge, grpc.StatusCode.INVALID_ARGUMENT, "RateLimitConfig: api:edge: domain 'edge' "
              f"is defined in file {owned}; change the file instead")):
         context = Context()
-        with pytest.raises(Aborted):
+        with pytest.raises(Refused):
             await config.Apply(request(text), context)
         assert context.status is not None
         assert context.status[0] == code
@@ -195,7 +195,7 @@ async def test_a_record_created_meanwhile_is_not_overwritten(tmp_path: Path) -> 
     store = CreatingStore(tmp_path / "state.db")
     store.race = True
     context = Context()
-    with pytest.raises(Aborted):
+    with pytest.raises(Refused):
         await servicer(store).Apply(request(DOCS % 1), context)
     assert context.status is not None and context.status[0] == grpc.StatusCode.ABORTED
     assert "exists (at revision" in context.status[1]

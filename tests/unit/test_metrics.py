@@ -11,11 +11,14 @@ from grpc import aio
 from prometheus_client import CollectorRegistry
 
 from sitsmesh.app.metrics import RpcMetrics
+from sitsmesh.transport.errors import refuse
 
 
 async def _unary(request: bytes, context: aio.ServicerContext[Any, Any]) -> bytes:
     if request == b"deny":
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, "no")
+    if request == b"refuse":
+        refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
     if request == b"boom":
         raise RuntimeError("boom")
     return request
@@ -24,6 +27,8 @@ async def _unary(request: bytes, context: aio.ServicerContext[Any, Any]) -> byte
 async def _gen(request: bytes, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[bytes]:
     for _ in range(3):
         yield request
+    if request == b"refuse":
+        refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
 
 
 async def _writer(request: bytes, context: aio.ServicerContext[Any, Any]) -> None:
@@ -84,6 +89,7 @@ async def test_counts_codes_and_latency_for_every_handler_shape(
     assert await unary(b"hi") == b"hi"
     assert await unary(b"hi") == b"hi"
     for payload, code in ((b"deny", grpc.StatusCode.PERMISSION_DENIED),
+                          (b"refuse", grpc.StatusCode.RESOURCE_EXHAUSTED),
                           (b"boom", grpc.StatusCode.UNKNOWN)):
         with pytest.raises(aio.AioRpcError) as err:
             await unary(payload)
@@ -91,6 +97,11 @@ async def test_counts_codes_and_latency_for_every_handler_shape(
     gen: aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream("/test.Svc/Gen")
     writer: aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream("/test.Svc/Writer")
     assert [m async for m in gen(b"x")] == [b"x"] * 3
+    # A refusal after some replies: the client has them, then the status set.
+    refused = gen(b"refuse")
+    assert [await refused.read() for _ in range(3)] == [b"refuse"] * 3
+    assert await refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert await refused.details() == "full"
     assert [m async for m in writer(b"y")] == [b"y"] * 2
 
     async def chunks() -> AsyncIterator[bytes]:
@@ -103,8 +114,10 @@ async def test_counts_codes_and_latency_for_every_handler_shape(
     assert _count(registry, "Unary", "OK") == 2
     assert _count(registry, "Unary", "PERMISSION_DENIED") == 1
     assert _count(registry, "Unary", "UNKNOWN") == 1
+    assert _count(registry, "Unary", "RESOURCE_EXHAUSTED") == 1
+    assert _count(registry, "Gen", "RESOURCE_EXHAUSTED") == 1
     assert _count(registry, "Gen", "OK") == 1
     assert _count(registry, "Writer", "OK") == 1
     assert _count(registry, "Collect", "OK") == 1
     assert registry.get_sample_value("grpc_server_handling_seconds_count", {
-        "grpc_service": "test.Svc", "grpc_method": "Unary", "grpc_type": "unary"}) == 4
+        "grpc_service": "test.Svc", "grpc_method": "Unary", "grpc_type": "unary"}) == 5

@@ -50,7 +50,7 @@ from sitsmesh.transport.admin.pressure import ACTOR_METADATA, MAX_ACTOR
 from sitsmesh.transport.admin.service import guarded
 from sitsmesh.transport.adminaccess import AdminAccess
 from sitsmesh.transport.auth import PermissionDeniedError
-from sitsmesh.transport.errors import abort
+from sitsmesh.transport.errors import abort, refuse
 
 SERVICE_NAME = config_pb2.DESCRIPTOR.services_by_name["ConfigService"].full_name
 ACTIONS = {CREATED: config_pb2.APPLY_ACTION_CREATED,
@@ -196,9 +196,9 @@ class ConfigServicer:
             try:
                 revision = await self._state.apply(writes)
             except (ConflictError, NotFoundError) as exc:
-                await context.abort(grpc.StatusCode.ABORTED,
-                                    f"changed while applying ({exc.message}); nothing was "
-                                    "applied: apply again")
+                refuse(context, grpc.StatusCode.ABORTED,
+                       f"changed while applying ({exc.message}); nothing was applied: "
+                       "apply again")
             await self._refresh(result)
             _log.info("declarative config applied", actor=actor, revision=revision,
                       changed=[f"{o.kind}/{o.name}:{o.action}" for o in result.outcomes
