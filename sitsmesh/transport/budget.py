@@ -46,6 +46,11 @@ MIN_BYTES = 4 * MIB
 LARGE_BYTES = 64 << 10          # Envoy's ext_authz fragment forwards at most 64 KiB of body
 TICK_S = 0.02
 LARGE_PART = 0.75
+# Streams' first reads hold room before their message is in (see FIRST_HOLD_S) only in
+# this part of the budget: speculative holds must not crowd out a message that has come.
+# (Holding the whole large share, they did: an RLQS stream's first report, read once its
+# hold had ended, found no room and its stream was ended.)
+HOLD_PART = 0.5
 # Large messages may take a tenth of the loop's time, 50 ms of it back to back: one
 # 1 MiB JSON body parsed costs 30-300 ms (more on a busy machine), and each one delays
 # every small Check queued behind it by as much.
@@ -59,6 +64,15 @@ TRIM_TICKS = 25                 # at most one malloc_trim every 25 ticks (0.5 s)
 # bytes let 20 concurrent large ShouldRateLimits hold 350 MB against a 64 MiB budget.
 EXPANSION = 8
 READ_AHEAD = 2                  # messages gRPC buffers for a stream it has read from
+# A stream's first read holds room for the largest message until that message is in,
+# or this long: Envoy sends its first message as it opens a stream, and an open stream
+# that sends nothing must not keep others out (twelve idle streams held the whole large
+# share of a 64 MiB budget, and every stream opened after them was refused).
+FIRST_HOLD_S = 0.25
+# How long a new stream waits for that room before it is refused. While it waits it
+# costs the server its 64 KiB HTTP/2 window, not its message (gRPC takes a message only
+# once it is read).
+FIRST_WAIT_S = 10.0
 CGROUP_FILES = (Path("/sys/fs/cgroup/memory.max"),                       # cgroup v2
                 Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))     # cgroup v1
 _UNLIMITED_V1 = 1 << 60         # v1 reports "no limit" as a huge page-rounded number
@@ -130,28 +144,54 @@ class ByteBudget:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = capacity
         self._large_cap = int(capacity * LARGE_PART)
+        self._hold_cap = int(capacity * HOLD_PART)
         self.held = 0
         self.peak = 0
         self.refused = 0
         self._lock = threading.Lock()
         self.lag = LoopLag(large_lag_s, clock)
+        self._room: asyncio.Event | None = None  # made by the first waiter, on the loop
 
     def take(self, size: int, large: bool = False) -> bool:
         """Charge `size` if it fits. Large messages (and a stream's first read, which may
         be one) fit only in the first LARGE_PART of the budget: the rest stays for the
         small ones Envoy sends, so a caller of large messages cannot starve it."""
+        if self._claim(size, self._large_cap if large else self.capacity):
+            return True
+        self.note_refused()
+        return False
+
+    def _claim(self, size: int, cap: int) -> bool:
         with self._lock:
-            if self.held + size > (self._large_cap if large else self.capacity):
-                self.refused += 1
+            if self.held + size > cap:
                 return False
             self.held += size
             self.peak = max(self.peak, self.held)
             return True
 
+    async def hold(self, size: int, seconds: float) -> bool:
+        """Room for a message not yet read, within the first HOLD_PART of the budget,
+        waiting up to `seconds` for it (woken as room is given back); a refusal is
+        counted only when the wait runs out. On the event loop only."""
+        deadline = time.monotonic() + seconds
+        while not self._claim(size, self._hold_cap):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.note_refused()
+                return False
+            if self._room is None:
+                self._room = asyncio.Event()
+            self._room.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._room.wait(), left)
+        return True
+
     def give(self, size: int) -> None:
         if size:
             with self._lock:
                 self.held -= size
+            if self._room is not None:
+                self._room.set()
 
     def note_refused(self) -> None:
         with self._lock:

@@ -109,3 +109,54 @@ def test_a_bad_inflight_budget_names_the_flag() -> None:
         load_settings({"inflight_budget_bytes": "1000"}, env={})
     with pytest.raises(ConfigError, match="--large-message-lag-ms"):
         load_settings({"large_message_lag_ms": "0"}, env={})
+
+
+async def test_a_hold_waits_for_room_in_its_half_and_is_refused_when_the_wait_runs_out(
+) -> None:
+    import asyncio
+
+    budget = ByteBudget(100)
+    assert budget.take(30)
+    waiter = asyncio.ensure_future(budget.hold(30, 5.0))  # 30 + 30 > the hold part, 50
+    await asyncio.sleep(0.05)
+    assert not waiter.done() and budget.refused == 0  # waiting is not a refusal
+    budget.give(30)
+    assert await asyncio.wait_for(waiter, 1.0) and budget.held == 30
+    assert not await budget.hold(30, 0.05)
+    assert budget.refused == 1 and budget.held == 30
+    # Holds never take the room a message that has come needs: large ones still fit.
+    assert budget.take(45, large=True) and budget.held == 75
+
+
+async def test_a_streams_first_read_holds_room_only_until_its_message_or_the_hold_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An open stream that sends nothing gives its room back after FIRST_HOLD_S, so idle
+    streams cannot keep the new ones out; its message, when it comes, is still taken."""
+    import asyncio
+    from collections.abc import AsyncIterator
+
+    from sitsmesh.transport import budgetwrap
+
+    monkeypatch.setattr(budgetwrap, "FIRST_HOLD_S", 0.1)
+    budget = ByteBudget(56 << 20)  # hold part 28 MiB: room for seven 4 MiB holds
+    sent: list[asyncio.Event] = [asyncio.Event() for _ in range(10)]
+
+    async def stream(gate: asyncio.Event) -> AsyncIterator[bytes]:
+        await gate.wait()
+        yield b"m" * 100
+
+    async def first(i: int) -> bytes:
+        metered = budgetwrap._Metered(stream(sent[i]), bytes, budget, None, 4 << 20)
+        message: bytes = await metered.__anext__()
+        metered.close()
+        return message
+
+    readers = [asyncio.ensure_future(first(i)) for i in range(10)]
+    await asyncio.sleep(0.05)
+    assert budget.held == 7 * (4 << 20)  # seven hold room; three wait for it
+    await asyncio.sleep(0.4)
+    assert budget.held < 7 * (4 << 20)  # the holds ended though nothing was sent
+    for gate in sent:
+        gate.set()
+    assert await asyncio.wait_for(asyncio.gather(*readers), 2.0) == [b"m" * 100] * 10
+    assert budget.held == 0 and budget.refused == 0
