@@ -130,6 +130,7 @@ class QuotaComponent:
         short, for Check's sake), the next step follows as soon as the loop is free."""
         while True:
             await asyncio.sleep(PENDING_S if self.service.pending else REFRESH_S)
+            await servicer.turns.take()
             servicer.push()
 
     async def _share(self) -> None:

@@ -6,8 +6,9 @@ sitsmesh.quota.service); QuotaService adds the streams and reports on top.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from sitsmesh.pressure.controller import Decision
 from sitsmesh.quota import buckets
@@ -229,15 +230,32 @@ class GroupBook:
             assignment = self._interned[share] = Assignment(Kind.SHARED, share)
         return assignment.share or share
 
-    def _settle(self) -> None:
+    def _settle(self, limit: int | None = None) -> None:
         """The assignments of the buckets whose groups moved: the stricter of their
-        groups'."""
-        unsettled, self._unsettled = self._unsettled, {}
+        groups'. At most `limit` of them (the oldest); the rest stay unsettled."""
+        unsettled = self._unsettled
+        if limit is None or len(unsettled) <= limit:
+            self._unsettled = {}
+        else:
+            unsettled = dict.fromkeys(itertools.islice(unsettled, limit))
+            for bucket in unsettled:
+                del self._unsettled[bucket]
         for bucket in unsettled:
-            groups = [g for g in (bucket.rule, bucket.admission) if g is not None]
-            bucket.groups = tuple(g.verdict.group for g in groups
-                                  if g.verdict.kind is Kind.SHARED)
-            bucket.due = self._stricter(groups, bucket.member)
+            self._settle_one(bucket)
+
+    def _settle_these(self, these: Iterable[Bucket]) -> None:
+        """Settle these buckets now if they are unsettled (a report's, whose replies
+        need their assignments); the others wait for the refresh's steps."""
+        unsettled = self._unsettled
+        for bucket in these:
+            if unsettled.pop(bucket, 0) is None:
+                self._settle_one(bucket)
+
+    def _settle_one(self, bucket: Bucket) -> None:
+        groups = [g for g in (bucket.rule, bucket.admission) if g is not None]
+        bucket.groups = tuple(g.verdict.group for g in groups
+                              if g.verdict.kind is Kind.SHARED)
+        bucket.due = self._stricter(groups, bucket.member)
 
     def _stricter(self, groups: list[Group], member: str) -> Assignment:
         result = ALLOWED

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 
 from sitsmesh.pressure.controller import Decision
@@ -45,7 +46,8 @@ SMOOTHING = 0.5        # weight of the newest report in a demand estimate
 # and its time: Check waits behind a step, so a step is short and the next one
 # follows soon while work is pending.
 WORK_PER_STEP = 5_000
-STEP_S = 0.001
+STEP_S = 0.0003
+SETTLE_STEP = 250   # buckets settled per step (~0.25 ms)
 # A group is split again at once when its members' demands moved by this fraction of
 
 
@@ -65,6 +67,11 @@ class QuotaService(GroupBook):
         self._work_per_step = work_per_step
         self._step_s = step_s
         self._timer = timer
+        # What to consider pushing, oldest first: single buckets (True: its group was
+        # regrouped), whole groups by name, and the members left of the one being sent.
+        self._outgoing: OrderedDict[Bucket, bool] = OrderedDict()
+        self._regroups: OrderedDict[str, None] = OrderedDict()
+        self._sending: list[Bucket] = []
         self.id_bytes = 0           # held by every stream's bucket ids
         self.refused_ids = 0        # new buckets abandoned for the id bounds
 
@@ -150,7 +157,7 @@ class QuotaService(GroupBook):
             reported.append(bucket)
         if joined:
             self._join(stream, joined)
-        self._settle()
+        self._settle_these(itertools.chain(joined, reported))
         updates: list[Update] = []
         for bucket in reported:
             # A reply repeats what Envoy has unless it moved enough: the same token
@@ -239,29 +246,70 @@ class QuotaService(GroupBook):
             budget -= 1
             if budget % 64 == 0 and self._timer() > until:
                 break
-        self._settle()
-        while self._dirty and budget > 0 and self._timer() <= until:
+        # Settling (a bucket's assignment from its groups') and recomputing a group take
+        # turns with Check too: settling the 1 000 members of a recomputed group in one
+        # go took ~1 ms, so a step settles SETTLE_STEP and recomputes only once all is
+        # settled; nothing is sent while buckets are unsettled (their `due` is stale).
+        self._settle(SETTLE_STEP)
+        while (not self._unsettled and self._dirty and budget > 0
+               and self._timer() <= until):
             group = next(iter(self._dirty))
             self._recompute([group])
-            self._settle()
+            self._settle(SETTLE_STEP)
             budget -= len(group.members) + 1
-        candidates = dict(self._changed)
-        self._changed.clear()
-        for bucket in candidates:
+        if self._unsettled:
+            return {}
+        changed, self._changed = self._changed, {}
+        for bucket in changed:
             if bucket.due is not None and not bucket.due.close_to(bucket.sent):
                 self._regroup.update(bucket.groups)
-        for name in self._regroup:
+        for bucket in changed:
+            if self._regroup.isdisjoint(bucket.groups):  # else its group brings it
+                self._outgoing.setdefault(bucket, False)
+        # Whole groups are queued by name, and their members taken a step at a time:
+        # every report regroups a tenant's group of 1 000 members, and listing every
+        # member of every regrouped group took a refresh 20-60 ms of Check's loop.
+        self._regroups.update(dict.fromkeys(self._regroup))
+        self._regroup.clear()
+        # Some progress every step, even when matching and groups took its budget.
+        return self._send(max(budget, 256), until)
+
+    def _next(self) -> tuple[Bucket, bool] | None:
+        """The next candidate to push (True: its group's shares all go out, see _moved):
+        the rest of the group being sent, then single buckets, then the next group."""
+        while True:
+            if self._sending:
+                return self._sending.pop(), True
+            if self._outgoing:
+                return self._outgoing.popitem(last=False)
+            if not self._regroups:
+                return None
+            name, _ = self._regroups.popitem(last=False)
             shared = self._named.get(name)
             if shared is not None:
-                candidates.update(dict.fromkeys(shared.members.values()))
+                self._sending = list(shared.members.values())
+
+    def _send(self, budget: int, until: float) -> dict[str, list[Update]]:
+        """What to push: a bounded step of the candidates, oldest first."""
         pushes: dict[str, list[Update]] = {}
-        for bucket in candidates:
-            if (bucket.stream in self.streams and self._moved(bucket)
-                    and bucket.due is not None):
-                bucket.sent = bucket.due
-                pushes.setdefault(bucket.stream, []).append((bucket.id, bucket.due))
-        self.visits += len(candidates)
-        self._regroup.clear()
+        visited = 0
+        while visited < budget:
+            found = self._next()
+            if found is None:
+                break
+            bucket, regrouped = found
+            visited += 1
+            if visited % 64 == 0 and self._timer() > until:
+                break
+            due = bucket.due
+            stream = self.streams.get(bucket.stream)
+            if (due is None or due is bucket.sent or stream is None
+                    or stream.buckets.get(bucket.key) is not bucket or due == bucket.sent):
+                continue
+            if regrouped or not due.close_to(bucket.sent):
+                bucket.sent = due
+                pushes.setdefault(bucket.stream, []).append((bucket.id, due))
+        self.visits += visited
         return pushes
 
     def pipelines_changed(self) -> None:
@@ -272,6 +320,7 @@ class QuotaService(GroupBook):
     @property
     def pending(self) -> int:
         """Buckets and groups still waiting to be matched or recomputed."""
-        return len(self._stale) + len(self._dirty)
+        return (len(self._stale) + len(self._dirty) + len(self._outgoing)
+                + len(self._regroups) + len(self._sending) + len(self._unsettled))
 
     # -- the work ------------------------------------------------------------------

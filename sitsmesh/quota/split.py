@@ -10,6 +10,7 @@ rate exactly.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -76,12 +77,29 @@ def split(rate: float, window_s: int, demands: Mapping[str, float | None],
     left = total - sum(tokens.values())
     for e in sorted(envoys, key=lambda e: (math.floor(exact[e]) - exact[e], e))[:left]:
         tokens[e] += 1
-    for e in envoys:
-        if tokens[e] == 0:  # zero would refuse everything until a report: take one
-            tokens[max(envoys, key=lambda o: (tokens[o], o))] -= 1
-            tokens[e] = 1
+    _no_zero(envoys, tokens)
     return {e: TokenShare(t, fill, max(MIN_BURST, math.ceil(t / fill * burst_s)))
             for e, t in tokens.items()}
+
+
+def _no_zero(envoys: list[str], tokens: dict[str, int]) -> None:
+    """Give each Envoy left with no token one (zero would refuse everything until its
+    next report), taken from the Envoy with the most (the last by name among equals).
+    A heap, not a scan per zero: 1 000 Envoys sharing 100 requests/s left hundreds of
+    zeros, and the scans took 16 ms of the event loop per split. The tokens add up to
+    at least one per Envoy, so while a zero is left the most is at least two: the one
+    taken from keeps one, and an Envoy given its one is never the most."""
+    zeros = [e for e in envoys if tokens[e] == 0]
+    if not zeros:
+        return
+    # (-tokens, -rank): the most tokens first, then the last name (envoys is sorted).
+    heap = [(-tokens[e], -rank, e) for rank, e in enumerate(envoys) if tokens[e]]
+    heapq.heapify(heap)
+    for e in zeros:
+        top = heapq.heappop(heap)
+        tokens[top[2]] -= 1
+        heapq.heappush(heap, (top[0] + 1, top[1], top[2]))
+        tokens[e] = 1  # never the most while a zero is left: not in the heap
 
 
 def equal_share(rate: float, window_s: int, envoys: int,
