@@ -215,8 +215,16 @@ class GroupBook:
                 group.demand = sum(d or 0.0 for d in demands.values())
                 # Shares and assignments are interned: a bucket holds the same few
                 # objects as its neighbours, not two of its own for the GC to walk.
-                group.shares = {m: self._share(s) for m, s in split(
-                    verdict.rate, verdict.window_s, demands, verdict.burst_s).items()}
+                # split() hands out one TokenShare per distinct share, so each is
+                # interned once here, by identity, not hashed once per member.
+                once: dict[int, TokenShare] = {}
+                shares = split(verdict.rate, verdict.window_s, demands, verdict.burst_s)
+                for m, share in shares.items():
+                    interned = once.get(id(share))
+                    if interned is None:
+                        interned = once[id(share)] = self._share(share)
+                    shares[m] = interned
+                group.shares = shares
             else:
                 group.shares = {}
             self._changed.update(dict.fromkeys(group.members.values()))

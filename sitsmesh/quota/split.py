@@ -71,15 +71,26 @@ def split(rate: float, window_s: int, demands: Mapping[str, float | None],
     total = max(len(envoys), round(rate * fill))
     weight = weights(rate, demands)
     whole = sum(weight.values())
-    exact = {e: total * weight[e] / whole for e in envoys}
-    tokens = {e: math.floor(exact[e]) for e in envoys}
+    exact = [total * weight[e] / whole for e in envoys]
+    floors = [math.floor(x) for x in exact]
+    tokens = dict(zip(envoys, floors, strict=True))
     # Largest remainders take what the floors left, ties by name (stable across calls).
-    left = total - sum(tokens.values())
-    for e in sorted(envoys, key=lambda e: (math.floor(exact[e]) - exact[e], e))[:left]:
+    # Sorted as plain tuples: a key function per Envoy was most of a 1 000-Envoy split.
+    left = total - sum(floors)
+    gaps = [f - x for f, x in zip(floors, exact, strict=True)]
+    for _, e in sorted(zip(gaps, envoys, strict=True))[:left]:
         tokens[e] += 1
     _no_zero(envoys, tokens)
-    return {e: TokenShare(t, fill, max(MIN_BURST, math.ceil(t / fill * burst_s)))
-            for e, t in tokens.items()}
+    # One TokenShare per distinct token count: most Envoys share a few, and the caller
+    # interns each once.
+    made: dict[int, TokenShare] = {}
+    shares = {}
+    for e, t in tokens.items():
+        share = made.get(t)
+        if share is None:
+            share = made[t] = TokenShare(t, fill, max(MIN_BURST, math.ceil(t / fill * burst_s)))
+        shares[e] = share
+    return shares
 
 
 def _no_zero(envoys: list[str], tokens: dict[str, int]) -> None:
