@@ -49,7 +49,8 @@ class QuotaMetrics(Collector):
                                 "Bytes counted for the bucket ids kept, all streams.",
                                 value=service.id_bytes)
         yield GaugeMetricFamily("sitsmesh_rlqs_pending_work",
-                                "Buckets and groups waiting to be matched or recomputed.",
+                                "Buckets and groups waiting to be matched, recomputed, "
+                                "settled or pushed.",
                                 value=service.pending)
         yield CounterMetricFamily(
             "sitsmesh_rlqs_buckets_refused", "New buckets abandoned because the bucket-id "
