@@ -16,7 +16,7 @@ from collections import deque
 
 class Turns:
     """`await turns.take()` before a slice; the slice then runs, and the next taker's
-    turn comes in a later pass of the loop. Waiters are served in order."""
+    turn comes in the next pass of the loop. Waiters are served in order."""
 
     __slots__ = ("_loop", "_taken", "_waiters")
 
@@ -35,12 +35,9 @@ class Turns:
             return
         waiter = loop.create_future()
         self._waiters.append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self._pass()  # it was handed the turn: hand it on
-            raise
+        # Cancelled while waiting or once handed the turn, nobody waits for it: a turn
+        # lasts one pass, and the next is handed on whether or not this one was used.
+        await waiter
 
     def _pass(self) -> None:
         """A pass has run since the turn was taken: hand it to the next waiter (whose
