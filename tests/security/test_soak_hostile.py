@@ -61,7 +61,7 @@ COMPONENTS = tuple(c.strip() for c in os.environ.get(
 P99_MS = 250.0
 # The pod's 512 Mi. Peaks were 437-698 MB until refusals stopped going through
 # grpc.aio's abort() (see transport/errors.refuse), which left each refused call's
-# memory to the cyclic collector; 192-197 MB since (30 s runs).
+# memory to the cyclic collector; 194-274 MB since (60 s runs).
 RSS_BOUND_MB = POD_LIMIT_MB
 ROOT, VIEWER = "r" * 40, "v" * 40
 # How many of each hostile call at once, and the size of each.
