@@ -210,17 +210,17 @@ class QuotaService(GroupBook):
         stream.id_bytes -= bucket.cost
         self.id_bytes -= bucket.cost
 
-    def _moved(self, bucket: Bucket) -> bool:
+    def _moved(self, bucket: Bucket, regrouped: bool = False) -> bool:
         """Worth sending: its own assignment moved enough, or another share of a rate it
-        takes part in did. Shares go out together, from one computation: kept apart,
-        each Envoy held a share from a different pass, and they added up to 114 % of
-        the rate (bench/rlqs_envoy.py)."""
+        takes part in did (`regrouped`, or one of its groups is in `_regroup`). Shares go
+        out together, from one computation: kept apart, each Envoy held a share from a
+        different pass, and they added up to 114 % of the rate (bench/rlqs_envoy.py)."""
         due = bucket.due
         # Assignments are interned, so `is` settles most: a dataclass `==` on every
         # reported bucket was ~12 % of the loop's RLQS time under 100 streams (py-spy).
         if due is None or due is bucket.sent or due == bucket.sent:
             return False
-        return not due.close_to(bucket.sent) or not self._regroup.isdisjoint(
+        return regrouped or not due.close_to(bucket.sent) or not self._regroup.isdisjoint(
             bucket.groups)
 
     def refresh(self) -> dict[str, list[Update]]:
@@ -305,14 +305,11 @@ class QuotaService(GroupBook):
             visited += 1
             if visited % 64 == 0 and self._timer() > until:
                 break
-            due = bucket.due
             stream = self.streams.get(bucket.stream)
-            if (due is None or due is bucket.sent or stream is None
-                    or stream.buckets.get(bucket.key) is not bucket or due == bucket.sent):
-                continue
-            if regrouped or not due.close_to(bucket.sent):
-                bucket.sent = due
-                pushes.setdefault(bucket.stream, []).append((bucket.id, due))
+            if (stream is not None and stream.buckets.get(bucket.key) is bucket
+                    and self._moved(bucket, regrouped)):
+                bucket.sent = bucket.due
+                pushes.setdefault(bucket.stream, []).append((bucket.id, bucket.due))
         self.visits += visited
         return pushes
 

@@ -152,9 +152,10 @@ class ByteBudget:
         self._room: asyncio.Event | None = None  # made by the first waiter, on the loop
 
     def take(self, size: int, large: bool = False) -> bool:
-        """Charge `size` if it fits. Large messages (and a stream's first read, which may
-        be one) fit only in the first LARGE_PART of the budget: the rest stays for the
-        small ones Envoy sends, so a caller of large messages cannot starve it."""
+        """Charge `size` if it fits. Large messages fit only in the first LARGE_PART of
+        the budget: the rest stays for the small ones Envoy sends, so a caller of large
+        messages cannot starve it. (A stream's first read, which may be one, holds room
+        in the first HOLD_PART: see `hold`.)"""
         if self._claim(size, self._large_cap if large else self.capacity):
             return True
         self.note_refused()
@@ -235,8 +236,8 @@ class LoopLag:
 
     def note_large(self) -> None:
         """A large message came and went without being paced (the admin API's): its
-        cycles and freed pages are collected on the next trim all the same, as after
-        the data plane's. Nothing else asks for a trim on the admin port."""
+        freed pages go back on the next trim all the same, as after the data plane's.
+        Nothing else asks for a trim on the admin port."""
         if self._task is None:
             self.start()
         self._trim_due = True
