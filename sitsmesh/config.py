@@ -24,7 +24,7 @@ from sitsmesh.authz import gie, methods
 from sitsmesh.authz.extract import open_path
 from sitsmesh.errors import ConfigError
 from sitsmesh.limits import LIMIT_PARSERS
-from sitsmesh.netsettings import callers, data_address, identities
+from sitsmesh.netsettings import callers, data_address, identities, optional_address
 
 # Defined in netsettings with the other address values; callers import them from here.
 Address = netsettings.Address
@@ -90,6 +90,8 @@ class Settings:
     shared_runtime: str = "off"
     # --- RLQS (rate_limit_quota): README "Quotas in Envoy (RLQS)" ---
     rlqs_assignment_ttl_s: int = 20
+    # None: RLQS on data_addr, computed in the data process; set: a process of its own.
+    rlqs_addr: Address | None = None
     admission: str = "calls"
     reload_interval_seconds: float = 1.0
     authz_api_key_headers: tuple[str, ...] = ("x-api-key", "authorization")
@@ -271,6 +273,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "ratelimit_expiration_jitter_seconds": values.int_range(0, 86_400),
     "shared_runtime": values.choice(("off", "redis")),
     "rlqs_assignment_ttl_s": values.int_range(6, 3600),
+    "rlqs_addr": optional_address,
     "admission": values.choice(("calls", "rlqs")),
     "reload_interval_seconds": values.seconds,
     "authz_api_key_headers": values.header_names,
@@ -399,6 +402,8 @@ def load_settings(
     # (A Unix socket, also port 0, gets its own message from `serve`'s checks.)
     if settings.workers > 1 and settings.data_addr.port == 0 and not settings.data_addr.is_unix:
         raise ConfigError("data_addr: port 0 cannot be shared by several workers; pick a port")
+    if settings.rlqs_addr in (settings.data_addr, settings.admin_addr, settings.metrics_addr):
+        raise ConfigError(f"rlqs_addr: {settings.rlqs_addr} is another server's; give RLQS its own")
     if settings.gie_objective_header == settings.gie_fairness_header:
         raise ConfigError("gie_objective_header and gie_fairness_header name the same "
                           f"header {settings.gie_fairness_header}; give each its own")

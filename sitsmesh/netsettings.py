@@ -74,6 +74,17 @@ def data_address(raw: Any) -> Address:
     return parse_address(text)
 
 
+def optional_address(raw: Any) -> Address | None:
+    """HOST:PORT or unix:/PATH; empty for none. Port 0 is refused: Envoy's cluster for
+    it must name the port, and the process serving it is not the one that logs it."""
+    if isinstance(raw, str) and not raw.strip():
+        return None
+    addr = data_address(raw)
+    if addr.port == 0 and not addr.is_unix:
+        raise ValueError(f"expected a fixed port, got {raw!r} (Envoy's cluster names it)")
+    return addr
+
+
 def identities(raw: Any) -> tuple[str, ...]:
     """Client identities (URI SANs such as SPIFFE ids, or DNS SANs): a list, or
     comma-separated."""

@@ -20,9 +20,12 @@ _log = logs.get("sitsmesh.budget")
 
 
 def budget(settings: Settings) -> ByteBudget:
-    """The process's one in-flight byte budget, shared by the data and admin servers."""
+    """The process's one in-flight byte budget, shared by the data and admin servers.
+    With the RLQS process beside it, the two split the default (sized from the one
+    memory limit they share); a budget set in the settings is each process's."""
     limit = memory_limit()
-    capacity = settings.inflight_budget_bytes or default_capacity(limit)
+    share = 2 if settings.rlqs_addr is not None else 1
+    capacity = settings.inflight_budget_bytes or default_capacity(limit) // share
     _log.info("in-flight byte budget", bytes=capacity, memory_limit=limit,
               large_message_lag_ms=settings.large_message_lag_ms)
     return ByteBudget(capacity, settings.large_message_lag_ms / 1000)

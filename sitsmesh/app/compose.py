@@ -3,7 +3,8 @@
 Three roles share it. A single process (`--workers 1`) serves everything. With
 workers, the supervisor keeps configs and answers the admin API while each worker
 serves the data plane; the backpressure controller and swaps run only where the
-Check and access-log signals of one process meet, so workers run neither.
+Check and access-log signals of one process meet, so workers run neither. With
+rlqs_addr a fourth process serves RLQS alone (build_quota).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from sitsmesh.app.quota import QuotaComponent
 from sitsmesh.app.telemetry import TelemetryComponent
 from sitsmesh.config import Settings
 from sitsmesh.errors import StartupError
+from sitsmesh.pressure.gate import PressureGate
+from sitsmesh.pressure.signals import Signals
 from sitsmesh.state import StateStore
 from sitsmesh.status import StatusBoard
 from sitsmesh.transport.admin import AdminServicer
@@ -126,7 +129,7 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
         coordinated = pressure.shared
         swaps = SwapsComponent(settings, store, registry, pressure.runtime,
                                leads=(lambda: coordinated.lease.leading) if coordinated else None)
-    quota = QuotaComponent(settings, ratelimit, pressure, serve=serve, registry=registry)
+    quota = QuotaComponent(settings, ratelimit, gate, serve=serve, registry=registry)
     quota.attach(chains)
     tracing = tracing_for(settings, role)
     if tracing is not None:
@@ -139,6 +142,41 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
         if pressure is not None and pressure.runtime is not None and role is not Role.WORKER:
             pressure.runtime.on_decisions = tracing.decisions
     return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry, tracing=tracing)
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaGraph:
+    """The RLQS process's parts (rlqs_addr): the rate-limit config and the pipelines
+    followed in the state store, as workers follow them; the controller's decisions,
+    which live in the data process, set on `gate` as they arrive (app/quotaproc.py)."""
+
+    ratelimit: RateLimitComponent
+    chains: ChainsComponent
+    quota: QuotaComponent
+    gate: PressureGate
+    streams: OpenStreams = field(default_factory=OpenStreams)
+
+    def data_services(self) -> list[DataService]:
+        return self.quota.services(self.streams)
+
+    async def start(self) -> None:
+        for part in (self.ratelimit, self.chains, self.quota):
+            await part.start()
+
+    async def stop(self) -> None:
+        for part in (self.ratelimit, self.chains, self.quota):
+            await part.stop()
+
+
+def build_quota(settings: Settings, store: StateStore, board: StatusBoard) -> QuotaGraph:
+    ratelimit = RateLimitComponent(settings, store, None, board, serve=False)
+    chains = ChainsComponent(settings, store, None, serve=False,
+                             release=lambda _request, _at: False)
+    gate = PressureGate(Signals())
+    chains.pipelines.on_change(gate.set_pipelines)  # before the quota's: it reads the gate
+    quota = QuotaComponent(settings, ratelimit, gate, serve=True, own_process=True)
+    quota.attach(chains)
+    return QuotaGraph(ratelimit, chains, quota, gate)
 
 
 def tracing_for(settings: Settings, role: Role) -> Tracing | None:

@@ -21,6 +21,7 @@ from prometheus_client import (
     multiprocess,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from sitsmesh.status import Serving, StatusBoard
@@ -50,6 +51,24 @@ def new_registry() -> CollectorRegistry:
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
     return registry
+
+
+class LiveCollectors(CollectorRegistry):
+    """Stands in for `registry` in multiprocess mode, where prometheus_client's own
+    metrics reach it through the files: it passes on only the collectors read at scrape
+    time (live state), so none is lost and no series is exported twice."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(auto_describe=True)
+        self._registry = registry
+
+    def register(self, collector: Collector) -> None:
+        if not isinstance(collector, MetricWrapperBase):
+            self._registry.register(collector)
+
+    def unregister(self, collector: Collector) -> None:
+        if not isinstance(collector, MetricWrapperBase):
+            self._registry.unregister(collector)
 
 
 def admin_auth_failures(registry: CollectorRegistry | None) -> Counter:

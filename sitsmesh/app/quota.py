@@ -6,19 +6,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator, Mapping
+from functools import partial
 
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 
 from sitsmesh import logs
 from sitsmesh.app.background import Background, DataService
-from sitsmesh.app.components import ChainsComponent, PressureComponent, RateLimitComponent
+from sitsmesh.app.components import ChainsComponent, RateLimitComponent
 from sitsmesh.app.tls import redis_url
 from sitsmesh.config import Settings
 from sitsmesh.pressure.controller import Decision
+from sitsmesh.pressure.gate import PressureGate
 from sitsmesh.quota.peers import TTL_S, QuotaPeers
 from sitsmesh.quota.service import QuotaService
 from sitsmesh.ratelimit.config import Node
@@ -30,6 +32,7 @@ _log = logs.get("sitsmesh.app.quota")
 _NO_DECISIONS: Mapping[str, Decision] = {}
 PEERS_S = 1.0
 PENDING_S = 0.002
+PUBLISH_S = 1.0
 
 
 class QuotaMetrics(Collector):
@@ -62,27 +65,59 @@ class QuotaMetrics(Collector):
             value=self._servicer.not_reading)
 
 
+class QuotaGauges:
+    """QuotaMetrics' values where RLQS has a process of its own: written to the
+    multiprocess files every PUBLISH_S, where the data process's /metrics reads them."""
+
+    def __init__(self) -> None:
+        gauge = partial(Gauge, multiprocess_mode="livemax")
+        self._streams = gauge("sitsmesh_rlqs_streams", "Open RLQS streams.")
+        self._buckets = gauge("sitsmesh_rlqs_buckets", "Buckets kept across RLQS streams.")
+        self._id_bytes = gauge("sitsmesh_rlqs_bucket_id_bytes",
+                               "Bytes counted for the bucket ids kept, all streams.")
+        self._pending = gauge("sitsmesh_rlqs_pending_work", "Buckets and groups waiting to "
+                              "be matched, recomputed, settled or pushed.")
+        self._refused = Counter("sitsmesh_rlqs_buckets_refused", "New buckets abandoned "
+                                "because the bucket-id byte bound of their stream or of all "
+                                "streams was reached.")
+        self._not_reading = Counter("sitsmesh_rlqs_streams_not_reading", "RLQS streams ended "
+                                    "because their caller did not read its replies.")
+        self._counted = (0, 0)
+
+    def publish(self, service: QuotaService, servicer: RateLimitQuotaServicer) -> None:
+        self._streams.set(len(service.streams))
+        self._buckets.set(sum(len(s.buckets) for s in service.streams.values()))
+        self._id_bytes.set(service.id_bytes)
+        self._pending.set(service.pending)
+        refused, not_reading = service.refused_ids, servicer.not_reading
+        self._refused.inc(refused - self._counted[0])
+        self._not_reading.inc(not_reading - self._counted[1])
+        self._counted = (refused, not_reading)
+
+
 class QuotaComponent:
-    """Where the data plane is served by one process. With worker processes each would
-    split the same global rate among the Envoys it happens to hold, so RLQS is served
-    only by a single process (Envoy then falls back to its filter's
-    no_assignment_behavior, and the start-up log says why)."""
+    """Served by one process only: with worker processes each would split the same
+    global rate among the Envoys it happens to hold. That is the RLQS process when
+    rlqs_addr is set (see app/quotaproc.py), else a single data process. Workers without
+    it serve no RLQS (Envoy falls back to its filter's no_assignment_behavior, and the
+    start-up log says why)."""
 
     def __init__(self, settings: Settings, ratelimit: RateLimitComponent,
-                 pressure: PressureComponent | None, *, serve: bool,
-                 registry: CollectorRegistry | None = None) -> None:
+                 gate: PressureGate | None, *, serve: bool,
+                 registry: CollectorRegistry | None = None, own_process: bool = False) -> None:
         self._settings = settings
         self._background = Background()
         self.servicer: RateLimitQuotaServicer | None = None
         self.peers: QuotaPeers | None = None
-        if not serve:
+        self._published: QuotaGauges | None = None
+        if not serve or (settings.rlqs_addr is not None and not own_process):
             return
-        if settings.workers > 1:
-            _log.warning("RLQS is not served with worker processes: each would split the "
-                         "global rates on its own", workers=settings.workers)
+        if settings.workers > 1 and not own_process:
+            _log.warning("RLQS is not served by worker processes: each would split the "
+                         "global rates on its own; set rlqs_addr to serve it from a "
+                         "process of its own", workers=settings.workers)
             return
         holder = ratelimit.config.holder
-        gate = pressure.gate if pressure is not None else None
 
         def domains() -> Mapping[str, Node]:
             return holder.current.domains
@@ -98,6 +133,8 @@ class QuotaComponent:
         self.servicer = RateLimitQuotaServicer(self.service, settings.rlqs_assignment_ttl_s)
         if registry is not None:
             registry.register(QuotaMetrics(self.service, self.servicer))
+        if own_process:
+            self._published = QuotaGauges()
         # Replicas split each global rate over every Envoy of the fleet, through the
         # Redis the rate limits or the shared runtime already use.
         if settings.shared_runtime == "redis" or settings.ratelimit_store == "redis":
@@ -125,6 +162,10 @@ class QuotaComponent:
             self._background.spawn(self._refresh(self.servicer))
         if self.peers is not None:
             self._background.spawn(self._share())
+        published = self._published
+        if published is not None and self.servicer is not None:
+            servicer, service = self.servicer, self.service
+            self._background.every(PUBLISH_S, lambda: published.publish(service, servicer))
 
     async def _refresh(self, servicer: RateLimitQuotaServicer) -> None:
         """Push what changed every REFRESH_S; while work is pending (a step is kept

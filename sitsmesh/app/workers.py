@@ -23,36 +23,42 @@ from sitsmesh.status import WorkerState
 _log = logs.get("sitsmesh.workers")
 RESTART_BACKOFF_S = 1.0
 
-# A worker's entry: (settings, index, ready event). It must be a module-level function,
-# since the spawn start method pickles it by name.
-WorkerEntry = Callable[[Settings, int, Any], None]
+# A worker's entry: (settings, index, ready event, *extra). It must be a module-level
+# function, since the spawn start method pickles it by name.
+WorkerEntry = Callable[..., None]
 
 
 class WorkerPool:
     def __init__(self, settings: Settings, on_change: Callable[[bool], None],
-                 entry: WorkerEntry) -> None:
-        """on_change(all_alive) is called whenever a worker dies or is replaced."""
+                 entry: WorkerEntry, *, count: int | None = None, name: str = "worker",
+                 extra: Callable[[int], tuple[Any, ...]] = lambda _index: ()) -> None:
+        """on_change(all_alive) is called whenever a worker dies or is replaced; extra(i)
+        gives the further arguments of worker i's entry, at each (re)start."""
         self._settings = settings
         self._on_change = on_change
         self._entry = entry
+        self._name = name
+        self._extra = extra
         self._ctx = multiprocessing.get_context("spawn")
-        self._procs: list[BaseProcess | None] = [None] * settings.workers
-        self._ready: list[Any] = [None] * settings.workers
-        self._restarts = [0] * settings.workers
+        self._count = settings.workers if count is None else count
+        self._procs: list[BaseProcess | None] = [None] * self._count
+        self._ready: list[Any] = [None] * self._count
+        self._restarts = [0] * self._count
         self._stopping = False
         self._monitor: asyncio.Task[None] | None = None
 
     def _spawn(self, index: int) -> None:
         ready = self._ctx.Event()
         self._ready[index] = ready
-        proc = self._ctx.Process(target=self._entry, args=(self._settings, index, ready),
-                                 name=f"sitsmesh-worker-{index}", daemon=False)
+        proc = self._ctx.Process(target=self._entry,
+                                 args=(self._settings, index, ready, *self._extra(index)),
+                                 name=f"sitsmesh-{self._name}-{index}", daemon=False)
         proc.start()
         self._procs[index] = proc
-        _log.info("worker started", worker=index, pid=proc.pid)
+        _log.info(f"{self._name} started", worker=index, pid=proc.pid)
 
     def start(self) -> None:
-        for index in range(self._settings.workers):
+        for index in range(self._count):
             self._spawn(index)
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
 
@@ -61,6 +67,11 @@ class WorkerPool:
             WorkerState(i, p.pid or 0, p.is_alive(), self._restarts[i])
             for i, p in enumerate(self._procs) if p is not None
         ]
+
+    def ready(self, index: int) -> bool:
+        """Whether worker `index` has started serving (since its last start)."""
+        ready = self._ready[index]
+        return ready is not None and bool(ready.is_set())
 
     def all_alive(self) -> bool:
         return all(p is not None and p.is_alive() for p in self._procs)
@@ -71,7 +82,7 @@ class WorkerPool:
             for index, proc in enumerate(self._procs):
                 if self._stopping or proc is None or proc.is_alive():
                     continue
-                _log.error("worker exited; restarting", worker=index, pid=proc.pid,
+                _log.error(f"{self._name} exited; restarting", worker=index, pid=proc.pid,
                            exitcode=proc.exitcode, backoff_s=RESTART_BACKOFF_S)
                 if proc.pid:
                     multiprocess.mark_process_dead(proc.pid)  # type: ignore[no-untyped-call]
@@ -109,7 +120,7 @@ class WorkerPool:
                 continue
             await loop.run_in_executor(None, proc.join, deadline_s)
             if proc.is_alive():
-                _log.error("worker did not stop in time; killing", pid=proc.pid)
+                _log.error(f"{self._name} did not stop in time; killing", pid=proc.pid)
                 proc.kill()
                 await loop.run_in_executor(None, proc.join, 5)
                 clean = False

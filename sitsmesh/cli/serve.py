@@ -80,6 +80,9 @@ _FLAG_HELP = {
     "admission": "who sheds on backpressure: calls (Check and ShouldRateLimit answer 429) or "
                  "rlqs (Envoy's rate_limit_quota filter, on quotas sitsmesh assigns; Check "
                  "then only counts)",
+    "rlqs_addr": "serve RLQS here, from a process of its own, so its work never delays "
+                 "Check (empty: on data_addr, in the data process; for more than ~30 Envoys "
+                 "use it)",
     "rlqs_assignment_ttl_s": "seconds an RLQS quota assignment lasts in Envoy without a "
                              "renewal (Envoy reports every 5 s; sitsmesh renews on each)",
     "ratelimit_expiration_jitter_seconds": "random extra seconds [0, N) on Redis counter "
@@ -216,7 +219,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # envoyproxy/ratelimit, sitsmesh serves and answers each call with an error.)
         rlconfig.load(settings.ratelimit_config, merge=settings.ratelimit_merge_domain_config)
     logs.configure(settings.log_level, settings.log_format)
-    if settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    children = settings.workers > 1 or settings.rlqs_addr is not None
+    if children and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Must be set before prometheus_client is imported (server imports it).
         mp_dir = settings.state_dir / "prometheus-multiproc"
         shutil.rmtree(mp_dir, ignore_errors=True)

@@ -10,7 +10,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf.message import Message
 
-from sitsmesh.app.server import _server_options
+from sitsmesh.app.dataserver import server_options
 from sitsmesh.chains.assembler import Hop
 from sitsmesh.config import load_settings
 from sitsmesh.errors import ConfigError
@@ -60,10 +60,10 @@ async def test_an_access_log_stream_holds_no_part_of_a_batch_while_it_awaits_the
 
 def test_data_port_caps_streams_per_connection_from_a_validated_setting() -> None:
     settings = load_settings({}, env={})
-    options = dict(_server_options(settings, reuseport=False)["options"])
+    options = dict(server_options(settings, reuseport=False)["options"])
     assert options["grpc.max_concurrent_streams"] == settings.max_streams_per_connection == 16
     flagged = load_settings({"max_streams_per_connection": "100"}, env={})
-    assert dict(_server_options(flagged, False)["options"])["grpc.max_concurrent_streams"] == 100
+    assert dict(server_options(flagged, False)["options"])["grpc.max_concurrent_streams"] == 100
     with pytest.raises(ConfigError, match="SITSMESH_MAX_STREAMS_PER_CONNECTION: must be "
                                           "between 1 and 1000000, got 0"):
         load_settings({}, env={"SITSMESH_MAX_STREAMS_PER_CONNECTION": "0"})
