@@ -24,6 +24,7 @@ from sitsmesh.app import budgets, compose, dataserver
 from sitsmesh.app.metrics import RpcMetrics
 from sitsmesh.app.workers import WorkerPool
 from sitsmesh.config import Settings
+from sitsmesh.errors import StartupError
 from sitsmesh.pressure.controller import Snapshot
 from sitsmesh.pressure.gate import PressureGate
 from sitsmesh.state.open import open_store
@@ -149,7 +150,12 @@ def quota_main(settings: Settings, index: int, ready: Any, channel: socket.socke
     del index
     logs.configure(settings.log_level, settings.log_format)
     tune_allocator()
-    raise SystemExit(asyncio.run(run_quota(settings, channel, ready.set)))
+    try:
+        code = asyncio.run(run_quota(settings, channel, ready.set))
+    except StartupError as exc:  # the data process says it did not start, and why
+        _log.error("RLQS process cannot start", error=exc.message)
+        code = 2
+    raise SystemExit(code)
 
 
 async def _follow(channel: socket.socket, gate: PressureGate, stop: asyncio.Event) -> None:

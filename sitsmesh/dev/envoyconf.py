@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -136,6 +137,22 @@ def set_endpoints(bootstrap: dict[str, Any], cluster: str, addrs: Sequence[str])
                 for host, _, port in (addr.rpartition(":") for addr in addrs)]}]}
             return
     raise ConfigError(f"no static cluster named {cluster!r}")
+
+
+def use_rlqs_addr(bootstrap: dict[str, Any], addr: str) -> None:
+    """Send the rate_limit_quota filter's stream to sitsmesh's rlqs_addr: a cluster
+    `sitsmesh_rlqs`, sitsmesh_data's settings (HTTP/2, health checks) at that address."""
+    clusters = bootstrap.get("static_resources", {}).get("clusters", [])
+    data = next((c for c in clusters if c.get("name") == "sitsmesh_data"), None)
+    if data is None:
+        raise ConfigError("no static cluster named 'sitsmesh_data' to copy for RLQS")
+    clusters.append({**copy.deepcopy(data), "name": "sitsmesh_rlqs"})
+    set_endpoints(bootstrap, "sitsmesh_rlqs", [addr])
+    for flt in http_connection_manager(bootstrap).get("http_filters", []):
+        if flt.get("name") == "envoy.filters.http.rate_limit_quota":
+            flt["typed_config"]["rlqs_server"] = {"envoy_grpc": {"cluster_name": "sitsmesh_rlqs"}}
+            return
+    raise ConfigError("no rate_limit_quota filter to point at rlqs_addr")
 
 
 def add_route(bootstrap: dict[str, Any], *, name: str, prefix: str, host: str,

@@ -253,14 +253,18 @@ def envoy_values(sitsmesh_addr: str, upstream_port: int, listen_port: int,
 def start_envoy(tmp: Path, sitsmesh_addr: str, upstream_port: int,
                 bootstrap: Path = REPO / "filters" / "local" / "bootstrap.yaml",
                 fragments: list[str] | None = None, *,
-                access_log_flush: str = "0.02s", replicas: Sequence[str] = ()) -> Envoy:
+                access_log_flush: str = "0.02s", replicas: Sequence[str] = (),
+                rlqs_addr: str = "") -> Envoy:
     """`replicas`: the data addresses of every sitsmesh replica, all endpoints of the
-    sitsmesh_data cluster (default: sitsmesh_addr alone)."""
+    sitsmesh_data cluster (default: sitsmesh_addr alone); `rlqs_addr`: sitsmesh's RLQS
+    process, where the rate_limit_quota fragment then streams."""
     listen, admin = free_port(), free_port()
     values = envoy_values(sitsmesh_addr, upstream_port, listen, admin, access_log_flush)
     rendered = envoyconf.render(bootstrap, values, fragments)
     if replicas:
         envoyconf.set_endpoints(rendered, "sitsmesh_data", replicas)
+    if rlqs_addr:
+        envoyconf.use_rlqs_addr(rendered, rlqs_addr)
     config = envoyconf.write(rendered, tmp / "envoy.yaml")
     return launch_envoy(config, listen, admin, tmp / "envoy.log")
 

@@ -6,7 +6,8 @@ The stage is sitsmesh.dev.stagesvc: one worker, 20 ms a request, so 50 requests/
 
 Both ways of shedding run the same test: `calls` (ext_authz's Check answers 429) and
 `rlqs` (Envoy's rate_limit_quota filter answers 429 on the quotas sitsmesh pushes it;
-Check, still there for identity, only counts).
+Check, still there for identity, only counts). `rlqs-process` is `rlqs` served by
+sitsmesh's RLQS process (rlqs_addr): the controller's decisions cross to it.
 """
 
 from __future__ import annotations
@@ -59,14 +60,16 @@ class Stack:
     admission: str
 
 
-@pytest.fixture(params=["calls", "rlqs"])
+@pytest.fixture(params=["calls", "rlqs", "rlqs-process"])
 def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    admission: str = request.param
+    admission, _, process = str(request.param).partition("-")
     stage = StageService(name="svc", parallelism=1, service_ms=20).start()
     node = envoy = None
     limits = ["rate_limit_quota"] if admission == "rlqs" else []
+    rlqs_addr = f"127.0.0.1:{harness.free_port()}" if process else ""
     try:
-        node = harness.start_sitsmesh(tmp_path, "--admission", admission)
+        node = harness.start_sitsmesh(tmp_path, "--admission", admission,
+                                      *(("--rlqs-addr", rlqs_addr) if process else ()))
         (tmp_path / "plain.yaml").write_text(PIPELINE)
         (tmp_path / "thresholds.yaml").write_text(THRESHOLDS)
         for args in (("pipelines", "apply", str(tmp_path / "plain.yaml")),
@@ -80,7 +83,7 @@ def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
         envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port,
                                     fragments=["ext_authz", *limits, "access_log",
                                                "metrics_service"],
-                                    access_log_flush="1s")
+                                    access_log_flush="1s", rlqs_addr=rlqs_addr)
         yield Stack(stage, node, envoy, key, admission)
     finally:
         for proc in (envoy, node):
