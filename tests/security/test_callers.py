@@ -121,6 +121,41 @@ def test_data_plane_services_answer_only_their_allowlisted_callers(
     assert "data-plane call refused" in node.output()
 
 
+def test_the_rlqs_process_takes_the_data_ports_tls_and_allowlist(
+        tmp_path: Path, ca: Ca, nodes: list[harness.Sitsmesh]) -> None:
+    """rlqs_addr is a port of its own: the same certificates, client CA and `quota`
+    callers as the data port, not a side door around them."""
+    server = ca.issue("server", "IP:127.0.0.1")
+    envoy = ca.issue("envoy", f"URI:{ENVOY_ID}")
+    intruder = ca.issue("intruder", "URI:spiffe://cluster.local/ns/apps/sa/intruder")
+    rlqs_addr = f"127.0.0.1:{harness.free_port()}"
+    node = tlsnode.start(
+        tmp_path, "--data-tls-cert-file", str(server.cert), "--data-tls-key-file",
+        str(server.key), "--data-tls-client-ca-file", str(ca.cert), "--data-callers",
+        f"quota={ENVOY_ID}", "--rlqs-addr", rlqs_addr, data=(ca.cert, envoy))
+    nodes.append(node)
+    harness.wait_until(lambda: tlsnode.health(rlqs_addr, ca.cert, envoy) == tlsnode.SERVING,
+                       20, "the RLQS process over mTLS")
+
+    with tlsnode.channel(rlqs_addr) as plain, pytest.raises(grpc.RpcError) as cleartext:
+        _quota_report(plain)
+    assert cleartext.value.code() == grpc.StatusCode.UNAVAILABLE
+    with tlsnode.channel(rlqs_addr, ca.cert) as anonymous, \
+            pytest.raises(grpc.RpcError) as no_cert:
+        _quota_report(anonymous)
+    assert no_cert.value.code() == grpc.StatusCode.UNAVAILABLE
+    with tlsnode.channel(rlqs_addr, ca.cert, intruder) as ch, \
+            pytest.raises(grpc.RpcError) as greedy:
+        _quota_report(ch)
+    assert greedy.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with tlsnode.channel(rlqs_addr, ca.cert, envoy) as ch:
+        assert len(_quota_report(ch).bucket_action) == 1
+    # Counted where the data process's /metrics sees it (the multiprocess files).
+    harness.wait_until(lambda: harness.metric_value(
+        node.metrics(), "sitsmesh_data_calls_refused_total", service="quota") == 1, 5,
+        "the RLQS process's refusal on /metrics")
+
+
 def test_an_allowlist_without_mtls_refuses_to_start(tmp_path: Path, ca: Ca) -> None:
     server = ca.issue("server", "IP:127.0.0.1")
     for extra in ([], ["--data-tls-cert-file", str(server.cert), "--data-tls-key-file",
