@@ -132,6 +132,6 @@ def test_bad_rlqs_addr_settings_stop_the_start(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         began = time.monotonic()
         busy = harness.run_cli(*common, "--rlqs-addr", f"127.0.0.1:{port}", timeout=60)
-    assert busy.returncode != 0
+    assert busy.returncode == 2, busy.stderr
     assert f"rlqs_addr 127.0.0.1:{port}: the RLQS process did not start" in busy.stderr
     assert time.monotonic() - began < 30  # it gave up when the process died, not later
