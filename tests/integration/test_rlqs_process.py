@@ -135,3 +135,24 @@ def test_bad_rlqs_addr_settings_stop_the_start(tmp_path: Path) -> None:
     assert busy.returncode == 2, busy.stderr
     assert f"rlqs_addr 127.0.0.1:{port}: the RLQS process did not start" in busy.stderr
     assert time.monotonic() - began < 30  # it gave up when the process died, not later
+
+
+def test_workers_serve_rlqs_through_the_rlqs_process(
+        tmp_path: Path, start_sitsmesh: Start, upstream: int,
+        envoys: list[harness.Envoy]) -> None:
+    """Workers alone cannot serve RLQS (each would split the rates on its own); the one
+    RLQS process beside them can."""
+    rlqs_addr = f"127.0.0.1:{harness.free_port()}"
+    data = f"127.0.0.1:{harness.free_port()}"
+    config = tmp_path / "free.yaml"
+    config.write_text(_config(0))
+    node = start_sitsmesh("--workers", "2", "--rlqs-addr", rlqs_addr, "--ratelimit-config",
+                          str(config), name="rlqs-workers",
+                          addrs=(data, f"127.0.0.1:{harness.free_port()}",
+                                 f"127.0.0.1:{harness.free_port()}"))
+    assert "RLQS is not served by worker processes" not in node.output()
+    envoy = harness.start_envoy(tmp_path, node.data_addr, upstream,
+                                fragments=["rate_limit_quota"], rlqs_addr=rlqs_addr)
+    envoys.append(envoy)
+    harness.wait_until(lambda: Pacer(envoy, "free", 1.0, 0)._send() == 429, 15,
+                       "DENY_ALL from the RLQS process beside two workers")
