@@ -67,17 +67,17 @@ class QuotaProcess:
     """The data process's side: starts the RLQS process, restarts it when it dies (as
     workers are), and sends it every decision the controller makes live."""
 
-    def __init__(self, settings: Settings, decisions: Callable[[], Snapshot] | None) -> None:
-        self._decisions = decisions
+    def __init__(self, settings: Settings,
+                 pick: Callable[[Snapshot], Snapshot] = lambda made: made) -> None:
+        """pick(the decision made live): what RLQS is to apply of it."""
+        self._pick = pick
         self._writer: asyncio.StreamWriter | None = None
         self._pending: socket.socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.pool = WorkerPool(settings, self._changed, quota_main, count=1, name="rlqs",
                                extra=self._channel)
-        self.alive = False
 
     def _changed(self, alive: bool) -> None:
-        self.alive = alive
         if not alive and self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -91,7 +91,6 @@ class QuotaProcess:
 
     def start(self, watch: AsyncIterator[Snapshot] | None) -> None:
         self.pool.start()
-        self.alive = True
         if watch is not None:
             self._tasks.append(asyncio.get_running_loop().create_task(self._feed(watch)))
 
@@ -105,13 +104,11 @@ class QuotaProcess:
         return self._writer
 
     async def _feed(self, watch: AsyncIterator[Snapshot]) -> None:
-        assert self._decisions is not None
-        async for _ in watch:
+        async for made in watch:
             writer = await self._connect()
             if writer is None or writer.transport.get_write_buffer_size() > MAX_UNSENT:
                 continue
-            # What the gate applies now: this replica's share when replicas share.
-            writer.write(frame(self._decisions()))
+            writer.write(frame(self._pick(made)))
 
     async def ready(self, timeout_s: float) -> bool:
         """Whether it serves within timeout_s (False at once if it exits first)."""
@@ -129,7 +126,6 @@ class QuotaProcess:
         self.pool.signal(signum)
 
     def terminate(self) -> None:
-        self.alive = False
         self.pool.terminate()
 
     async def wait(self, deadline_s: float) -> bool:

@@ -163,14 +163,14 @@ def _start_pool(settings: Settings, board: StatusBoard) -> WorkerPool:
 
 
 async def _start_children(settings: Settings, board: StatusBoard, graph: compose.Graph,
-                          pools: list[WorkerPool | QuotaProcess], bound: dict[str, str]
-                          ) -> None:
+                          role: compose.Role, *, pools: list[WorkerPool | QuotaProcess],
+                          bound: dict[str, str]) -> None:
     """The worker processes and the RLQS process, as configured, added to `pools`."""
     if settings.workers > 1:
         pools.append(_start_pool(settings, board))
     if settings.rlqs_addr is not None:
         try:
-            pools.append(await _start_quota(settings, graph))
+            pools.append(await _start_quota(settings, graph, role))
         except StartupError:
             for running in pools:
                 running.terminate()
@@ -179,11 +179,19 @@ async def _start_children(settings: Settings, board: StatusBoard, graph: compose
         bound["rlqs"] = str(settings.rlqs_addr)
 
 
-async def _start_quota(settings: Settings, graph: compose.Graph) -> QuotaProcess:
+async def _start_quota(settings: Settings, graph: compose.Graph,
+                       role: compose.Role) -> QuotaProcess:
     """The RLQS process, fed the decisions of this process's controller (none in a
-    supervisor without shared runtime: its workers run no controller either)."""
+    supervisor without shared runtime: its workers run no controller either). A single
+    process sends what its own gate applies, as RLQS served in it would read (with
+    replicas, its share); a supervisor serves no traffic, so it has no share of its own:
+    the decision as made."""
     runtime = graph.pressure.runtime if graph.pressure is not None else None
-    quota = QuotaProcess(settings, (lambda: runtime.gate.snapshot) if runtime else None)
+    if runtime is not None and role is compose.Role.SINGLE:
+        gate = runtime.gate
+        quota = QuotaProcess(settings, lambda _made: gate.snapshot)
+    else:
+        quota = QuotaProcess(settings)
     quota.start(runtime.watch() if runtime is not None else None)
     if not await quota.ready(QUOTA_START_S):
         quota.terminate()
@@ -281,7 +289,7 @@ async def run(settings: Settings) -> int:
             access=access, budget=budget)
         servers.append(admin_server)
         httpd, bound["metrics"] = _start_metrics(settings, registry)
-        await _start_children(settings, board, graph, pools, bound)
+        await _start_children(settings, board, graph, role, pools=pools, bound=bound)
         board.set_all(Serving.SERVING)
         await graph.ratelimit.probe()
         _log.info("serving", version=__version__, pid=os.getpid(), bound=bound,
