@@ -26,6 +26,9 @@ class DataService:
 
     name: str
     add_to_server: Callable[[aio.Server], None]
+    # False: no health status of its own (a service that only refuses, see
+    # transport.rlqs.ServedElsewhere), so health does not call it SERVING.
+    health: bool = True
 
 
 class Background:

@@ -3,6 +3,7 @@ services charging their request messages to it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from grpc import aio
@@ -46,4 +47,4 @@ def budgeted(settings: Settings, budget: ByteBudget,
 
         return register
 
-    return [DataService(s.name, add(s)) for s in services]
+    return [dataclasses.replace(s, add_to_server=add(s)) for s in services]

@@ -4,6 +4,7 @@ the RLQS process): its bounds, caller gate, health, TLS binding, and its drain."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -115,7 +116,7 @@ def gated(settings: Settings, services: list[DataService],
 
         return register
 
-    return [DataService(s.name, add(s)) for s in services]
+    return [dataclasses.replace(s, add_to_server=add(s)) for s in services]
 
 
 
@@ -136,8 +137,9 @@ async def start_data(settings: Settings, board: StatusBoard, metrics: RpcMetrics
     reflection.enable_server_reflection([*names, HEALTH_NAME, reflection.SERVICE_NAME],
                                         server)
     board.register("", "data")
-    for service_name in names:
-        board.register(service_name, "data")
+    for service in services:
+        if service.health:
+            board.register(service.name, "data")
     name, addr = listen or ("data_addr", settings.data_addr)
     bound = bind(server, name, addr, "data", settings)
     await server.start()

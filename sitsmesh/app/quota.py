@@ -25,7 +25,12 @@ from sitsmesh.quota.peers import TTL_S, QuotaPeers
 from sitsmesh.quota.service import QuotaService
 from sitsmesh.ratelimit.config import Node
 from sitsmesh.shared.lease import holder_id
-from sitsmesh.transport.rlqs import REFRESH_S, SERVICE_NAME, RateLimitQuotaServicer
+from sitsmesh.transport.rlqs import (
+    REFRESH_S,
+    SERVICE_NAME,
+    RateLimitQuotaServicer,
+    ServedElsewhere,
+)
 from sitsmesh.transport.streams import OpenStreams
 
 _log = logs.get("sitsmesh.app.quota")
@@ -110,7 +115,10 @@ class QuotaComponent:
         self.servicer: RateLimitQuotaServicer | None = None
         self.peers: QuotaPeers | None = None
         self._published: QuotaGauges | None = None
-        if not serve or (settings.rlqs_addr is not None and not own_process):
+        # A data process beside the RLQS process: told, on its port, where RLQS is.
+        self._elsewhere = (str(settings.rlqs_addr) if serve and not own_process
+                           and settings.rlqs_addr is not None else "")
+        if not serve or self._elsewhere:
             return
         if settings.workers > 1 and not own_process:
             _log.warning("RLQS is not served by worker processes: each would split the "
@@ -150,7 +158,12 @@ class QuotaComponent:
     def services(self, streams: OpenStreams) -> list[DataService]:
         servicer = self.servicer
         if servicer is None:
-            return []
+            if not self._elsewhere:
+                return []
+            elsewhere = ServedElsewhere(self._elsewhere)
+            return [DataService(SERVICE_NAME, lambda server: (
+                rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(elsewhere, server)),
+                health=False)]
         servicer.streams = streams
         return [DataService(SERVICE_NAME, lambda server: (
             rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(servicer, server)))]

@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 
 from sitsmesh import logs
-from sitsmesh.errors import InvalidArgumentError
+from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError
 from sitsmesh.quota.buckets import Kind
 from sitsmesh.quota.service import Assignment, QuotaService, Update
 from sitsmesh.transport.errors import abort
@@ -53,6 +53,7 @@ MAX_ENCODED = 2_000  # encoded ids kept per stream (its buckets, and some left b
 # so once this many buckets have left with their streams, the freeze is undone and
 # done again only after the next full pass has collected what died meanwhile.
 FREEZE_BUCKETS = 10_000
+LOG_EVERY_S = 60.0
 
 _Response = rlqs_pb2.RateLimitQuotaResponse
 _Action = _Response.BucketAction
@@ -355,3 +356,24 @@ class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # ty
         if held >= self._frozen_at + FREEZE_BUCKETS:
             gc.freeze()
             self._frozen_at = held
+
+
+class ServedElsewhere(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # type: ignore[misc]
+    """The data port's RLQS when RLQS has a process of its own (rlqs_addr): an Envoy
+    still streaming here is refused with where to stream, and the log says so at most
+    once a minute, rather than UNIMPLEMENTED, which fails open like any outage."""
+
+    def __init__(self, rlqs_addr: str) -> None:
+        self._error = FailedPreconditionError(
+            f"RLQS is served on rlqs_addr {rlqs_addr}, by a process of its own: point this "
+            "Envoy's rate_limit_quota rlqs_server there")
+        self._logged = -LOG_EVERY_S
+
+    async def StreamRateLimitQuotas(self, request_iterator: AsyncIterator[Any],
+                                    context: aio.ServicerContext[Any, Any]) -> None:
+        now = asyncio.get_running_loop().time()
+        if now - self._logged >= LOG_EVERY_S:
+            self._logged = now
+            _log.warning("an Envoy streams RLQS to the data port", peer=context.peer(),
+                         error=self._error.message)
+        await abort(context, self._error)

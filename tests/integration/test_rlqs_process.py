@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from grpc_health.v1 import health_pb2
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
@@ -80,7 +81,15 @@ def test_the_rlqs_process_follows_applied_configs_and_comes_back_after_a_crash(
     serving = health_pb2.HealthCheckResponse.SERVING
     assert harness.health_status(rlqs_addr, RLQS) == serving
     # Not on the data port too: two processes would each split the same global rate.
+    # An Envoy still streaming there is told where to go, not failed open in silence.
     assert harness.health_status(node.data_addr, RLQS) is None
+    with grpc.insecure_channel(node.data_addr) as channel, \
+            pytest.raises(grpc.RpcError) as misdirected:
+        next(rlqs_pb2_grpc.RateLimitQuotaServiceStub(channel).StreamRateLimitQuotas(
+            iter([rlqs_pb2.RateLimitQuotaUsageReports(domain="sitsmesh-local")]), timeout=5))
+    assert misdirected.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"RLQS is served on rlqs_addr {rlqs_addr}" in str(misdirected.value.details())
+    assert _events(node, "an Envoy streams RLQS to the data port")
     envoy = harness.start_envoy(tmp_path, node.data_addr, upstream,
                                 fragments=["rate_limit_quota"], rlqs_addr=rlqs_addr)
     envoys.append(envoy)
