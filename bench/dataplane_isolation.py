@@ -16,17 +16,24 @@ gRPC client on one connection sending `--checks` sequential Checks (POST
   across streams, 5 s of usage each) and reads every reply. The Checks start once
   every stream got its first reply, and run while the reports go on; every
   stream must then have had a reply to each report but the last;
+- **N RLQS streams, RLQS process** (after each N, unless `--no-rlqs-process`): the
+  same, to a second measured server started with `--rlqs-addr`, which serves RLQS from
+  a child process of its own: the streams go to that address, the Checks to its data
+  port (same config, a tenant and key of its own made the same way);
 - **40 000-glob pipeline**: a pipeline with `--globs` model globs that match
   nothing the caller asks, applied through the admin API; then Checks naming a
   new model each time (`/v2/models/unseen-<i>/infer`), as many as fit in
   `--glob-budget-s`. If the apply is refused, the row says so.
 
 - **pinning** (unless `--no-pin`, on a machine of 2 cores or more): the measured
-  server runs on core 0 alone; this script (the caller), the load generator and the
-  control server share the others. As in a cluster, where the Envoys and the RLQS
-  clients are not on sitsmesh's cores: what the RLQS rows add is then sitsmesh's
-  own RLQS work on its loop, not the load generator's CPU. Unpinned, the control
-  alone put the p99 at 1.1-3.9x idle on 2 shared cores.
+  servers run on core 0 alone (one is measured at a time, the other idles); this
+  script (the caller), the load generator and the control server share the others.
+  As in a cluster, where the Envoys and the RLQS clients are not on sitsmesh's
+  cores: what the RLQS rows add is then sitsmesh's own RLQS work on its loop, not
+  the load generator's CPU. Unpinned, the control alone put the p99 at 1.1-3.9x
+  idle on 2 shared cores. The `--rlqs-addr` server's RLQS process (every thread of
+  it) is moved to the other cores, its data process stays on core 0: as in a pod of
+  2 CPUs, where the OS runs the RLQS process on the core Check is not using.
 - **control** (before each N, unless `--no-control`): the same N streams aimed at a
   second `sitsmesh serve` while the Checks go to the first. The measured server
   does no RLQS work, so this row is the machine's contention alone (server, load
@@ -35,8 +42,10 @@ gRPC client on one connection sending `--checks` sequential Checks (POST
 
 Reported per scenario: p50, p99 and max of the Check round trip, the ratio of
 p99 to idle p99 (goal <= 1.5), and for RLQS the buckets held, the reports
-answered and the server's RSS. Exit status 1 if a server fails to start, a Check
-is not OK, or an RLQS stream is not answered.
+answered, the RSS of the process holding them, and the CPU of the measured server
+and of the process doing the RLQS work. In the RLQS process row the counts come from
+the parent's /metrics, where the child publishes them once a second. Exit status 1 if
+a server fails to start, a Check is not OK, or an RLQS stream is not answered.
 
     .venv/bin/python bench/dataplane_isolation.py [--checks 2000] [--streams 30 100]
 """
@@ -44,6 +53,8 @@ is not OK, or an RLQS stream is not answered.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import multiprocessing
 import multiprocessing.synchronize
 import os
@@ -51,6 +62,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +96,6 @@ def check_request(key: str, model: str = "llama") -> Any:
 
 
 def provision(node: harness.Sitsmesh) -> str:
-    import json
-
     for argv in (("tenants", "create", "bench", "--models", "*"),):
         done = node.cli(*argv)
         if done.returncode != 0:
@@ -192,8 +202,8 @@ def rlqs_load(addr: str, streams: int, buckets: int, report_s: float,
     asyncio.run(main())
 
 
-def rss_mb(node: harness.Sitsmesh) -> float:
-    for line in Path(f"/proc/{node.proc.pid}/status").read_text().splitlines():
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
@@ -201,8 +211,6 @@ def rss_mb(node: harness.Sitsmesh) -> float:
 
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process so far."""
-    import os
-
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -211,17 +219,55 @@ def metric(node: harness.Sitsmesh, name: str) -> float:
     return harness.metric_value(node.metrics(), name)
 
 
-def rlqs_scenario(node: harness.Sitsmesh, stub: Any, key: str, args: argparse.Namespace,
-                  streams: int, target: harness.Sitsmesh | None = None) -> dict[str, Any]:
-    """Checks to `node` while `streams` RLQS streams report to `target` (default: the
-    same node). With a separate target the measured server does no RLQS work: what is
-    left is the machine's contention (the load generator and the other server on the
-    same cores), the control for the RLQS rows."""
-    measured, node = node, target or node
+def rlqs_child(node: harness.Sitsmesh) -> int:
+    """The pid of the server's RLQS process: its log's last "rlqs started" (the server
+    has another child, multiprocessing's resource tracker)."""
+    pids = [event["pid"] for event in map(json.loads, (
+        line for line in node.output().splitlines() if line.startswith("{")))
+        if event.get("event") == "rlqs started"]
+    if not pids:
+        raise BenchError("the --rlqs-addr server logged no \"rlqs started\"")
+    pid: int = pids[-1]
+    return pid
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a running process onto `cpus`: sched_setaffinity moves one thread,
+    and a thread started meanwhile by one not yet moved would stay where it was, so
+    until none is left behind (bounded)."""
+    for _ in range(5):
+        tasks = [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
+        if all(os.sched_getaffinity(task) == cpus for task in tasks):
+            return
+        for task in tasks:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended
+                os.sched_setaffinity(task, cpus)
+    raise BenchError(f"could not move every thread of {pid} onto {sorted(cpus)}")
+
+
+@dataclass
+class Rlqs:
+    """Where a scenario's RLQS streams go: the address, the server whose /metrics count
+    them, the process doing the work, and how the note names it (empty: the measured
+    server itself)."""
+
+    addr: str
+    node: harness.Sitsmesh
+    pid: int
+    where: str = ""
+
+
+def rlqs_scenario(measured: harness.Sitsmesh, stub: Any, key: str, args: argparse.Namespace,
+                  streams: int, rlqs: Rlqs) -> dict[str, Any]:
+    """Checks to `measured` while `streams` RLQS streams report to `rlqs`. Aimed at a
+    second server, the measured server does no RLQS work: what is left is the machine's
+    contention (the load generator and the other server on the same cores), the control
+    for the RLQS rows."""
+    node = rlqs.node
     ctx = multiprocessing.get_context("spawn")
     stop, ready = ctx.Event(), ctx.Event()
     stats = ctx.Array("l", 3)
-    proc = ctx.Process(target=rlqs_load, args=(node.data_addr, streams, args.buckets,
+    proc = ctx.Process(target=rlqs_load, args=(rlqs.addr, streams, args.buckets,
                                                args.report_s, stop, ready, stats))
     proc.start()
     try:
@@ -232,20 +278,22 @@ def rlqs_scenario(node: harness.Sitsmesh, stub: Any, key: str, args: argparse.Na
                 raise BenchError(f"{streams} streams: only {stats[2]} got a reply")
             time.sleep(0.2)
         first_reply_s = time.monotonic() - (deadline - args.report_s * 3 - 30)
-        time.sleep(args.report_s)  # every stream reports again: steady state
+        # Every stream reports again: steady state (and the RLQS process's metrics,
+        # published once a second, have caught up).
+        time.sleep(args.report_s)
         held = metric(node, "sitsmesh_rlqs_buckets")
         open_streams = metric(node, "sitsmesh_rlqs_streams")
         before = (stats[0], stats[1])
         assert proc.pid is not None
-        cpu_before = (cpu_s(measured.proc.pid), cpu_s(node.proc.pid), cpu_s(proc.pid),
+        cpu_before = (cpu_s(measured.proc.pid), cpu_s(rlqs.pid), cpu_s(proc.pid),
                       time.monotonic())
         times = measure(stub, key, args.checks, rate=args.rate)
         wall = time.monotonic() - cpu_before[3]
         server_cores = (cpu_s(measured.proc.pid) - cpu_before[0]) / wall
-        rlqs_cores = (cpu_s(node.proc.pid) - cpu_before[1]) / wall
+        rlqs_cores = (cpu_s(rlqs.pid) - cpu_before[1]) / wall
         load_cores = (cpu_s(proc.pid) - cpu_before[2]) / wall
         sent, answered = stats[0] - before[0], stats[1] - before[1]
-        rss = rss_mb(node)
+        rss = rss_mb(rlqs.pid)
         pending = metric(node, "sitsmesh_rlqs_pending_work")
         ended = metric(node, "sitsmesh_rlqs_streams_not_reading_total")
         refused = metric(node, "sitsmesh_rlqs_buckets_refused_total")
@@ -260,8 +308,7 @@ def rlqs_scenario(node: harness.Sitsmesh, stub: Any, key: str, args: argparse.Na
     # in flight at the end) means reports went unanswered.
     if answered < sent - streams:
         raise BenchError(f"{streams} streams: {answered} replies to {sent} reports")
-    where = ("" if measured is node else
-             f"RLQS on the second server ({rlqs_cores:.2f} cores busy); ")
+    where = f"RLQS {rlqs.where} ({rlqs_cores:.2f} cores busy); " if rlqs.where else ""
     return {"times": times, "note": (
         f"{where}{open_streams:.0f} streams, {held:.0f} buckets held ({refused:.0f} refused, "
         f"{ended:.0f} streams ended not reading); {sent} reports, {answered} replies "
@@ -321,35 +368,53 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="leave every process on every core (see the docstring)")
     p.add_argument("--no-control", action="store_true",
                    help="skip the control rows (the same RLQS load on a second server)")
+    p.add_argument("--no-rlqs-process", action="store_true",
+                   help="skip the rows of RLQS served by a process of its own (--rlqs-addr)")
     args = p.parse_args(argv)
-    # (name, result, the control's p99 for an RLQS row on the measured server)
+    # (name, result, the control's p99 for an RLQS row)
     results: list[tuple[str, dict[str, Any], float | None]] = []
+    servers: list[harness.Sitsmesh] = []
     with tempfile.TemporaryDirectory(prefix="sitsmesh-isolation-") as tmp:
         work = Path(tmp)
         config = work / "edge.yaml"
         config.write_text(RATELIMIT_CONFIG)
+
+        def serve(name: str, *extra: str) -> harness.Sitsmesh:
+            servers.append(harness.start_sitsmesh(work, "--ratelimit-config", str(config),
+                                                  *extra, name=name))
+            return servers[-1]
+
         cores = sorted(os.sched_getaffinity(0))
         pinned = not args.no_pin and len(cores) >= 2
-        if pinned:  # the server, and every thread it starts, inherits core 0
-            os.sched_setaffinity(0, {cores[0]})
-        node = harness.start_sitsmesh(work, "--ratelimit-config", str(config))
-        if pinned:
-            os.sched_setaffinity(0, set(cores[1:]))
-            print(f"measured server on core {cores[0]}; caller, load and control on "
-                  f"{cores[1:]}", file=sys.stderr)
-        other: harness.Sitsmesh | None = None
         try:
-            if not args.no_control:
-                (work / "control").mkdir()
-                other = harness.start_sitsmesh(work / "control", "--ratelimit-config",
-                                               str(config))
-            key = provision(node)
-            with grpc.insecure_channel(node.data_addr) as channel:
-                stub = external_auth_pb2_grpc.AuthorizationStub(channel)
-                measure(stub, key, 200)  # warm-up
+            if pinned:  # the measured servers, and every thread they start, inherit core 0
+                os.sched_setaffinity(0, {cores[0]})
+            node = serve("measured")
+            apart: Rlqs | None = None
+            if not args.no_rlqs_process:
+                rlqs_addr = f"127.0.0.1:{harness.free_port()}"
+                server = serve("rlqs-process", "--rlqs-addr", rlqs_addr)
+                apart = Rlqs(rlqs_addr, server, rlqs_child(server), "in the RLQS process")
+            if pinned:
+                os.sched_setaffinity(0, set(cores[1:]))
+                if apart is not None:
+                    pin(apart.pid, set(cores[1:]))
+                print(f"measured servers on core {cores[0]}; caller, load, control and the "
+                      f"RLQS process on {cores[1:]}", file=sys.stderr)
+            other = None if args.no_control else serve("control")
+            with contextlib.ExitStack() as stack:
+                def caller(server: harness.Sitsmesh) -> tuple[Any, str]:
+                    channel = stack.enter_context(grpc.insecure_channel(server.data_addr))
+                    stub = external_auth_pb2_grpc.AuthorizationStub(channel)
+                    key = provision(server)
+                    measure(stub, key, 200)  # warm-up
+                    return stub, key
+
+                stub, key = caller(node)
+                apart_stub, apart_key = caller(apart.node) if apart else (None, "")
                 idle: dict[str, Any] = {"times": measure(stub, key, args.checks,
                                                          rate=args.rate),
-                                        "note": f"RSS {rss_mb(node):.0f} MB"}
+                                        "note": f"RSS {rss_mb(node.proc.pid):.0f} MB"}
                 results.append(("idle", idle, None))
                 print(row("idle", idle, None), file=sys.stderr)
                 idle_p99 = percentile(idle["times"], 99)
@@ -357,42 +422,52 @@ def main(argv: Sequence[str] | None = None) -> int:
                     control_p99 = None
                     if other is not None:
                         name = f"control: {streams} RLQS streams on a second server"
-                        result = rlqs_scenario(node, stub, key, args, streams, other)
+                        result = rlqs_scenario(node, stub, key, args, streams, Rlqs(
+                            other.data_addr, other, other.proc.pid, "on the second server"))
                         results.append((name, result, None))
                         print(row(name, result, idle_p99), file=sys.stderr)
                         control_p99 = percentile(result["times"], 99)
                     name = f"{streams} RLQS streams x {args.buckets} buckets"
-                    result = rlqs_scenario(node, stub, key, args, streams)
+                    result = rlqs_scenario(node, stub, key, args, streams,
+                                           Rlqs(node.data_addr, node, node.proc.pid))
                     results.append((name, result, control_p99))
                     print(row(name, result, idle_p99, control_p99), file=sys.stderr)
-                again: dict[str, Any] = {"times": measure(stub, key, args.checks,
-                                                          rate=args.rate),
-                                         "note": "idle again, after the RLQS streams: the "
-                                                 f"machine's noise; RSS {rss_mb(node):.0f} MB"}
+                    if apart is not None:
+                        name = f"{streams} RLQS streams, RLQS process"
+                        result = rlqs_scenario(apart.node, apart_stub, apart_key, args,
+                                               streams, apart)
+                        results.append((name, result, control_p99))
+                        print(row(name, result, idle_p99, control_p99), file=sys.stderr)
+                again: dict[str, Any] = {
+                    "times": measure(stub, key, args.checks, rate=args.rate),
+                    "note": "idle again, after the RLQS streams: the machine's noise; "
+                            f"RSS {rss_mb(node.proc.pid):.0f} MB"}
                 results.append(("idle (after)", again, None))
                 print(row("idle (after)", again, idle_p99), file=sys.stderr)
                 if not args.no_globs:
                     name = f"{args.globs}-glob pipeline, unseen models"
                     results.append((name, glob_scenario(node, stub, key, args), None))
                     print(row(name, results[-1][1], idle_p99), file=sys.stderr)
-        except (BenchError, grpc.RpcError, TimeoutError) as exc:
+        except (BenchError, grpc.RpcError, TimeoutError, RuntimeError) as exc:
             print(f"FAILED: {exc}", file=sys.stderr)
             return 1
         finally:
-            node.kill()
-            if other is not None:
-                other.kill()
+            for started in servers:
+                started.kill()
     print("| scenario | Checks | p50 ms | p99 ms | max ms | p99 / idle p99 "
           "| p99 / control p99 | notes |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     idle_p99 = percentile(results[0][1]["times"], 99)
     for name, result, control in results:
         print(row(name, result, idle_p99 if name != "idle" else None, control))
-    rlqs = [(percentile(r["times"], 99), c) for n, r, c in results[1:]
-            if r["times"] and n[0].isdigit() and "RLQS" in n]
-    if rlqs:
+    for where, suffix in (("in the data process", " buckets"),
+                          ("from the RLQS process", ", RLQS process")):
+        rlqs = [(percentile(r["times"], 99), c) for n, r, c in results[1:]
+                if r["times"] and n[0].isdigit() and n.endswith(suffix)]
+        if not rlqs:
+            continue
         worst = max(p99 / idle_p99 for p99, _ in rlqs)
-        print(f"\nRLQS goal (p99 <= {GOAL}x idle): "
+        print(f"\nRLQS {where}, goal (p99 <= {GOAL}x idle): "
               f"{'met' if worst <= GOAL else 'missed'} (worst {worst:.2f}x)")
         controlled = [p99 / c for p99, c in rlqs if c]
         if controlled:
