@@ -32,10 +32,12 @@ def budget(settings: Settings) -> ByteBudget:
     return ByteBudget(capacity, settings.large_message_lag_ms / 1000)
 
 
-def budgeted(settings: Settings, budget: ByteBudget,
-              services: list[DataService]) -> list[DataService]:
+def budgeted(settings: Settings, budget: ByteBudget, services: list[DataService], *,
+             loop_share: bool = True) -> list[DataService]:
     """`services`, each charging its request messages to `budget` (innermost: a caller
-    the gate refuses is never charged, and the RPC metrics count budget refusals)."""
+    the gate refuses is never charged, and the RPC metrics count budget refusals).
+    loop_share False: large messages are charged bytes only, not paced for the loop's
+    time (see BudgetedRegistrar)."""
     check = f"/{AUTHZ_SERVICE}/Check"
     unparsed = {check: settings.max_check_message_bytes,
                 f"/{RATELIMIT_SERVICE}/ShouldRateLimit": settings.max_ratelimit_message_bytes}
@@ -43,7 +45,8 @@ def budgeted(settings: Settings, budget: ByteBudget,
     def add(service: DataService) -> Callable[[aio.Server], None]:
         def register(server: aio.Server) -> None:
             service.add_to_server(BudgetedRegistrar(  # type: ignore[arg-type]
-                server, budget, settings.max_message_bytes, {check: check_busy}, unparsed))
+                server, budget, settings.max_message_bytes, {check: check_busy}, unparsed,
+                loop_share=loop_share))
 
         return register
 

@@ -235,9 +235,9 @@ class LoopLag:
         self._trim_due = True
 
     def note_large(self) -> None:
-        """A large message came and went without being paced (the admin API's): its
-        freed pages go back on the next trim all the same, as after the data plane's.
-        Nothing else asks for a trim on the admin port."""
+        """A large message came and went without being paced (the admin API's, the RLQS
+        process's): its freed pages go back on the next trim all the same, as after the
+        data plane's. Nothing else asks for a trim there."""
         if self._task is None:
             self.start()
         self._trim_due = True

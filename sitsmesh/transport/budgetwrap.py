@@ -107,7 +107,7 @@ def _wrap(handler: grpc.RpcMethodHandler[Any, Any], budget: ByteBudget, first: i
     serialize = handler.response_serializer
     if handler.request_streaming:
         return _wrap_stream(inner, factory, parse=parse, serialize=serialize, budget=budget,
-                            first=first)
+                            first=first, loop_share=loop_share)
 
     over, paced = _over(budget), _paced(budget)
 
@@ -173,12 +173,13 @@ class _Metered:
     charged READ_AHEAD times its length (gRPC reads the next meanwhile) until the handler
     asks for the next. A message that does not fit ends the stream at once."""
 
-    __slots__ = ("_budget", "_context", "_first", "_held", "_inner", "_large", "_parse",
-                 "_started")
+    __slots__ = ("_budget", "_context", "_first", "_held", "_inner", "_large",
+                 "_loop_share", "_parse", "_started")
 
     def __init__(self, inner: AsyncIterator[bytes], parse: Callable[[bytes], Any],
-                 budget: ByteBudget, context: Any, first: int) -> None:
+                 budget: ByteBudget, context: Any, first: int, *, loop_share: bool) -> None:
         self._inner = inner
+        self._loop_share = loop_share
         self._parse = parse
         self._budget = budget
         self._first = first
@@ -244,6 +245,9 @@ class _Metered:
         self._held = charge
         if size <= LARGE_BYTES:
             return self._parse(data)
+        if not self._loop_share:
+            self._budget.lag.note_large()
+            return self._parse(data)
         self._large = True
         started = perf_counter()
         message = self._parse(data)
@@ -257,11 +261,11 @@ class _Metered:
 
 
 def _wrap_stream(inner: Callable[..., Any], factory: Any, *, parse: Callable[[bytes], Any],
-                 serialize: Any, budget: ByteBudget, first: int
+                 serialize: Any, budget: ByteBudget, first: int, loop_share: bool
                  ) -> grpc.RpcMethodHandler[Any, Any]:
     if inspect.isasyncgenfunction(inner):
         async def gen_behavior(requests: AsyncIterator[bytes], context: Any) -> Any:
-            metered = _Metered(requests, parse, budget, context, first)
+            metered = _Metered(requests, parse, budget, context, first, loop_share=loop_share)
             try:
                 async for item in inner(metered, context):
                     yield item
@@ -271,7 +275,7 @@ def _wrap_stream(inner: Callable[..., Any], factory: Any, *, parse: Callable[[by
         return factory(gen_behavior, None, serialize)  # type: ignore[no-any-return]
 
     async def stream(requests: AsyncIterator[bytes], context: Any) -> Any:
-        metered = _Metered(requests, parse, budget, context, first)
+        metered = _Metered(requests, parse, budget, context, first, loop_share=loop_share)
         try:
             return await inner(metered, context)
         finally:

@@ -146,7 +146,8 @@ async def test_a_streams_first_read_holds_room_only_until_its_message_or_the_hol
         yield b"m" * 100
 
     async def first(i: int) -> bytes:
-        metered = budgetwrap._Metered(stream(sent[i]), bytes, budget, None, 4 << 20)
+        metered = budgetwrap._Metered(stream(sent[i]), bytes, budget, None, 4 << 20,
+                                       loop_share=True)
         message: bytes = await metered.__anext__()
         metered.close()
         return message
@@ -160,3 +161,34 @@ async def test_a_streams_first_read_holds_room_only_until_its_message_or_the_hol
         gate.set()
     assert await asyncio.wait_for(asyncio.gather(*readers), 2.0) == [b"m" * 100] * 10
     assert budget.held == 0 and budget.refused == 0
+
+
+@pytest.mark.parametrize("loop_share", [True, False])
+async def test_a_stream_of_large_messages_waits_for_the_loop_only_where_it_shares_it(
+        loop_share: bool) -> None:
+    """Paced (the data port): after a large message, the next read waits while large
+    work has used its share of the loop. Unpaced (the RLQS process, whose loop serves
+    nothing else): it reads on, its bytes still charged."""
+    import asyncio
+    from collections.abc import AsyncIterator
+
+    from sitsmesh.transport import budgetwrap
+    from sitsmesh.transport.budget import LARGE_BYTES
+
+    budget = ByteBudget(64 << 20)
+    budget.lag.spent(60.0)  # large work far over its share: behind for a minute
+
+    async def stream() -> AsyncIterator[bytes]:
+        for _ in range(3):
+            yield b"r" * (LARGE_BYTES + 1)
+
+    metered = budgetwrap._Metered(stream(), bytes, budget, None, 1 << 20,
+                                   loop_share=loop_share)
+    await metered.__anext__()
+    assert budget.held > LARGE_BYTES  # charged, paced or not
+    second = asyncio.ensure_future(metered.__anext__())
+    done, _ = await asyncio.wait((second,), timeout=0.3)
+    assert bool(done) is not loop_share
+    second.cancel()
+    metered.close()
+    await budget.lag.stop()
