@@ -25,6 +25,9 @@ def add_commands(sub: Subcommands) -> None:
     dev.add_argument("--admission", choices=("calls", "rlqs"), default="calls",
                      help="calls: Envoy's ratelimit filter asks sitsmesh per request; rlqs: "
                           "Envoy's rate_limit_quota filter enforces quotas sitsmesh assigns")
+    dev.add_argument("--rlqs-addr", default="", metavar="HOST:PORT",
+                     help="with --admission rlqs: RLQS from a process of its own, there, "
+                          "and Envoy's quota stream pointed at it")
     dev.add_argument("serve_args", nargs=argparse.REMAINDER,
                      help="after --: more `sitsmesh serve` flags")
     dev.set_defaults(func=cmd_dev)
@@ -39,7 +42,9 @@ def cmd_dev(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError(f"--triton-ports: expected HTTP,GRPC,METRICS port numbers, got "
                          f"{args.triton_ports!r}") from None
+    if args.rlqs_addr and args.admission != "rlqs":
+        raise UsageError("--rlqs-addr: RLQS is used with --admission rlqs only")
     ports = devstack.DevPorts(args.listen_port, args.envoy_admin_port, args.upstream_port,
                               args.data_addr, http, grpc_port, metrics)
     return devstack.main(Path(args.run_dir), Path(args.filters_dir), ports, serve_args,
-                         admission=args.admission)
+                         admission=args.admission, rlqs_addr=args.rlqs_addr)

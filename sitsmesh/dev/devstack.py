@@ -170,23 +170,33 @@ def _demo_key(bin_dir: Path, serve_args: list[str]) -> str:
     return key
 
 
+def _bootstrap(filters_dir: Path, ports: DevPorts, admission: str,
+               rlqs_addr: str) -> dict[str, Any]:
+    values = envoyconf.local_values(sitsmesh_addr=ports.data_addr, upstream_port=ports.upstream,
+                                    listen_port=ports.listen, envoy_admin_port=ports.envoy_admin)
+    limits = "rate_limit_quota" if admission == "rlqs" else "ratelimit"
+    bootstrap = envoyconf.render(filters_dir / "local" / "bootstrap.yaml", values,
+                                 fragments=["ext_authz", limits, "access_log",
+                                            "metrics_service"])
+    if rlqs_addr:
+        envoyconf.use_rlqs_addr(bootstrap, rlqs_addr)
+    return bootstrap
+
+
 def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str], *,
-         admission: str = "calls") -> int:
+         admission: str = "calls", rlqs_addr: str = "") -> int:
     """`admission` rlqs: Envoy's rate_limit_quota filter in place of its ratelimit filter,
-    and sitsmesh assigning the quotas (Check then only counts for the controller)."""
+    and sitsmesh assigning the quotas (Check then only counts for the controller);
+    `rlqs_addr`: from sitsmesh's RLQS process, there."""
     run_dir.mkdir(parents=True, exist_ok=True)
     bin_dir = Path(sys.executable).parent
     upstream = ThreadingHTTPServer(("127.0.0.1", ports.upstream), _DemoUpstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
 
-    values = envoyconf.local_values(sitsmesh_addr=ports.data_addr, upstream_port=ports.upstream,
-                                    listen_port=ports.listen, envoy_admin_port=ports.envoy_admin)
-    rlqs = admission == "rlqs"
     serve_args = ["--admission", admission, *serve_args]
-    limits = "rate_limit_quota" if rlqs else "ratelimit"
-    bootstrap = envoyconf.render(filters_dir / "local" / "bootstrap.yaml", values,
-                                 fragments=["ext_authz", limits, "access_log",
-                                            "metrics_service"])
+    if rlqs_addr:
+        serve_args += ["--rlqs-addr", rlqs_addr]
+    bootstrap = _bootstrap(filters_dir, ports, admission, rlqs_addr)
     triton = _start_triton(run_dir, ports)
     if triton is not None:
         # The demo model's requests go to Triton, through the same filters.
@@ -235,7 +245,7 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
             (f"curl -si -d '{{}}' -H 'x-api-key: {key}' -H 'x-user: alice' "
              f"http://127.0.0.1:{ports.listen}/v2/models/demo/infer | head -5",
              "6th in a minute gets 429")
-            if not rlqs else
+            if admission != "rlqs" else
             (f"for i in 1 2 3 4; do curl -s -o /dev/null -w '%{{http_code}} ' -d '{{}}' "
              f"-H 'x-api-key: {key}' http://127.0.0.1:{ports.listen}/v2/models/demo/infer; done",
              "RLQS: tenant demo's 30 a minute, enforced in Envoy: 429s"),
