@@ -362,6 +362,13 @@ def test_swap_sample_must_be_numbers_by_input(tmp_path: Path, monkeypatch: pytes
     assert err == f"sitsmesh: error: {sample}: expected {{input name: [numbers]}}\n"
 
 
+def test_dev_takes_rlqs_addr_only_with_rlqs_admission(capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    code, _, err = _run(capsys, "dev", "--rlqs-addr", "127.0.0.1:50053")
+    assert code == EXIT_USAGE
+    assert err == "sitsmesh: error: --rlqs-addr: RLQS is used with --admission rlqs only\n"
+
+
 def test_dev_rejects_bad_triton_ports(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _run(capsys, "dev", "--triton-ports", "1,2")
     assert code == EXIT_USAGE
