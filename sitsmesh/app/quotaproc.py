@@ -68,9 +68,12 @@ class QuotaProcess:
     workers are), and sends it every decision the controller makes live."""
 
     def __init__(self, settings: Settings,
-                 pick: Callable[[Snapshot], Snapshot] = lambda made: made) -> None:
-        """pick(the decision made live): what RLQS is to apply of it."""
+                 pick: Callable[[Snapshot], Snapshot] = lambda made: made,
+                 on_change: Callable[[bool], None] = lambda _alive: None) -> None:
+        """pick(the decision made live): what RLQS is to apply of it; on_change(alive)
+        whenever the process dies or is replaced."""
         self._pick = pick
+        self._on_change = on_change
         self._writer: asyncio.StreamWriter | None = None
         self._pending: socket.socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -81,6 +84,7 @@ class QuotaProcess:
         if not alive and self._writer is not None:
             self._writer.close()
             self._writer = None
+        self._on_change(alive)
 
     def _channel(self, _index: int) -> tuple[Any, ...]:
         ours, theirs = socket.socketpair()

@@ -60,6 +60,7 @@ from sitsmesh.transport.adminaccess import AdminAccess
 from sitsmesh.transport.auth import CallerGate
 from sitsmesh.transport.budget import MIB, ByteBudget, tune_allocator
 from sitsmesh.transport.budgetwrap import BudgetedRegistrar
+from sitsmesh.transport.rlqs import SERVICE_NAME as RLQS_SERVICE
 
 _log = logs.get("sitsmesh.server")
 QUOTA_START_S = 30.0
@@ -170,7 +171,7 @@ async def _start_children(settings: Settings, board: StatusBoard, graph: compose
         pools.append(_start_pool(settings, board))
     if settings.rlqs_addr is not None:
         try:
-            pools.append(await _start_quota(settings, graph, role))
+            pools.append(await _start_quota(settings, board, graph, role))
         except StartupError:
             for running in pools:
                 running.terminate()
@@ -179,7 +180,7 @@ async def _start_children(settings: Settings, board: StatusBoard, graph: compose
         bound["rlqs"] = str(settings.rlqs_addr)
 
 
-async def _start_quota(settings: Settings, graph: compose.Graph,
+async def _start_quota(settings: Settings, board: StatusBoard, graph: compose.Graph,
                        role: compose.Role) -> QuotaProcess:
     """The RLQS process, fed the decisions of this process's controller (none in a
     supervisor without shared runtime: its workers run no controller either). A single
@@ -187,11 +188,17 @@ async def _start_quota(settings: Settings, graph: compose.Graph,
     replicas, its share); a supervisor serves no traffic, so it has no share of its own:
     the decision as made."""
     runtime = graph.pressure.runtime if graph.pressure is not None else None
+    # sitsmesh_serving{server="rlqs"}: 0 while the process is down and being restarted.
+    board.register(RLQS_SERVICE, "rlqs")
+
+    def on_change(alive: bool) -> None:
+        board.set(RLQS_SERVICE, Serving.SERVING if alive else Serving.NOT_SERVING)
+
     if runtime is not None and role is compose.Role.SINGLE:
         gate = runtime.gate
-        quota = QuotaProcess(settings, lambda _made: gate.snapshot)
+        quota = QuotaProcess(settings, lambda _made: gate.snapshot, on_change)
     else:
-        quota = QuotaProcess(settings)
+        quota = QuotaProcess(settings, on_change=on_change)
     quota.start(runtime.watch() if runtime is not None else None)
     if not await quota.ready(QUOTA_START_S):
         quota.terminate()

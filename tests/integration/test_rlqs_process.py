@@ -104,7 +104,13 @@ def test_the_rlqs_process_follows_applied_configs_and_comes_back_after_a_crash(
     harness.wait_until(lambda: harness.metric_value(node.metrics(), "sitsmesh_rlqs_streams")
                        == 1, 5, "the RLQS process's stream count on the data process's /metrics")
 
+    def up() -> float:
+        return harness.metric_value(node.metrics(), "sitsmesh_serving", server="rlqs",
+                                    service=RLQS)
+
+    assert up() == 1
     os.kill(first, signal.SIGKILL)
+    harness.wait_until(lambda: up() == 0, 5, "sitsmesh_serving 0 while it restarts")
     second = _rlqs_pid(node, 2)
     assert second != first
     assert _events(node, "rlqs exited; restarting")
@@ -112,6 +118,7 @@ def test_the_rlqs_process_follows_applied_configs_and_comes_back_after_a_crash(
     assert harness.health_status(node.data_addr) == serving
     harness.wait_until(lambda: harness.health_status(rlqs_addr, RLQS) == serving, 15,
                        "the restarted RLQS process serving")
+    assert up() == 1
     _apply(node, 60_000)
     harness.wait_until(lambda: status() == 200, 20, "the new process's quota for free")
     _apply(node, 0)
