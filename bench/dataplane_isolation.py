@@ -42,9 +42,13 @@ carries the twin and the row's measured data process only.
 
 The twin's windows run under the same load as the measured server's: the load
 generator, the control server and the RLQS child on the other cores, and, in the
-in-process row, the measured server's own RLQS work on core 0, which the twin shares;
-that row's ratio is then a lower bound (its twin's pooled p99 against the other rows'
-twins shows how much the twin paid).
+in-process row, the measured server's own RLQS work on core 0, which the twin shares.
+The ratio then leaves out what the load costs the caller's core (it is in both windows),
+and the in-process row's ratio is only a lower bound: its twin waits for the core
+behind that RLQS work (it can pay more than the measured server, whose loop gives its
+own Checks turns); the twin's pooled p99 there against the control row's twin shows
+how much, and the measured server's pooled p99 against the control row's twin is the
+(not interleaved) comparison left.
 
 - **40 000-glob pipeline** (after the RLQS rows, unless `--no-globs`): `--checks`
   Checks to the twin, idle, as the reference; then a pipeline with `--globs` model
