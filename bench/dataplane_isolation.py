@@ -1,75 +1,102 @@
 """Check latency of a well-behaved caller while other work shares the data plane (issue 26).
 
-One `sitsmesh serve` (1 worker, started and stopped by this script on free
-127.0.0.1 ports, `--ratelimit-config` with a per-tenant rule of 6 000 a minute
-on domain `edge`, so RLQS buckets share rates across streams). Tenant `bench`
-(models `*`) and one API key are created with the admin CLI. The caller is a
-gRPC client on one connection sending `--checks` sequential Checks (POST
-/v2/models/llama/infer with the key) paced at `--rate` a second (2 400 at 200/s:
-12 s, over two report intervals); every answer must be OK. Scenarios:
+Servers are `sitsmesh serve` (1 worker, started and stopped by this script on free
+127.0.0.1 ports, `--ratelimit-config` with a per-tenant rule of 6 000 a minute on
+domain `edge`, so RLQS buckets share rates across streams), each provisioned the same
+way: tenant `bench` (models `*`) and one API key, made with the admin CLI. A caller is
+a gRPC client on one connection to a server's data port sending sequential Checks
+(POST /v2/models/llama/infer with the key) paced at `--rate` a second, after 200 of
+warm-up; every answer must be OK.
 
-- **idle**: nothing else;
-- **N RLQS streams** (`--streams`, default 30 and 100): a subprocess opens N
-  streams of `--buckets` buckets each (`{name, tenant: tenant-<i % 100>,
-  priority: <i // 100>, model: llama}`, so each tenant's rate is shared by every
-  stream), reports all of them every `--report-s` seconds like Envoy (staggered
-  across streams, 5 s of usage each) and reads every reply. The Checks start once
-  every stream got its first reply, and run while the reports go on; every
-  stream must then have had a reply to each report but the last;
-- **N RLQS streams, RLQS process** (after each N, unless `--no-rlqs-process`): the
-  same, to a second measured server started with `--rlqs-addr`, which serves RLQS from
-  a child process of its own: the streams go to that address, the Checks to its data
-  port (same config, a tenant and key of its own made the same way);
-- **40 000-glob pipeline**: a pipeline with `--globs` model globs that match
-  nothing the caller asks, applied through the admin API; then Checks naming a
-  new model each time (`/v2/models/unseen-<i>/infer`), as many as fit in
-  `--glob-budget-s`. If the apply is refused, the row says so.
+**Interleaved against an idle twin** (the RLQS rows). On a small shared VM the same
+idle server's p99 drifts several-fold within a minute, so one idle window at the start
+against one loaded window minutes later mostly measures drift. Instead an **idle twin**
+(a server that never gets a stream) runs for the whole bench, and each row alternates
+windows of Checks between the twin and the row's measured server while the row's load
+runs: `--rounds` rounds, each of one window of `--window` Checks to each (1 000 at
+200/s: one report interval), the twin first in even rounds, the measured server first
+in odd ones. A row reports the median over rounds of p99(measured window) / p99(twin
+window) (goal <= 1.5) and its range, and the pooled p50, p99 and max of both servers'
+windows. (This replaces the former rows of one window each, in sequence, against one
+idle window at the start.) For each N of `--streams` (default 30 and 100), one row per
+configuration:
 
-- **pinning** (unless `--no-pin`, on a machine of 2 cores or more): the measured
-  servers run on core 0 alone (one is measured at a time, the other idles); this
-  script (the caller), the load generator and the control server share the others.
-  As in a cluster, where the Envoys and the RLQS clients are not on sitsmesh's
-  cores: what the RLQS rows add is then sitsmesh's own RLQS work on its loop, not
-  the load generator's CPU. Unpinned, the control alone put the p99 at 1.1-3.9x
-  idle on 2 shared cores. The `--rlqs-addr` server's RLQS process (every thread of
-  it) is moved to the other cores, its data process stays on core 0: as in a pod of
-  2 CPUs, where the OS runs the RLQS process on the core Check is not using.
-- **control** (before each N, unless `--no-control`): the same N streams aimed at a
-  second `sitsmesh serve` while the Checks go to the first. The measured server
-  does no RLQS work, so this row is the machine's contention alone (server, load
-  generator and caller share the cores); an RLQS row's p99 over its control's is
-  what RLQS costs sitsmesh.
+- **control** (unless `--no-control`): the N streams to a second server, the Checks
+  to a measured server that has none: two idle servers, so this row is what the method
+  reports when there is no difference (the twin is long-lived, each measured server
+  fresh);
+- **in-process**: the N streams to the measured server's data port;
+- **RLQS process** (unless `--no-rlqs-process`): the N streams to a measured server
+  started with `--rlqs-addr`, which serves RLQS from a child process of its own; the
+  Checks to its data port.
 
-Reported per scenario: p50, p99 and max of the Check round trip, the ratio of
-p99 to idle p99 (goal <= 1.5), and for RLQS the buckets held, the reports
-answered, the RSS of the process holding them, and the CPU of the measured server
-and of the process doing the RLQS work. In the RLQS process row the counts come from
-the parent's /metrics, where the child publishes them once a second. Exit status 1 if
-a server fails to start, a Check is not OK, or an RLQS stream is not answered.
+The N streams come from a subprocess opening N streams of `--buckets` buckets each
+(`{name, tenant: tenant-<i % 100>, priority: <i // 100>, model: llama}`, so each
+tenant's rate is shared by every stream), reporting all of them every `--report-s`
+seconds like Envoy (staggered across streams, 5 s of usage each) and reading every
+reply. The rounds start once every stream got its first reply and reported once more,
+and run while the reports go on; every stream must then have had a reply to each
+report but the last. Each row starts its own servers and stops them (and the streams)
+when it is done: while a row is measured no other row's server is alive, so core 0
+carries the twin and the row's measured data process only.
 
-    .venv/bin/python bench/dataplane_isolation.py [--checks 2000] [--streams 30 100]
+The twin's windows run under the same load as the measured server's: the load
+generator, the control server and the RLQS child on the other cores, and, in the
+in-process row, the measured server's own RLQS work on core 0, which the twin shares.
+The ratio then leaves out what the load costs the caller's core (it is in both windows),
+and the in-process row's ratio is only a lower bound: its twin waits for the core
+behind that RLQS work (it can pay more than the measured server, whose loop gives its
+own Checks turns); the twin's pooled p99 there against the control row's twin shows
+how much, and the measured server's pooled p99 against the control row's twin is the
+(not interleaved) comparison left.
+
+- **40 000-glob pipeline** (after the RLQS rows, unless `--no-globs`): `--checks`
+  Checks to the twin, idle, as the reference; then a pipeline with `--globs` model
+  globs that match nothing the caller asks, applied to the twin through the admin API,
+  and Checks naming a new model each time (`/v2/models/unseen-<i>/infer`), as many as
+  fit in `--glob-budget-s`. If the apply is refused, the row says so.
+
+- **pinning** (unless `--no-pin`, on a machine of 2 cores or more): the data processes
+  (the twin and the measured server) run on core 0 alone; this script (the caller),
+  the load generator, the control's second server and the RLQS process (every thread
+  of it) on the others. As in a cluster, where the Envoys and the RLQS clients are not
+  on sitsmesh's cores, and in a pod of 2 CPUs, where the OS runs the RLQS process on
+  the core Check is not using. Only the fork of a server runs on core 0: the script's
+  own threads (gRPC's included) stay off it.
+
+Reported per RLQS row besides the latency: the buckets held, the reports answered
+during the rounds, the RSS of the process holding them, and the CPU of the measured
+server and of the process doing the RLQS work over the rounds (the measured server
+takes Checks half of that time). In the RLQS process row the counts come from the
+parent's /metrics, where the child publishes them once a second. Exit status 1 if a
+server fails to start, a Check is not OK, or an RLQS stream is not answered.
+
+    .venv/bin/python bench/dataplane_isolation.py [--rounds 8] [--streams 30 100] [--no-globs]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import multiprocessing
 import multiprocessing.synchronize
 import os
+import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from google.protobuf import duration_pb2
+from grpc_health.v1 import health_pb2
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
@@ -82,6 +109,7 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 6000}
 """
 GOAL = 1.5
+T = TypeVar("T")
 
 
 class BenchError(Exception):
@@ -257,12 +285,10 @@ class Rlqs:
     where: str = ""
 
 
-def rlqs_scenario(measured: harness.Sitsmesh, stub: Any, key: str, args: argparse.Namespace,
-                  streams: int, rlqs: Rlqs) -> dict[str, Any]:
-    """Checks to `measured` while `streams` RLQS streams report to `rlqs`. Aimed at a
-    second server, the measured server does no RLQS work: what is left is the machine's
-    contention (the load generator and the other server on the same cores), the control
-    for the RLQS rows."""
+def rlqs_scenario(measured: harness.Sitsmesh, args: argparse.Namespace, streams: int,
+                  rlqs: Rlqs, run: Callable[[], T]) -> tuple[T, str]:
+    """`run()` (the Checks to `measured`) while `streams` RLQS streams report to `rlqs`,
+    once they are in steady state; its result and a note on the RLQS side."""
     node = rlqs.node
     ctx = multiprocessing.get_context("spawn")
     stop, ready = ctx.Event(), ctx.Event()
@@ -287,7 +313,7 @@ def rlqs_scenario(measured: harness.Sitsmesh, stub: Any, key: str, args: argpars
         assert proc.pid is not None
         cpu_before = (cpu_s(measured.proc.pid), cpu_s(rlqs.pid), cpu_s(proc.pid),
                       time.monotonic())
-        times = measure(stub, key, args.checks, rate=args.rate)
+        result = run()
         wall = time.monotonic() - cpu_before[3]
         server_cores = (cpu_s(measured.proc.pid) - cpu_before[0]) / wall
         rlqs_cores = (cpu_s(rlqs.pid) - cpu_before[1]) / wall
@@ -302,20 +328,43 @@ def rlqs_scenario(measured: harness.Sitsmesh, stub: Any, key: str, args: argpars
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    harness.wait_until(lambda: metric(node, "sitsmesh_rlqs_streams") == 0, 30,
-                       "RLQS streams to be freed")
     # A reply per report, and pushes on top: fewer replies than reports (minus the ones
     # in flight at the end) means reports went unanswered.
     if answered < sent - streams:
         raise BenchError(f"{streams} streams: {answered} replies to {sent} reports")
     where = f"RLQS {rlqs.where} ({rlqs_cores:.2f} cores busy); " if rlqs.where else ""
-    return {"times": times, "note": (
+    return result, (
         f"{where}{open_streams:.0f} streams, {held:.0f} buckets held ({refused:.0f} refused, "
         f"{ended:.0f} streams ended not reading); {sent} reports, {answered} replies "
-        f"during the Checks; "
+        f"during the rounds; "
         f"all streams answered in {first_reply_s:.1f} s; pending work {pending:.0f}; "
         f"RSS {rss:.0f} MB; measured server {server_cores:.2f} cores busy, load generator "
-        f"{load_cores:.2f}")}
+        f"{load_cores:.2f}")
+
+
+@dataclass
+class Caller:
+    """A gRPC client on one connection to a server's data port, with its key."""
+
+    stub: Any
+    key: str
+
+
+def interleave(twin: Caller, measured: Caller,
+               args: argparse.Namespace) -> tuple[list[list[float]], list[list[float]]]:
+    """`args.rounds` rounds of a window of `args.window` Checks to each, the twin first in
+    even rounds: (the twin's windows, the measured server's)."""
+    twin_windows: list[list[float]] = []
+    measured_windows: list[list[float]] = []
+    for i in range(args.rounds):
+        order = [(twin, twin_windows), (measured, measured_windows)]
+        for caller, windows in order if i % 2 == 0 else reversed(order):
+            windows.append(measure(caller.stub, caller.key, args.window, rate=args.rate))
+    return twin_windows, measured_windows
+
+
+def pooled(windows: list[list[float]]) -> list[float]:
+    return [t for window in windows for t in window]
 
 
 def glob_scenario(node: harness.Sitsmesh, stub: Any, key: str,
@@ -340,24 +389,60 @@ def glob_scenario(node: harness.Sitsmesh, stub: Any, key: str,
         f"{len(times)} Checks, each naming a new model, in the {args.glob_budget_s:.0f} s budget")}
 
 
-def row(name: str, result: dict[str, Any], idle_p99: float | None,
-        control_p99: float | None = None) -> str:
+def glob_row(name: str, result: dict[str, Any], idle_p99: float | None) -> str:
     times = result["times"]
     if not times:
-        return f"| {name} | 0 | - | - | - | - | - | {result['note']} |"
-    p50, p99 = percentile(times, 50), percentile(times, 99)
+        return f"| {name} | 0 | - | - | - | - | {result['note']} |"
+    p99 = percentile(times, 99)
     ratio = f"{p99 / idle_p99:.2f}" if idle_p99 else "1.00"
-    versus = f"{p99 / control_p99:.2f}" if control_p99 else "-"
-    return (f"| {name} | {len(times)} | {p50:.2f} | {p99:.2f} | {max(times):.1f} | {ratio} | "
-            f"{versus} | {result['note']} |")
+    return (f"| {name} | {len(times)} | {percentile(times, 50):.2f} | {p99:.2f} | "
+            f"{max(times):.1f} | {ratio} | {result['note']} |")
+
+
+@dataclass
+class Row:
+    """One configuration at one N: the twin's windows and the measured server's."""
+
+    config: str
+    streams: int
+    twin: list[list[float]]
+    measured: list[list[float]]
+    note: str
+
+    def ratios(self) -> list[float]:
+        """p99(measured window) / p99(twin window), round by round."""
+        return [percentile(m, 99) / percentile(t, 99)
+                for t, m in zip(self.twin, self.measured, strict=True)]
+
+    def median(self) -> float:
+        return statistics.median(self.ratios())
+
+    def line(self) -> str:
+        ratios = self.ratios()
+        measured = [t for window in self.measured for t in window]
+        twin = [t for window in self.twin for t in window]
+        return (f"| {self.config} | {self.streams} | {len(ratios)} | {self.median():.2f} | "
+                f"{min(ratios):.2f}-{max(ratios):.2f} | {' '.join(f'{r:.2f}' for r in ratios)} | "
+                f"{percentile(measured, 99):.2f} / {percentile(twin, 99):.2f} | "
+                f"{percentile(measured, 50):.2f} / {percentile(twin, 50):.2f} | "
+                f"{max(measured):.1f} / {max(twin):.1f} | {self.note} |")
+
+
+def serving(node: harness.Sitsmesh) -> bool:
+    return all(harness.health_status(addr) == health_pb2.HealthCheckResponse.SERVING
+               for addr in (node.data_addr, node.admin_addr))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checks", type=int, default=2400)
+    p.add_argument("--checks", type=int, default=2400,
+                   help="the glob row's Checks at most, and its idle reference's")
     p.add_argument("--rate", type=float, default=200.0,
-                   help="Checks a second (the caller is paced, so the Checks span "
-                        "several report intervals); 0: back to back")
+                   help="Checks a second (the caller is paced); 0: back to back")
+    p.add_argument("--rounds", type=int, default=8,
+                   help="rounds of a window to the twin and one to the measured server")
+    p.add_argument("--window", type=int, default=1000,
+                   help="Checks per window (1 000 at 200/s: one report interval)")
     p.add_argument("--streams", type=int, nargs="*", default=[30, 100])
     p.add_argument("--buckets", type=int, default=1000)
     p.add_argument("--report-s", type=float, default=5.0)
@@ -367,112 +452,116 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-pin", action="store_true",
                    help="leave every process on every core (see the docstring)")
     p.add_argument("--no-control", action="store_true",
-                   help="skip the control rows (the same RLQS load on a second server)")
+                   help="skip the control rows (the streams to a second server)")
     p.add_argument("--no-rlqs-process", action="store_true",
                    help="skip the rows of RLQS served by a process of its own (--rlqs-addr)")
     args = p.parse_args(argv)
-    # (name, result, the control's p99 for an RLQS row)
-    results: list[tuple[str, dict[str, Any], float | None]] = []
-    servers: list[harness.Sitsmesh] = []
+    configs = [config for config, skip in (("control", args.no_control), ("in-process", False),
+                                           ("RLQS process", args.no_rlqs_process)) if not skip]
+    rows: list[Row] = []
+    globs: list[tuple[str, dict[str, Any], float | None]] = []
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = not args.no_pin and len(cores) >= 2
+    others = set(cores[1:])
+    if pinned:
+        os.sched_setaffinity(0, others)
     with tempfile.TemporaryDirectory(prefix="sitsmesh-isolation-") as tmp:
         work = Path(tmp)
-        config = work / "edge.yaml"
-        config.write_text(RATELIMIT_CONFIG)
+        config_path = work / "edge.yaml"
+        config_path.write_text(RATELIMIT_CONFIG)
 
-        def serve(name: str, *extra: str) -> harness.Sitsmesh:
-            servers.append(harness.start_sitsmesh(work, "--ratelimit-config", str(config),
-                                                  *extra, name=name))
-            return servers[-1]
-
-        cores = sorted(os.sched_getaffinity(0))
-        pinned = not args.no_pin and len(cores) >= 2
-        try:
-            if pinned:  # the measured servers, and every thread they start, inherit core 0
+        def serve(stack: contextlib.ExitStack, name: str, *extra: str,
+                  data_core: bool = True) -> harness.Sitsmesh:
+            """A server, killed when `stack` closes; forked on core 0 if `data_core` (it
+            and every thread it starts inherit it), else on the others."""
+            if pinned and data_core:
                 os.sched_setaffinity(0, {cores[0]})
-            node = serve("measured")
-            apart: Rlqs | None = None
-            if not args.no_rlqs_process:
-                rlqs_addr = f"127.0.0.1:{harness.free_port()}"
-                server = serve("rlqs-process", "--rlqs-addr", rlqs_addr)
-                apart = Rlqs(rlqs_addr, server, rlqs_child(server), "in the RLQS process")
-            if pinned:
-                os.sched_setaffinity(0, set(cores[1:]))
-                if apart is not None:
-                    pin(apart.pid, set(cores[1:]))
-                print(f"measured servers on core {cores[0]}; caller, load, control and the "
-                      f"RLQS process on {cores[1:]}", file=sys.stderr)
-            other = None if args.no_control else serve("control")
-            with contextlib.ExitStack() as stack:
-                def caller(server: harness.Sitsmesh) -> tuple[Any, str]:
-                    channel = stack.enter_context(grpc.insecure_channel(server.data_addr))
-                    stub = external_auth_pb2_grpc.AuthorizationStub(channel)
-                    key = provision(server)
-                    measure(stub, key, 200)  # warm-up
-                    return stub, key
+            try:
+                node = harness.start_sitsmesh(work, "--ratelimit-config", str(config_path),
+                                              *extra, name=name, wait=False)
+            finally:
+                if pinned:
+                    os.sched_setaffinity(0, others)
+            stack.callback(node.kill)
+            harness.wait_until(lambda: node.proc.poll() is not None or serving(node), 30,
+                               f"{name} to serve")
+            if node.proc.poll() is not None:
+                raise BenchError(f"{name} exited {node.proc.returncode}: {node.output()[-2000:]}")
+            return node
 
-                stub, key = caller(node)
-                apart_stub, apart_key = caller(apart.node) if apart else (None, "")
-                idle: dict[str, Any] = {"times": measure(stub, key, args.checks,
-                                                         rate=args.rate),
-                                        "note": f"RSS {rss_mb(node.proc.pid):.0f} MB"}
-                results.append(("idle", idle, None))
-                print(row("idle", idle, None), file=sys.stderr)
-                idle_p99 = percentile(idle["times"], 99)
+        def caller(stack: contextlib.ExitStack, server: harness.Sitsmesh) -> Caller:
+            channel = stack.enter_context(grpc.insecure_channel(server.data_addr))
+            stub = external_auth_pb2_grpc.AuthorizationStub(channel)
+            key = provision(server)
+            measure(stub, key, 200)  # warm-up
+            return Caller(stub, key)
+
+        def target(stack: contextlib.ExitStack, config: str,
+                   name: str) -> tuple[harness.Sitsmesh, Rlqs]:
+            """The configuration's measured server, and where its streams go."""
+            if config == "control":
+                second = serve(stack, f"{name}-second", data_core=False)
+                return serve(stack, name), Rlqs(second.data_addr, second, second.proc.pid,
+                                                "on the second server")
+            if config == "in-process":
+                node = serve(stack, name)
+                return node, Rlqs(node.data_addr, node, node.proc.pid)
+            addr = f"127.0.0.1:{harness.free_port()}"
+            node = serve(stack, name, "--rlqs-addr", addr)
+            child = rlqs_child(node)
+            if pinned:
+                pin(child, others)
+            return node, Rlqs(addr, node, child, "in the RLQS process")
+
+        try:
+            with contextlib.ExitStack() as outer:
+                twin_node = serve(outer, "twin")
+                twin = caller(outer, twin_node)
+                if pinned:
+                    print(f"twin and measured data processes on core {cores[0]}; caller, "
+                          f"load, control's second server and RLQS process on {cores[1:]}",
+                          file=sys.stderr)
                 for streams in args.streams:
-                    control_p99 = None
-                    if other is not None:
-                        name = f"control: {streams} RLQS streams on a second server"
-                        result = rlqs_scenario(node, stub, key, args, streams, Rlqs(
-                            other.data_addr, other, other.proc.pid, "on the second server"))
-                        results.append((name, result, None))
-                        print(row(name, result, idle_p99), file=sys.stderr)
-                        control_p99 = percentile(result["times"], 99)
-                    name = f"{streams} RLQS streams x {args.buckets} buckets"
-                    result = rlqs_scenario(node, stub, key, args, streams,
-                                           Rlqs(node.data_addr, node, node.proc.pid))
-                    results.append((name, result, control_p99))
-                    print(row(name, result, idle_p99, control_p99), file=sys.stderr)
-                    if apart is not None:
-                        name = f"{streams} RLQS streams, RLQS process"
-                        result = rlqs_scenario(apart.node, apart_stub, apart_key, args,
-                                               streams, apart)
-                        results.append((name, result, control_p99))
-                        print(row(name, result, idle_p99, control_p99), file=sys.stderr)
-                again: dict[str, Any] = {
-                    "times": measure(stub, key, args.checks, rate=args.rate),
-                    "note": "idle again, after the RLQS streams: the machine's noise; "
-                            f"RSS {rss_mb(node.proc.pid):.0f} MB"}
-                results.append(("idle (after)", again, None))
-                print(row("idle (after)", again, idle_p99), file=sys.stderr)
+                    for config in configs:
+                        with contextlib.ExitStack() as stack:
+                            node, rlqs = target(stack, config,
+                                                f"{config.replace(' ', '-')}-{streams}")
+                            run = functools.partial(interleave, twin, caller(stack, node), args)
+                            (twin_windows, windows), note = rlqs_scenario(node, args, streams,
+                                                                          rlqs, run)
+                        rows.append(Row(config, streams, twin_windows, windows, note))
+                        print(rows[-1].line(), file=sys.stderr)
                 if not args.no_globs:
+                    idle: dict[str, Any] = {
+                        "times": measure(twin.stub, twin.key, args.checks, rate=args.rate),
+                        "note": f"the twin, after the RLQS rows; RSS "
+                                f"{rss_mb(twin_node.proc.pid):.0f} MB"}
+                    globs.append(("idle", idle, None))
                     name = f"{args.globs}-glob pipeline, unseen models"
-                    results.append((name, glob_scenario(node, stub, key, args), None))
-                    print(row(name, results[-1][1], idle_p99), file=sys.stderr)
+                    globs.append((name, glob_scenario(twin_node, twin.stub, twin.key, args),
+                                  percentile(idle["times"], 99)))
         except (BenchError, grpc.RpcError, TimeoutError, RuntimeError) as exc:
             print(f"FAILED: {exc}", file=sys.stderr)
             return 1
-        finally:
-            for started in servers:
-                started.kill()
-    print("| scenario | Checks | p50 ms | p99 ms | max ms | p99 / idle p99 "
-          "| p99 / control p99 | notes |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
-    idle_p99 = percentile(results[0][1]["times"], 99)
-    for name, result, control in results:
-        print(row(name, result, idle_p99 if name != "idle" else None, control))
-    for where, suffix in (("in the data process", " buckets"),
-                          ("from the RLQS process", ", RLQS process")):
-        rlqs = [(percentile(r["times"], 99), c) for n, r, c in results[1:]
-                if r["times"] and n[0].isdigit() and n.endswith(suffix)]
-        if not rlqs:
-            continue
-        worst = max(p99 / idle_p99 for p99, _ in rlqs)
-        print(f"\nRLQS {where}, goal (p99 <= {GOAL}x idle): "
-              f"{'met' if worst <= GOAL else 'missed'} (worst {worst:.2f}x)")
-        controlled = [p99 / c for p99, c in rlqs if c]
-        if controlled:
-            print(f"Against the control (same load on a second server): worst "
-                  f"{max(controlled):.2f}x")
+    print("| configuration | streams | rounds | p99 / twin p99, median | range | per round "
+          "| pooled p99 ms, measured / twin | p50 ms | max ms | notes |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---|")
+    for done in rows:
+        print(done.line())
+    for config in configs:
+        medians = ", ".join(f"{r.streams} streams {r.median():.2f}x" for r in rows
+                            if r.config == config)
+        if config == "control":
+            print(f"\ncontrol (two idle servers: no difference to find): {medians}")
+        else:
+            worst = max(r.median() for r in rows if r.config == config)
+            print(f"\n{config}, goal (median p99 <= {GOAL}x the idle twin's): "
+                  f"{'met' if worst <= GOAL else 'missed'} ({medians})")
+    if globs:
+        print("\n| scenario | Checks | p50 ms | p99 ms | max ms | p99 / idle p99 | notes |")
+        print("|---|---:|---:|---:|---:|---:|---|")
+        for name, result, idle_p99 in globs:
+            print(glob_row(name, result, idle_p99))
     return 0
 
 
