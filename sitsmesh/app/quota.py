@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator, Mapping
-from functools import partial
 
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -40,6 +39,28 @@ PENDING_S = 0.002
 PUBLISH_S = 1.0
 
 
+# name -> help: gauges, then counters (whose exposed names end in _total).
+_GAUGES = {
+    "sitsmesh_rlqs_streams": "Open RLQS streams.",
+    "sitsmesh_rlqs_buckets": "Buckets kept across RLQS streams.",
+    "sitsmesh_rlqs_bucket_id_bytes": "Bytes counted for the bucket ids kept, all streams.",
+    "sitsmesh_rlqs_pending_work": "Buckets and groups waiting to be matched, recomputed, "
+                                  "settled or pushed.",
+}
+_COUNTERS = {
+    "sitsmesh_rlqs_buckets_refused": "New buckets abandoned because the bucket-id byte "
+                                     "bound of their stream or of all streams was reached.",
+    "sitsmesh_rlqs_streams_not_reading": "RLQS streams ended because their caller did not "
+                                         "read its replies.",
+}
+
+
+def _values(service: QuotaService, servicer: RateLimitQuotaServicer) -> list[float]:
+    """_GAUGES' values, then _COUNTERS', in their order."""
+    return [len(service.streams), sum(len(s.buckets) for s in service.streams.values()),
+            service.id_bytes, service.pending, service.refused_ids, servicer.not_reading]
+
+
 class QuotaMetrics(Collector):
     """What RLQS holds and what its bounds refused, read at scrape time."""
 
@@ -48,26 +69,11 @@ class QuotaMetrics(Collector):
         self._servicer = servicer
 
     def collect(self) -> Iterator[Metric]:
-        service = self._service
-        yield GaugeMetricFamily("sitsmesh_rlqs_streams", "Open RLQS streams.",
-                                value=len(service.streams))
-        yield GaugeMetricFamily("sitsmesh_rlqs_buckets", "Buckets kept across RLQS streams.",
-                                value=sum(len(s.buckets) for s in service.streams.values()))
-        yield GaugeMetricFamily("sitsmesh_rlqs_bucket_id_bytes",
-                                "Bytes counted for the bucket ids kept, all streams.",
-                                value=service.id_bytes)
-        yield GaugeMetricFamily("sitsmesh_rlqs_pending_work",
-                                "Buckets and groups waiting to be matched, recomputed, "
-                                "settled or pushed.",
-                                value=service.pending)
-        yield CounterMetricFamily(
-            "sitsmesh_rlqs_buckets_refused", "New buckets abandoned because the bucket-id "
-            "byte bound of their stream or of all streams was reached.",
-            value=service.refused_ids)
-        yield CounterMetricFamily(
-            "sitsmesh_rlqs_streams_not_reading",
-            "RLQS streams ended because their caller did not read its replies.",
-            value=self._servicer.not_reading)
+        values = iter(_values(self._service, self._servicer))
+        for name, text in _GAUGES.items():
+            yield GaugeMetricFamily(name, text, value=next(values))
+        for name, text in _COUNTERS.items():
+            yield CounterMetricFamily(name, text, value=next(values))
 
 
 class QuotaGauges:
@@ -75,29 +81,19 @@ class QuotaGauges:
     multiprocess files every PUBLISH_S, where the data process's /metrics reads them."""
 
     def __init__(self) -> None:
-        gauge = partial(Gauge, multiprocess_mode="livemax")
-        self._streams = gauge("sitsmesh_rlqs_streams", "Open RLQS streams.")
-        self._buckets = gauge("sitsmesh_rlqs_buckets", "Buckets kept across RLQS streams.")
-        self._id_bytes = gauge("sitsmesh_rlqs_bucket_id_bytes",
-                               "Bytes counted for the bucket ids kept, all streams.")
-        self._pending = gauge("sitsmesh_rlqs_pending_work", "Buckets and groups waiting to "
-                              "be matched, recomputed, settled or pushed.")
-        self._refused = Counter("sitsmesh_rlqs_buckets_refused", "New buckets abandoned "
-                                "because the bucket-id byte bound of their stream or of all "
-                                "streams was reached.")
-        self._not_reading = Counter("sitsmesh_rlqs_streams_not_reading", "RLQS streams ended "
-                                    "because their caller did not read its replies.")
-        self._counted = (0, 0)
+        self._gauges = [Gauge(name, text, multiprocess_mode="livemax")
+                        for name, text in _GAUGES.items()]
+        self._counters = [Counter(name, text) for name, text in _COUNTERS.items()]
+        self._counted = [0.0] * len(_COUNTERS)
 
     def publish(self, service: QuotaService, servicer: RateLimitQuotaServicer) -> None:
-        self._streams.set(len(service.streams))
-        self._buckets.set(sum(len(s.buckets) for s in service.streams.values()))
-        self._id_bytes.set(service.id_bytes)
-        self._pending.set(service.pending)
-        refused, not_reading = service.refused_ids, servicer.not_reading
-        self._refused.inc(refused - self._counted[0])
-        self._not_reading.inc(not_reading - self._counted[1])
-        self._counted = (refused, not_reading)
+        values = _values(service, servicer)
+        for gauge, value in zip(self._gauges, values, strict=False):
+            gauge.set(value)
+        totals = values[len(self._gauges):]
+        for counter, total, counted in zip(self._counters, totals, self._counted, strict=True):
+            counter.inc(total - counted)
+        self._counted = totals
 
 
 class QuotaComponent:
