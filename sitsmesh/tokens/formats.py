@@ -1,0 +1,124 @@
+"""What one event of a streaming response says about tokens, per wire format.
+
+Engines stream about a token an event (llama.cpp's server one, vLLM one per engine step
+unless it speculates), so without a tokenizer an event that carries new text counts as
+one token per choice. A final `usage` (vLLM with `stream_options.include_usage`,
+OpenAI) gives the true counts and overrides the event count at the stream's end.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One event: the output tokens it carries, whether it ends the stream, the usage
+    it reports and, for an event that is not what its format says, why."""
+
+    tokens: int = 0
+    done: bool = False
+    usage: Usage | None = None
+    error: str = ""
+
+
+NOTHING = Piece()
+DONE = Piece(done=True)
+
+
+def _json(data: bytes) -> tuple[Any, str]:
+    try:
+        return json.loads(data), ""
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None, f"not JSON: {data[:40]!r}"
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
+        else 0
+
+
+def _openai_usage(raw: Any) -> Usage | None:
+    if not isinstance(raw, dict):
+        return None
+    details = raw.get("prompt_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    return Usage(_count(raw.get("prompt_tokens")), _count(raw.get("completion_tokens")),
+                 cached)
+
+
+def _has_text(choice: Mapping[str, Any]) -> bool:
+    """A completions choice's `text`, or a chat delta's content, reasoning, refusal or
+    tool-call arguments: every one of them is generated tokens."""
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    if delta.get("content") or delta.get("reasoning_content") or delta.get("refusal"):
+        return True
+    calls = delta.get("tool_calls")
+    return isinstance(calls, list) and any(
+        isinstance(c, dict) and isinstance(c.get("function"), dict)
+        and c["function"].get("arguments") for c in calls)
+
+
+def openai(data: bytes) -> Piece:
+    """An OpenAI-compatible `chat.completion.chunk` or `text_completion` event."""
+    if data == b"[DONE]":
+        return DONE
+    body, error = _json(data)
+    if error:
+        return Piece(error=error)
+    if not isinstance(body, dict):
+        return Piece(error="an event that is not a JSON object")
+    if "error" in body:
+        return Piece(done=True, error=f"the engine sent an error: {str(body['error'])[:80]}")
+    choices = body.get("choices")
+    tokens = sum(1 for c in choices if isinstance(c, dict) and _has_text(c)) \
+        if isinstance(choices, list) else 0
+    return Piece(tokens, usage=_openai_usage(body.get("usage")))
+
+
+def triton(data: bytes) -> Piece:
+    """A Triton `generate_stream` event: `text_output` per response of a decoupled
+    model; an `error` object ends the stream."""
+    body, error = _json(data)
+    if error:
+        return Piece(error=error)
+    if not isinstance(body, dict):
+        return Piece(error="an event that is not a JSON object")
+    if "error" in body:
+        return Piece(done=True, error=f"Triton sent an error: {str(body['error'])[:80]}")
+    return Piece(1 if body.get("text_output") else 0)
+
+
+def ndjson(data: bytes) -> Piece:
+    """A line of Ollama's shape: `response` (generate) or `message.content` (chat), and
+    `done` with `prompt_eval_count` / `eval_count` on the last."""
+    body, error = _json(data)
+    if error:
+        return Piece(error=error)
+    if not isinstance(body, dict):
+        return Piece(error="a line that is not a JSON object")
+    message = body.get("message")
+    text = body.get("response") or (message.get("content")
+                                    if isinstance(message, dict) else None)
+    done = body.get("done") is True
+    usage = Usage(_count(body.get("prompt_eval_count")), _count(body.get("eval_count"))) \
+        if done and "eval_count" in body else None
+    return Piece(1 if text else 0, done=done, usage=usage)
+
+
+FORMATS: Mapping[str, Callable[[bytes], Piece]] = {
+    "openai": openai, "triton": triton, "ndjson": ndjson}

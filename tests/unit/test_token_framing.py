@@ -1,0 +1,79 @@
+"""SSE and NDJSON events out of bodies cut anywhere: the same events whatever the cuts,
+bounded, with oversized events dropped and counted."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sitsmesh.tokens.framing import LineSplitter, SseSplitter
+
+OPENAI = (b'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\n'
+          b": keep-alive comment\n\n"
+          b'data: {"choices":[{"delta":{"content":"lo"}}]}\r\n\r\n'
+          b"event: ping\nid: 7\nretry: 100\n\n"
+          b"data: first line\ndata:second line\ndata\n\n"
+          b"data: [DONE]\n\n")
+EVENTS = [b'{"choices":[{"delta":{"content":"Hel"}}]}',
+          b'{"choices":[{"delta":{"content":"lo"}}]}',
+          b"first line\nsecond line\n",
+          b"[DONE]"]
+
+
+def _all(splitter: SseSplitter | LineSplitter, chunks: list[bytes]) -> list[bytes]:
+    return [event for chunk in chunks for event in splitter.feed(chunk)]
+
+
+def _cut(body: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(body) + 1) for c in cuts})
+    bounds = [0, *points, len(body)]
+    return [body[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def test_sse_events_in_one_chunk() -> None:
+    assert SseSplitter().feed(OPENAI) == EVENTS
+
+
+@given(st.lists(st.integers(min_value=0), max_size=40))
+def test_sse_events_are_the_same_however_the_body_is_cut(cuts: list[int]) -> None:
+    assert _all(SseSplitter(), _cut(OPENAI, cuts)) == EVENTS
+
+
+@given(st.lists(st.integers(min_value=0), max_size=20))
+def test_cr_only_line_ends_and_a_crlf_cut_between_chunks(cuts: list[int]) -> None:
+    body = b"data: a\r\rdata: b\r\n\r\ndata: c\n\n"
+    assert _all(SseSplitter(), _cut(body, cuts)) == [b"a", b"b", b"c"]
+
+
+def test_an_unfinished_event_is_kept_until_its_blank_line() -> None:
+    splitter = SseSplitter()
+    assert splitter.feed(b"data: half") == []
+    assert splitter.feed(b" and the rest\n") == []
+    assert splitter.feed(b"\n") == [b"half and the rest"]
+
+
+def test_an_oversized_event_is_dropped_whole_and_the_stream_goes_on() -> None:
+    splitter = SseSplitter(max_event_bytes=100)
+    huge = b"data: " + b"x" * 60 + b"\ndata: " + b"y" * 60 + b"\n\n"
+    assert splitter.feed(huge[:50]) == []
+    assert splitter.feed(huge[50:] + b"data: next\n\n") == [b"next"]
+    assert splitter.skipped == 1
+    # What it keeps stays within the bound while the event goes on.
+    assert splitter.feed(b"data: " + b"z" * 10_000) == []
+    assert len(splitter._line) == 0
+
+
+@given(st.lists(st.integers(min_value=0), max_size=30))
+def test_ndjson_lines_however_the_body_is_cut(cuts: list[int]) -> None:
+    body = b'{"response":"a","done":false}\n\n{"response":"b"}\r\n{"done":true}\n'
+    assert _all(LineSplitter(), _cut(body, cuts)) == [
+        b'{"response":"a","done":false}', b'{"response":"b"}', b'{"done":true}']
+
+
+def test_an_oversized_line_is_dropped_and_counted() -> None:
+    splitter = LineSplitter(max_event_bytes=10)
+    assert splitter.feed(b'{"a":"' + b"x" * 50) == []
+    assert splitter.feed(b'"}\n{"b":1}\n') == [b'{"b":1}']
+    assert splitter.skipped == 1
