@@ -10,7 +10,7 @@ from typing import Any
 from sitsmesh.keyvalues import split_pairs
 
 # The data-plane services an allowlist can name, as `data_callers` keys.
-DATA_SERVICES = ("authz", "ratelimit", "accesslog", "metrics", "quota")
+DATA_SERVICES = ("authz", "ratelimit", "accesslog", "metrics", "quota", "tokens")
 _LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
 

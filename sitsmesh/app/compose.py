@@ -27,6 +27,7 @@ from sitsmesh.app.components import (
 )
 from sitsmesh.app.quota import QuotaComponent
 from sitsmesh.app.telemetry import TelemetryComponent
+from sitsmesh.app.tokens import TokensComponent
 from sitsmesh.config import Settings
 from sitsmesh.errors import StartupError
 from sitsmesh.pressure.gate import PressureGate
@@ -67,6 +68,7 @@ class Graph:
     swaps: SwapsComponent | None
     quota: QuotaComponent
     telemetry: TelemetryComponent
+    tokens: TokensComponent
     # Envoy's access-log and stats streams, ended when the drain window closes.
     streams: OpenStreams = field(default_factory=OpenStreams)
     # OpenTelemetry, when otlp_endpoint is set: flushed after every part has stopped.
@@ -75,17 +77,18 @@ class Graph:
     @property
     def parts(self) -> tuple[RateLimitComponent | AuthzComponent | ChainsComponent
                              | PressureComponent | SwapsComponent | QuotaComponent
-                             | TelemetryComponent, ...]:
+                             | TokensComponent | TelemetryComponent, ...]:
         # Telemetry last: its final flush follows every decision.
         return tuple(p for p in (self.ratelimit, self.authz, self.chains, self.pressure,
-                                 self.swaps, self.quota, self.telemetry) if p is not None)
+                                 self.swaps, self.quota, self.tokens, self.telemetry)
+                     if p is not None)
 
     def data_services(self) -> list[DataService]:
         """The Envoy-facing services this process serves (none in a supervisor)."""
         pressure = self.pressure.services(self.streams) if self.pressure is not None else []
         return [*self.authz.services(), *self.ratelimit.services(),
                 *self.chains.services(self.streams), *pressure,
-                *self.quota.services(self.streams)]
+                *self.quota.services(self.streams), *self.tokens.services(self.streams)]
 
     async def start(self) -> None:
         for part in self.parts:
@@ -141,7 +144,9 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
             swaps.manager.on_end = tracing.swap
         if pressure is not None and pressure.runtime is not None and role is not Role.WORKER:
             pressure.runtime.on_decisions = tracing.decisions
-    return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry, tracing=tracing)
+    tokens = TokensComponent(settings, registry, serve=serve)
+    return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry, tokens,
+                 tracing=tracing)
 
 
 @dataclass(frozen=True, slots=True)

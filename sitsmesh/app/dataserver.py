@@ -26,6 +26,7 @@ from sitsmesh.status import ServiceState, Serving, StatusBoard
 from sitsmesh.transport.accesslog import SERVICE_NAME as ACCESSLOG_SERVICE
 from sitsmesh.transport.auth import CallerGate
 from sitsmesh.transport.authz import SERVICE_NAME as AUTHZ_SERVICE
+from sitsmesh.transport.extproc import SERVICE_NAME as EXTPROC_SERVICE
 from sitsmesh.transport.metrics import SERVICE_NAME as METRICS_SERVICE
 from sitsmesh.transport.ratelimit import SERVICE_NAME as RATELIMIT_SERVICE
 from sitsmesh.transport.rlqs import SERVICE_NAME as RLQS_SERVICE
@@ -103,7 +104,7 @@ def gated(settings: Settings, services: list[DataService],
         return services
     names = {"authz": AUTHZ_SERVICE, "ratelimit": RATELIMIT_SERVICE,
              "accesslog": ACCESSLOG_SERVICE, "metrics": METRICS_SERVICE,
-             "quota": RLQS_SERVICE}
+             "quota": RLQS_SERVICE, "tokens": EXTPROC_SERVICE}
     short = {full: key for key, full in names.items()}
     refused = tls.refused_calls(registry)
     gate = CallerGate({names[k]: ids for k, ids in settings.data_callers.items()},

@@ -24,6 +24,9 @@ class End(enum.Enum):
     UPSTREAM_RESET = "upstream_reset"  # the engine's connection ended the stream unfinished
     IDLE_TIMEOUT = "idle_timeout"      # no event for the idle bound
     ERROR = "error"                    # the engine sent an error event
+    # The body stopped before its end and Envoy did not say why (its access-log entry,
+    # with the same request id, has the response flags: DC downstream, UR upstream).
+    CUT = "cut"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,46 @@
+"""Token streams (Envoy's ext_proc filter): TTFT, inter-token latency and stalls of the
+streaming responses Envoy shows sitsmesh, where the data plane runs."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from sitsmesh import logs
+from sitsmesh.app.background import DataService
+from sitsmesh.config import Settings
+from sitsmesh.tokens.metrics import TokenMetrics
+from sitsmesh.tokens.stream import TokenReport
+from sitsmesh.transport.extproc import SERVICE_NAME, ExternalProcessorServicer, add_to_server
+from sitsmesh.transport.streams import OpenStreams
+
+_log = logs.get("sitsmesh.tokens")
+# A gap between two tokens longer than this is a stall (per stage, later: learned).
+STALL_S = 1.0
+
+
+class TokensComponent:
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None, *,
+                 serve: bool) -> None:
+        self._settings = settings
+        self._metrics = TokenMetrics(registry) if serve else None
+
+    def _report(self, report: TokenReport) -> None:
+        assert self._metrics is not None
+        self._metrics.observe(report)
+        summary = report.summary
+        _log.debug("token stream", request_id=report.request_id, path=report.path,
+                   format=report.format, ttft_s=summary.ttft_s, itl_p50_s=summary.itl_p50_s,
+                   itl_p99_s=summary.itl_p99_s, tokens=summary.tokens,
+                   stalls=summary.stall_count, end=summary.end.value)
+
+    def services(self, streams: OpenStreams) -> list[DataService]:
+        if self._metrics is None:
+            return []
+        servicer = ExternalProcessorServicer(self._report, streams, stall_s=STALL_S)
+        return [DataService(SERVICE_NAME, lambda server: add_to_server(servicer, server))]
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None

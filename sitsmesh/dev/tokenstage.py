@@ -1,0 +1,115 @@
+"""A streaming LLM stage for tests and `make run`: OpenAI-compatible chat completions
+as SSE, with set TTFT and time per token, a usage chunk when the client asks
+(`stream_options.include_usage`, as vLLM sends it), an optional stall, and no more
+generation once the client has gone (it counts those aborts).
+
+Per request, headers override the defaults: `x-stage-ttft-ms`, `x-stage-itl-ms`,
+`x-stage-tokens`, `x-stage-stall-after` (tokens) with `x-stage-stall-ms`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+MAX_BODY = 1 << 20
+
+
+@dataclass
+class TokenStage:
+    ttft_s: float = 0.2
+    itl_s: float = 0.02
+    tokens: int = 16
+    aborted: int = 0
+    served: int = 0
+    _server: ThreadingHTTPServer | None = field(default=None, repr=False)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.server_address[1])
+
+    def start(self) -> TokenStage:
+        stage = self
+
+        class Handler(_Handler):
+            owner = stage
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    event = {"id": "chatcmpl-stage", "object": "chat.completion.chunk", "model": "stage",
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    owner: TokenStage
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+    def _setting(self, name: str, default: float) -> float:
+        raw = self.headers.get(name)
+        try:
+            return float(raw) if raw is not None else default
+        except ValueError:
+            return default
+
+    def do_POST(self) -> None:
+        length = min(int(self.headers.get("content-length") or 0), MAX_BODY)
+        try:
+            request = json.loads(self.rfile.read(length) or b"{}")
+        except ValueError:
+            request = {}
+        stage = self.owner
+        ttft = self._setting("x-stage-ttft-ms", stage.ttft_s * 1000) / 1000
+        itl = self._setting("x-stage-itl-ms", stage.itl_s * 1000) / 1000
+        tokens = int(self._setting("x-stage-tokens", stage.tokens))
+        stall_after = int(self._setting("x-stage-stall-after", -1))
+        stall = self._setting("x-stage-stall-ms", 0) / 1000
+        usage = bool((request.get("stream_options") or {}).get("include_usage"))
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("cache-control", "no-cache")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        try:
+            self._send(_chunk({"role": "assistant", "content": ""}))  # before generating
+            time.sleep(ttft)
+            for i in range(tokens):
+                if i:
+                    time.sleep(itl + (stall if i == stall_after else 0.0))
+                self._send(_chunk({"content": f" t{i}"}))
+            self._send(_chunk({}, "length"))
+            if usage:
+                self._send(b"data: " + json.dumps({
+                    "id": "chatcmpl-stage", "object": "chat.completion.chunk",
+                    "model": "stage", "choices": [],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": tokens,
+                              "total_tokens": tokens + 3}}).encode() + b"\n\n")
+            self._send(b"data: [DONE]\n\n")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+            stage.served += 1
+        except (BrokenPipeError, ConnectionResetError):
+            stage.aborted += 1  # the client went away: stop generating
+            self.close_connection = True
+
+    def _send(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()

@@ -1,0 +1,75 @@
+"""One response body seen as a token stream: the wire format chosen from its content
+type and path, its events split out of the chunks, its tokens timed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sitsmesh.tokens.formats import FORMATS, Usage
+from sitsmesh.tokens.framing import MAX_EVENT_BYTES, LineSplitter, SseSplitter
+from sitsmesh.tokens.timing import End, StreamClock, StreamSummary
+
+
+def format_for(content_type: str, path: str) -> str:
+    """The token format of a response, or "" for one that is not a token stream (it is
+    then not parsed at all)."""
+    kind = content_type.partition(";")[0].strip().lower()
+    if kind == "text/event-stream":
+        # Triton's generate_stream speaks SSE with an event shape of its own.
+        return "triton" if path.partition("?")[0].endswith("/generate_stream") else "openai"
+    if kind in ("application/x-ndjson", "application/jsonl", "application/ndjson"):
+        return "ndjson"
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenReport:
+    """A finished stream, for the metrics and the request's chain."""
+
+    request_id: str
+    path: str
+    format: str
+    summary: StreamSummary
+    usage: Usage | None
+    bad_events: int      # events its format could not read, and oversized ones
+
+
+class TokenStream:
+    __slots__ = ("_clock", "_parse", "_splitter", "bad_events", "done", "error", "format",
+                 "usage")
+
+    def __init__(self, fmt: str, started: float, stall_s: float,
+                 max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self.format = fmt
+        self._parse = FORMATS[fmt]
+        self._splitter = (LineSplitter(max_event_bytes) if fmt == "ndjson"
+                          else SseSplitter(max_event_bytes))
+        self._clock = StreamClock(started, stall_s)
+        self.usage: Usage | None = None
+        self.done = False   # the format's own end came ([DONE], done: true, an error)
+        self.error = ""
+        self.bad_events = 0
+
+    def chunk(self, data: bytes, at: float) -> None:
+        """A piece of the body, seen at `at`."""
+        for event in self._splitter.feed(data):
+            piece = self._parse(event)
+            if piece.error:
+                self.bad_events += 1
+                self.error = piece.error
+            if piece.tokens:
+                self._clock.tokens(piece.tokens, at)
+            if piece.usage is not None:
+                self.usage = piece.usage
+            if piece.done:
+                self.done = True
+
+    def finish(self, end: End, at: float) -> StreamSummary:
+        if end is End.COMPLETE and self.error and self.done:
+            end = End.ERROR
+        tokens = self.usage.completion_tokens if self.usage is not None else None
+        return self._clock.summary(end, at, tokens)
+
+    @property
+    def oversized(self) -> int:
+        return self._splitter.skipped

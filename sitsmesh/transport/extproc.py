@@ -1,0 +1,108 @@
+"""envoy.service.ext_proc.v3.ExternalProcessor: Envoy's ext_proc filter shows sitsmesh a
+streaming response's body chunk by chunk; sitsmesh times the tokens in it.
+
+One Process stream is one HTTP request. The request headers start its clock (and give
+its x-request-id and path), the response headers say whether the body is a token
+stream (SSE or NDJSON: anything else is not parsed), each body chunk is fed to the
+stream's parser as it arrives, and the end of the body, or of the Process stream before
+it, finishes it. In observability mode (filters/fragments/ext_proc.yaml) Envoy waits for
+no answer, so none is sent; otherwise every message is answered CONTINUE, unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.message import DecodeError
+from grpc import aio
+
+from sitsmesh.errors import InvalidArgumentError
+from sitsmesh.tokens.stream import TokenReport, TokenStream, format_for
+from sitsmesh.tokens.timing import End
+from sitsmesh.transport.errors import abort
+from sitsmesh.transport.streams import OpenStreams
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+MAX_HEADER_VALUE = 256  # request ids and paths kept per stream
+_CONTINUE = {
+    "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
+    "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
+    "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
+    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
+    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
+}
+
+
+def _header(headers: Any, name: str) -> str:
+    for header in headers.headers.headers:
+        if header.key == name:
+            value = header.value or header.raw_value.decode("utf-8", "replace")
+            return str(value[:MAX_HEADER_VALUE])
+    return ""
+
+
+class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, report: Callable[[TokenReport], None], streams: OpenStreams, *,
+                 stall_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._report = report
+        self._streams = streams
+        self._stall_s = stall_s
+        self._clock = clock
+        self.untracked = 0  # responses that were not token streams
+
+    async def Process(self, request_iterator: AsyncIterator[Any],
+                      context: aio.ServicerContext[Any, Any]) -> None:
+        try:
+            await self._streams.run(self._serve(request_iterator, context))
+        except DecodeError:
+            await abort(context, InvalidArgumentError(
+                "a ProcessingRequest could not be parsed"))
+
+    async def _serve(self, request_iterator: AsyncIterator[Any],
+                     context: aio.ServicerContext[Any, Any]) -> None:
+        clock = self._clock
+        started = clock()
+        request_id = path = ""
+        stream: TokenStream | None = None
+        finished = False
+        async for request in request_iterator:
+            now = clock()
+            kind = request.WhichOneof("request")
+            if kind == "request_headers":
+                started = now
+                request_id = _header(request.request_headers, "x-request-id")
+                path = _header(request.request_headers, ":path")
+            elif kind == "response_headers":
+                fmt = format_for(_header(request.response_headers, "content-type"), path)
+                if fmt:
+                    stream = TokenStream(fmt, started, self._stall_s)
+                else:
+                    self.untracked += 1
+            elif kind == "response_body" and stream is not None and not finished:
+                body = request.response_body
+                stream.chunk(body.body, now)
+                if body.end_of_stream:
+                    finished = True
+                    self._finish(stream, End.COMPLETE, now, request_id, path)
+            if not request.observability_mode and kind in _CONTINUE:
+                await context.write(_CONTINUE[kind])
+        if stream is not None and not finished:
+            # Envoy ended the exchange before the body's end: cut, or idle past its
+            # timeout; a stream whose format said it was done had all it would send.
+            self._finish(stream, End.COMPLETE if stream.done else End.CUT, clock(),
+                         request_id, path)
+
+    def _finish(self, stream: TokenStream, end: End, at: float, request_id: str,
+                path: str) -> None:
+        summary = stream.finish(end, at)
+        self._report(TokenReport(request_id, path, stream.format, summary, stream.usage,
+                                 stream.bad_events + stream.oversized))
+
+
+def add_to_server(servicer: ExternalProcessorServicer, server: aio.Server) -> None:
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)

@@ -1,0 +1,99 @@
+"""Token streams through real Envoy's ext_proc filter (observability mode) to sitsmesh,
+from a streaming OpenAI-compatible stage, with the official `openai` client: the client
+gets the same tokens with and without the filter, and sitsmesh's TTFT, time per token
+and token counts agree with what the client measured."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from sitsmesh.dev import harness
+from sitsmesh.dev.tokenstage import TokenStage
+
+pytestmark = pytest.mark.integration
+STREAMS = 6
+TTFT_MS, ITL_MS, TOKENS = 150, 20, 20
+
+
+@pytest.fixture
+def stage() -> Iterator[TokenStage]:
+    served = TokenStage(ttft_s=TTFT_MS / 1000, itl_s=ITL_MS / 1000, tokens=TOKENS).start()
+    yield served
+    served.stop()
+
+
+def _stream(envoy: harness.Envoy, **extra: object) -> tuple[list[str], float, list[float]]:
+    """The tokens, the client's TTFT (to the first content token) and its gaps."""
+    client = openai.OpenAI(base_url=envoy.url("/v1"), api_key="unused", max_retries=0,
+                           timeout=10)
+    began = time.monotonic()
+    stream = client.chat.completions.create(
+        model="stage", messages=[{"role": "user", "content": "hi"}], stream=True,
+        **extra)  # type: ignore[call-overload]
+    tokens: list[str] = []
+    stamps: list[float] = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            tokens.append(chunk.choices[0].delta.content)
+            stamps.append(time.monotonic())
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return tokens, stamps[0] - began, gaps
+
+
+def test_sitsmesh_times_the_tokens_the_openai_client_gets(
+        tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh],
+        stage: TokenStage) -> None:
+    node = start_sitsmesh()
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "observed").mkdir()
+    plain = harness.start_envoy(tmp_path / "plain", node.data_addr, stage.port, fragments=[])
+    observed = harness.start_envoy(tmp_path / "observed", node.data_addr, stage.port,
+                                   fragments=["ext_proc"])
+    try:
+        expected = [f" t{i}" for i in range(TOKENS)]
+        assert _stream(plain)[0] == expected
+        ttfts, gaps = [], []
+        for i in range(STREAMS):
+            tokens, ttft, stream_gaps = _stream(
+                observed, **({"stream_options": {"include_usage": True}} if i % 2 else {}))
+            assert tokens == expected  # the filter changes nothing for the client
+            ttfts.append(ttft)
+            gaps += stream_gaps
+
+        def seen() -> float:
+            return harness.metric_value(node.metrics(),
+                                        "gen_ai_server_time_to_first_token_seconds_count",
+                                        format="openai")
+
+        harness.wait_until(lambda: seen() == STREAMS, 5, "every stream's report")
+        metrics = node.metrics()
+        ttft_sum = harness.metric_value(metrics, "gen_ai_server_time_to_first_token_seconds_sum",
+                                        format="openai")
+        client_ttft = sum(ttfts) / len(ttfts)
+        print(f"\nTTFT: sitsmesh {ttft_sum / STREAMS * 1000:.1f} ms, client "
+              f"{client_ttft * 1000:.1f} ms")
+        # sitsmesh's clock starts when Envoy has the request, the client's when it sends.
+        assert abs(ttft_sum / STREAMS - client_ttft) <= max(0.05 * client_ttft, 0.002), (
+            ttft_sum / STREAMS, client_ttft)
+        tpot_sum = harness.metric_value(
+            metrics, "gen_ai_server_time_per_output_token_seconds_sum", format="openai")
+        client_itl = sorted(gaps)[len(gaps) // 2]
+        print(f"time per token: sitsmesh {tpot_sum / STREAMS * 1000:.2f} ms, client "
+              f"{client_itl * 1000:.2f} ms")
+        assert abs(tpot_sum / STREAMS - client_itl) <= max(0.05 * client_itl, 0.002), (
+            tpot_sum / STREAMS, client_itl)
+        assert harness.metric_value(metrics, "sitsmesh_output_tokens_total",
+                                    format="openai") == STREAMS * TOKENS
+        assert harness.metric_value(metrics, "sitsmesh_token_streams_total", format="openai",
+                                    end="complete") == STREAMS
+        assert harness.metric_value(metrics, "sitsmesh_token_stalls_total",
+                                    format="openai") == 0
+    finally:
+        plain.kill()
+        observed.kill()
