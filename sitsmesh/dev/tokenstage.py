@@ -4,7 +4,8 @@ as SSE, with set TTFT and time per token, a usage chunk when the client asks
 generation once the client has gone (it counts those aborts).
 
 Per request, headers override the defaults: `x-stage-ttft-ms`, `x-stage-itl-ms`,
-`x-stage-tokens`, `x-stage-stall-after` (tokens) with `x-stage-stall-ms`.
+`x-stage-tokens`, `x-stage-stall-after` (tokens) with `x-stage-stall-ms`, and
+`x-stage-bad-bytes`: an event of that many bytes that is not JSON, before the tokens.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class _Handler(BaseHTTPRequestHandler):
         stall_after = int(self._setting("x-stage-stall-after", -1))
         stall = self._setting("x-stage-stall-ms", 0) / 1000
         usage = bool((request.get("stream_options") or {}).get("include_usage"))
+        bad = min(int(self._setting("x-stage-bad-bytes", 0)), 8 << 20)
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.send_header("cache-control", "no-cache")
@@ -90,6 +92,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         try:
             self._send(_chunk({"role": "assistant", "content": ""}))  # before generating
+            if bad:
+                self._send(b"data: {" + b"x" * bad + b"\n\n")
             time.sleep(ttft)
             for i in range(tokens):
                 if i:

@@ -97,3 +97,59 @@ def test_sitsmesh_times_the_tokens_the_openai_client_gets(
     finally:
         plain.kill()
         observed.kill()
+
+
+def _raw_stream(envoy: harness.Envoy, headers: dict[str, str], read_events: int | None = None
+                ) -> int:
+    """POST a streaming chat request; read `read_events` SSE lines (all when None) and
+    hang up. Returns the content events read."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", envoy.listen_port, timeout=10)
+    conn.request("POST", "/v1/chat/completions", body=b'{"stream": true}',
+                 headers={"content-type": "application/json", **headers})
+    response = conn.getresponse()
+    read = 0
+    for line in response:
+        if line.startswith(b"data: {") and b'"content": " t' in line:
+            read += 1
+            if read_events is not None and read >= read_events:
+                break
+    conn.close()
+    return read
+
+
+def test_a_stall_is_counted_a_hang_up_is_a_cut_and_sitsmesh_away_changes_nothing(
+        tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh],
+        stage: TokenStage) -> None:
+    node = start_sitsmesh()
+    envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port, fragments=["ext_proc"])
+    try:
+        def metric(name: str, **labels: str) -> float:
+            return harness.metric_value(node.metrics(), name, format="openai", **labels)
+
+        # A 1.5 s stall after the 5th token (the stall threshold is 1 s).
+        assert _raw_stream(envoy, {"x-stage-tokens": "8", "x-stage-stall-after": "5",
+                                   "x-stage-stall-ms": "1500"}) == 8
+        harness.wait_until(lambda: metric("sitsmesh_token_stalls_total") == 1, 5,
+                           "the stall counted")
+        # The client hangs up after 3 tokens of 200: the stage stops, sitsmesh says cut.
+        assert _raw_stream(envoy, {"x-stage-tokens": "200"}, read_events=3) == 3
+        harness.wait_until(lambda: metric("sitsmesh_token_streams_total", end="cut") == 1, 10,
+                           "the cut stream reported")
+        harness.wait_until(lambda: stage.aborted == 1, 10, "the stage to stop generating")
+
+        # A malformed event and one over the 64 KiB event bound: counted, skipped, and
+        # the tokens after them still timed.
+        for size in (100, 200_000):
+            assert _raw_stream(envoy, {"x-stage-tokens": "4", "x-stage-bad-bytes": str(size)}
+                               ) == 4
+        harness.wait_until(lambda: metric("sitsmesh_token_events_unreadable_total") == 2, 5,
+                           "the two bad events counted")
+        assert metric("sitsmesh_output_tokens_total") == 8 + 3 + 4 + 4
+
+        # sitsmesh gone: observability mode and failure_mode_allow keep the stream whole.
+        node.kill()
+        assert _raw_stream(envoy, {"x-stage-tokens": "12"}) == 12
+    finally:
+        envoy.kill()
