@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sitsmesh.dev import envoyconf
+from sitsmesh.dev.tokenstage import TokenStage
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class DevPorts:
 
 DEMO_MODEL = "lazy"
 TRITON_CLUSTER = "triton"
+TOKENS_CLUSTER = "tokens"
 # The demo model as a one-stage pipeline, so backpressure has something to watch.
 DEMO_PIPELINE = f"""name: {DEMO_MODEL}
 models: ["{DEMO_MODEL}"]
@@ -170,16 +172,19 @@ def _demo_key(bin_dir: Path, serve_args: list[str]) -> str:
     return key
 
 
-def _bootstrap(filters_dir: Path, ports: DevPorts, admission: str,
-               rlqs_addr: str) -> dict[str, Any]:
+def _bootstrap(filters_dir: Path, ports: DevPorts, admission: str, rlqs_addr: str,
+               tokens_port: int) -> dict[str, Any]:
     values = envoyconf.local_values(sitsmesh_addr=ports.data_addr, upstream_port=ports.upstream,
                                     listen_port=ports.listen, envoy_admin_port=ports.envoy_admin)
     limits = "rate_limit_quota" if admission == "rlqs" else "ratelimit"
     bootstrap = envoyconf.render(filters_dir / "local" / "bootstrap.yaml", values,
-                                 fragments=["ext_authz", limits, "access_log",
+                                 fragments=["ext_authz", limits, "ext_proc", "access_log",
                                             "metrics_service"])
     if rlqs_addr:
         envoyconf.use_rlqs_addr(bootstrap, rlqs_addr)
+    envoyconf.add_route(bootstrap, name=TOKENS_CLUSTER, prefix="/v1/chat/",
+                        host="127.0.0.1", port=tokens_port)
+    envoyconf.ext_proc_only_on(bootstrap, [TOKENS_CLUSTER])
     return bootstrap
 
 
@@ -196,7 +201,9 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
     serve_args = ["--admission", admission, *serve_args]
     if rlqs_addr:
         serve_args += ["--rlqs-addr", rlqs_addr]
-    bootstrap = _bootstrap(filters_dir, ports, admission, rlqs_addr)
+    # A streaming LLM stage: its tokens through Envoy, timed by sitsmesh (ext_proc).
+    tokens = TokenStage(ttft_s=0.3, itl_s=0.05, tokens=24).start()
+    bootstrap = _bootstrap(filters_dir, ports, admission, rlqs_addr, tokens.port)
     triton = _start_triton(run_dir, ports)
     if triton is not None:
         # The demo model's requests go to Triton, through the same filters.
@@ -251,6 +258,12 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
              "RLQS: tenant demo's 30 a minute, enforced in Envoy: 429s"),
             (f".venv/bin/sitsmesh health --addr {ports.data_addr}",
              "gRPC health of the data plane"),
+            (f"curl -N -H 'x-api-key: {key}' -d '{{\"model\":\"tiny\",\"stream\":true,"
+             f"\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}]}}' "
+             f"http://127.0.0.1:{ports.listen}/v1/chat/completions",
+             "a token stream through Envoy, timed by sitsmesh (ext_proc)"),
+            ("curl -s http://127.0.0.1:9464/metrics | grep -E 'gen_ai_server|token'",
+             "time to first token, time per token, tokens"),
             ("curl -s http://127.0.0.1:9464/metrics | grep sitsmesh_", "Prometheus metrics"),
             (f"curl -s http://127.0.0.1:{ports.envoy_admin}/clusters | grep sitsmesh_data",
              "Envoy's view of sitsmesh"),

@@ -169,6 +169,21 @@ def add_route(bootstrap: dict[str, Any], *, name: str, prefix: str, host: str,
                 "address": host, "port_value": port}}}}]}]}})
 
 
+EXT_PROC = "envoy.filters.http.ext_proc"
+
+
+def ext_proc_only_on(bootstrap: dict[str, Any], route_names: Sequence[str]) -> None:
+    """Turn the ext_proc filter off on every route but `route_names`: only streaming
+    routes should copy their bodies to sitsmesh (the fragment's advice)."""
+    manager = http_connection_manager(bootstrap)
+    for host in manager["route_config"]["virtual_hosts"]:
+        for route in host["routes"]:
+            if route.get("name") not in route_names:
+                route.setdefault("typed_per_filter_config", {})[EXT_PROC] = {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3"
+                             ".ExtProcPerRoute", "disabled": True}
+
+
 def write(bootstrap: dict[str, Any], out: Path) -> Path:
     out.write_text(yaml.safe_dump(bootstrap, sort_keys=False), encoding="utf-8")
     return out
