@@ -7,8 +7,10 @@ from prometheus_client import CollectorRegistry
 
 from sitsmesh import logs
 from sitsmesh.app.background import DataService
+from sitsmesh.app.components import ChainsComponent
 from sitsmesh.config import Settings
 from sitsmesh.tokens.metrics import TokenMetrics
+from sitsmesh.tokens.stages import StageIndex
 from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.transport.extproc import SERVICE_NAME, ExternalProcessorServicer, add_to_server
 from sitsmesh.transport.streams import OpenStreams
@@ -23,12 +25,19 @@ class TokensComponent:
                  serve: bool) -> None:
         self._settings = settings
         self._metrics = TokenMetrics(registry) if serve else None
+        self._stages = StageIndex()
+
+    def attach(self, chains: ChainsComponent) -> None:
+        """Streams are labelled by the pipeline stage their Envoy cluster or route is."""
+        chains.pipelines.on_change(self._stages.set_pipelines)
 
     def _report(self, report: TokenReport) -> None:
         assert self._metrics is not None
-        self._metrics.observe(report)
+        pipeline, stage = self._stages.stage_of(report.cluster, report.route)
+        self._metrics.observe(report, (pipeline, stage))
         summary = report.summary
         _log.debug("token stream", request_id=report.request_id, path=report.path,
+                   pipeline=pipeline, stage=stage,
                    format=report.format, ttft_s=summary.ttft_s, itl_p50_s=summary.itl_p50_s,
                    itl_p99_s=summary.itl_p99_s, tokens=summary.tokens,
                    stalls=summary.stall_count, end=summary.end.value)

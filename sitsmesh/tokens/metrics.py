@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from sitsmesh.tokens.stages import UNKNOWN
 from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.tokens.timing import End
 
+LABELS = ("pipeline", "stage", "format")
 # The GenAI conventions' advisory buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0)
@@ -23,37 +25,38 @@ class TokenMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self._ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
                                "Time from the request to its first content token, per "
-                               "token stream.", ["format"], registry=registry,
+                               "token stream.", LABELS, registry=registry,
                                buckets=TTFT_BUCKETS)
         self._tpot = Histogram("gen_ai_server_time_per_output_token_seconds",
                                "Inter-token latency: the median gap between output tokens "
-                               "after the first, per token stream.", ["format"],
+                               "after the first, per token stream.", LABELS,
                                registry=registry, buckets=TPOT_BUCKETS)
         self._tokens = Counter("sitsmesh_output_tokens_total",
                                "Output tokens of finished token streams (the stream's usage "
                                "where it reported one, else its content events).",
-                               ["format"], registry=registry)
+                               LABELS, registry=registry)
         self._ends = Counter("sitsmesh_token_streams_total",
-                             "Finished token streams, by how they ended.", ["format", "end"],
+                             "Finished token streams, by how they ended.", [*LABELS, "end"],
                              registry=registry)
         self._stalls = Counter("sitsmesh_token_stalls_total",
                                "Gaps between tokens longer than the stall threshold.",
-                               ["format"], registry=registry)
+                               LABELS, registry=registry)
         self._bad = Counter("sitsmesh_token_events_unreadable_total",
                             "Events of token streams that their format could not read, or "
-                            "over the event size bound.", ["format"], registry=registry)
+                            "over the event size bound.", LABELS, registry=registry)
         for end in End:  # every series exists from the start, at 0
-            self._ends.labels("openai", end.value)
+            self._ends.labels(*UNKNOWN, "openai", end.value)
 
-    def observe(self, report: TokenReport) -> None:
-        fmt, summary = report.format, report.summary
+    def observe(self, report: TokenReport, stage: tuple[str, str]) -> None:
+        """`stage`: the (pipeline, stage) the stream belongs to."""
+        labels, summary = (*stage, report.format), report.summary
         if summary.ttft_s is not None:
-            self._ttft.labels(fmt).observe(summary.ttft_s)
+            self._ttft.labels(*labels).observe(summary.ttft_s)
         if summary.itl_p50_s is not None:
-            self._tpot.labels(fmt).observe(summary.itl_p50_s)
-        self._tokens.labels(fmt).inc(summary.tokens)
-        self._ends.labels(fmt, summary.end.value).inc()
+            self._tpot.labels(*labels).observe(summary.itl_p50_s)
+        self._tokens.labels(*labels).inc(summary.tokens)
+        self._ends.labels(*labels, summary.end.value).inc()
         if summary.stall_count:
-            self._stalls.labels(fmt).inc(summary.stall_count)
+            self._stalls.labels(*labels).inc(summary.stall_count)
         if report.bad_events:
-            self._bad.labels(fmt).inc(report.bad_events)
+            self._bad.labels(*labels).inc(report.bad_events)

@@ -32,6 +32,8 @@ class TokenReport:
     summary: StreamSummary
     usage: Usage | None
     bad_events: int      # events its format could not read, and oversized ones
+    cluster: str = ""    # Envoy's upstream cluster and route: the stage it belongs to
+    route: str = ""
 
 
 class TokenStream:

@@ -19,6 +19,7 @@ from sitsmesh.dev.tokenstage import TokenStage
 pytestmark = pytest.mark.integration
 STREAMS = 6
 TTFT_MS, ITL_MS, TOKENS = 150, 20, 20
+CHAT = {"pipeline": "chat", "stage": "llm", "format": "openai"}
 
 
 @pytest.fixture
@@ -50,6 +51,12 @@ def test_sitsmesh_times_the_tokens_the_openai_client_gets(
         tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh],
         stage: TokenStage) -> None:
     node = start_sitsmesh()
+    # The stage the streams belong to: the harness's Envoy calls its upstream "upstream".
+    (tmp_path / "chat.yaml").write_text(
+        "name: chat\nmodels: ['stage']\nstages:\n"
+        "  - {name: llm, match: {upstream_cluster: upstream}}\n")
+    applied = node.cli("pipelines", "apply", str(tmp_path / "chat.yaml"))
+    assert applied.returncode == 0, applied.stderr
     (tmp_path / "plain").mkdir()
     (tmp_path / "observed").mkdir()
     plain = harness.start_envoy(tmp_path / "plain", node.data_addr, stage.port, fragments=[])
@@ -69,12 +76,12 @@ def test_sitsmesh_times_the_tokens_the_openai_client_gets(
         def seen() -> float:
             return harness.metric_value(node.metrics(),
                                         "gen_ai_server_time_to_first_token_seconds_count",
-                                        format="openai")
+                                        pipeline="chat", stage="llm", format="openai")
 
         harness.wait_until(lambda: seen() == STREAMS, 5, "every stream's report")
         metrics = node.metrics()
         ttft_sum = harness.metric_value(metrics, "gen_ai_server_time_to_first_token_seconds_sum",
-                                        format="openai")
+                                        **CHAT)
         client_ttft = sum(ttfts) / len(ttfts)
         print(f"\nTTFT: sitsmesh {ttft_sum / STREAMS * 1000:.1f} ms, client "
               f"{client_ttft * 1000:.1f} ms")
@@ -82,18 +89,18 @@ def test_sitsmesh_times_the_tokens_the_openai_client_gets(
         assert abs(ttft_sum / STREAMS - client_ttft) <= max(0.05 * client_ttft, 0.002), (
             ttft_sum / STREAMS, client_ttft)
         tpot_sum = harness.metric_value(
-            metrics, "gen_ai_server_time_per_output_token_seconds_sum", format="openai")
+            metrics, "gen_ai_server_time_per_output_token_seconds_sum", **CHAT)
         client_itl = sorted(gaps)[len(gaps) // 2]
         print(f"time per token: sitsmesh {tpot_sum / STREAMS * 1000:.2f} ms, client "
               f"{client_itl * 1000:.2f} ms")
         assert abs(tpot_sum / STREAMS - client_itl) <= max(0.05 * client_itl, 0.002), (
             tpot_sum / STREAMS, client_itl)
         assert harness.metric_value(metrics, "sitsmesh_output_tokens_total",
-                                    format="openai") == STREAMS * TOKENS
-        assert harness.metric_value(metrics, "sitsmesh_token_streams_total", format="openai",
+                                    **CHAT) == STREAMS * TOKENS
+        assert harness.metric_value(metrics, "sitsmesh_token_streams_total", **CHAT,
                                     end="complete") == STREAMS
         assert harness.metric_value(metrics, "sitsmesh_token_stalls_total",
-                                    format="openai") == 0
+                                    **CHAT) == 0
     finally:
         plain.kill()
         observed.kill()
