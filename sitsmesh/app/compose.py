@@ -222,7 +222,7 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
         RateLimitAdmin(graph.ratelimit.config),
         TenantAdmin(graph.authz.directory, tokens, workers=workers),
         ChainAdmin(graph.chains.pipelines, graph.chains.assembler, tokens, workers=workers,
-                   report=graph.chains.report),
+                   report=graph.chains.report, streams=graph.tokens.windows),
         SwapAdmin(graph.swaps.manager, tokens),
         BatchingAdmin(graph.swaps.batching, tokens, pipelines=graph.chains.pipelines),
         PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime, tokens),

@@ -12,6 +12,7 @@ from sitsmesh.config import Settings
 from sitsmesh.tokens.metrics import TokenMetrics
 from sitsmesh.tokens.stages import StageIndex
 from sitsmesh.tokens.stream import TokenReport
+from sitsmesh.tokens.window import TokenWindows
 from sitsmesh.transport.extproc import SERVICE_NAME, ExternalProcessorServicer, add_to_server
 from sitsmesh.transport.streams import OpenStreams
 
@@ -26,6 +27,8 @@ class TokensComponent:
         self._settings = settings
         self._metrics = TokenMetrics(registry) if serve else None
         self._stages = StageIndex()
+        # Per stage over the chain report's windows (GetLatencyChain, `chain show`).
+        self.windows = TokenWindows() if serve else None
 
     def attach(self, chains: ChainsComponent) -> None:
         """Streams are labelled by the pipeline stage their Envoy cluster or route is."""
@@ -35,6 +38,8 @@ class TokensComponent:
         assert self._metrics is not None
         pipeline, stage = self._stages.stage_of(report.cluster, report.route)
         self._metrics.observe(report, (pipeline, stage))
+        if self.windows is not None and pipeline != "-":
+            self.windows.add(pipeline, stage, report.summary)
         summary = report.summary
         _log.debug("token stream", request_id=report.request_id, path=report.path,
                    pipeline=pipeline, stage=stage,

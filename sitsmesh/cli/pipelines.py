@@ -84,6 +84,7 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
 
 
 SLOWEST_SHOWN = 5  # rows of the table's "slowest" section; json and html have them all
+TOKEN_FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 
 
 def cmd_chain_show(args: argparse.Namespace) -> int:
@@ -102,6 +103,11 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
             stage["total_p99_ms"] = s.total_p99_ms
         if s.HasField("queue_p99_ms"):
             stage["queue_p99_ms"] = s.queue_p99_ms
+        if s.token_streams:
+            stage["tokens"] = {name: getattr(s, name) for name in TOKEN_FIELDS
+                               if s.HasField(name)}
+            stage["tokens"].update(streams=s.token_streams, output_tokens=s.output_tokens,
+                                   stalls=s.stalls)
         stages.append(stage)
     doc = {"pipeline": reply.pipeline, "window": reply.window, "chains": reply.chains,
            "incomplete": reply.incomplete, "failed": reply.failed,
@@ -124,6 +130,16 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
               f"{s['ttfb_p99_ms']:.1f}" if "ttfb_p99_ms" in s else "-",
               f"{s['attributed_ms']:.1f}", f"{s['share_of_e2e_p99']:.0%}") for s in stages]
     print(table(rows))
+    streamed = [s for s in stages if "tokens" in s]
+    if streamed:
+        tokens = [("TOKEN STREAMS", "STREAMS", "TTFT50 ms", "TTFT99 ms", "TPOT50 ms",
+                   "TPOT99 ms", "TOKENS", "STALLS")]
+        tokens += [(s["name"], str(t["streams"]), *(f"{t[n]:.1f}" if n in t else "-"
+                                                  for n in TOKEN_FIELDS),
+                    str(t["output_tokens"]), str(t["stalls"]))
+                   for s in streamed for t in (s["tokens"],)]
+        print()
+        print(table(tokens))
     if doc["slowest"]:
         slow = [(f"SLOWEST (of {len(doc['slowest'])})", "E2E ms", "TRACE ID", "REQUEST ID")]
         slow += [("", f"{c['e2e_ms']:.1f}", _printable(c["trace_id"]) or "-",

@@ -6,6 +6,7 @@ and token counts agree with what the client measured."""
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -101,6 +102,19 @@ def test_sitsmesh_times_the_tokens_the_openai_client_gets(
                                     end="complete") == STREAMS
         assert harness.metric_value(metrics, "sitsmesh_token_stalls_total",
                                     **CHAT) == 0
+
+        # The same figures on the stage's row of the pipeline's latency chain.
+        shown = node.cli("chain", "show", "chat", "-o", "json")
+        assert shown.returncode == 0, shown.stderr
+        [llm] = json.loads(shown.stdout)["stages"]
+        streamed = llm["tokens"]
+        assert (streamed["streams"], streamed["output_tokens"], streamed["stalls"]) == (
+            STREAMS, STREAMS * TOKENS, 0)
+        # Histogram quantiles: within a bucket (4.4 %) of the measured figures.
+        assert abs(streamed["ttft_p50_ms"] - client_ttft * 1000) <= 0.1 * client_ttft * 1000
+        assert abs(streamed["tpot_p50_ms"] - client_itl * 1000) <= 0.1 * client_itl * 1000
+        table = node.cli("chain", "show", "chat")
+        assert "TOKEN STREAMS" in table.stdout and "TTFT50 ms" in table.stdout
     finally:
         plain.kill()
         observed.kill()

@@ -172,7 +172,7 @@ def test_transport_security_settings_from_file_env_and_flags(tmp_path: Path) -> 
 @pytest.mark.parametrize(("flags", "message"), [
     ({"data_callers": "billing=spiffe://a"},
      "--data-callers: unknown service 'billing' (allowed: authz, ratelimit, accesslog, "
-     "metrics, quota)"),
+     "metrics, quota, tokens)"),
     ({"data_callers": "authz"}, "--data-callers: expected SERVICE=ID|ID, got 'authz'"),
     ({"data_callers": "authz=|"}, "--data-callers: authz: expected at least one client "
      "identity"),

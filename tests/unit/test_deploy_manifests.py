@@ -72,8 +72,10 @@ def test_kustomization_lists_every_manifest_beside_it(kustomization: Path) -> No
 
 
 # Beside deploy/istio's kustomization.yaml but not applied by it (its header says why):
-# mesh config for the Istio install, and the RLQS alternative to rate-limit.yaml.
-NOT_RESOURCES = {"istio": {"extension-provider.yaml", "rate-limit-quota.yaml"}}
+# mesh config for the Istio install, the RLQS alternative to rate-limit.yaml, and token
+# streams, applied only where responses stream.
+NOT_RESOURCES = {"istio": {"extension-provider.yaml", "rate-limit-quota.yaml",
+                           "ext-proc.yaml"}}
 
 
 def test_service_ports_match_container_ports_and_defaults() -> None:

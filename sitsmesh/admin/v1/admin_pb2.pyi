@@ -832,7 +832,7 @@ class GetLatencyChainResponse(_message.Message):
     def __init__(self, chain: _Optional[_Union[LatencyChain, _Mapping]] = ...) -> None: ...
 
 class StageLatencyReport(_message.Message):
-    __slots__ = ("name", "p50_ms", "p90_ms", "p99_ms", "ttfb_p99_ms", "total_p99_ms", "attributed_ms", "share_of_e2e_p99", "queue_p99_ms")
+    __slots__ = ("name", "p50_ms", "p90_ms", "p99_ms", "ttfb_p99_ms", "total_p99_ms", "attributed_ms", "share_of_e2e_p99", "queue_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "token_streams", "output_tokens", "stalls")
     NAME_FIELD_NUMBER: _ClassVar[int]
     P50_MS_FIELD_NUMBER: _ClassVar[int]
     P90_MS_FIELD_NUMBER: _ClassVar[int]
@@ -842,6 +842,13 @@ class StageLatencyReport(_message.Message):
     ATTRIBUTED_MS_FIELD_NUMBER: _ClassVar[int]
     SHARE_OF_E2E_P99_FIELD_NUMBER: _ClassVar[int]
     QUEUE_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STALLS_FIELD_NUMBER: _ClassVar[int]
     name: str
     p50_ms: float
     p90_ms: float
@@ -851,7 +858,14 @@ class StageLatencyReport(_message.Message):
     attributed_ms: float
     share_of_e2e_p99: float
     queue_p99_ms: float
-    def __init__(self, name: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., ttfb_p99_ms: _Optional[float] = ..., total_p99_ms: _Optional[float] = ..., attributed_ms: _Optional[float] = ..., share_of_e2e_p99: _Optional[float] = ..., queue_p99_ms: _Optional[float] = ...) -> None: ...
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    token_streams: int
+    output_tokens: int
+    stalls: int
+    def __init__(self, name: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., ttfb_p99_ms: _Optional[float] = ..., total_p99_ms: _Optional[float] = ..., attributed_ms: _Optional[float] = ..., share_of_e2e_p99: _Optional[float] = ..., queue_p99_ms: _Optional[float] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., token_streams: _Optional[int] = ..., output_tokens: _Optional[int] = ..., stalls: _Optional[int] = ...) -> None: ...
 
 class LatencyChain(_message.Message):
     __slots__ = ("pipeline", "window", "chains", "incomplete", "e2e_p50_ms", "e2e_p99_ms", "stages", "bottleneck", "failed", "slowest", "histograms")

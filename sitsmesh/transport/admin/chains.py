@@ -16,6 +16,7 @@ from sitsmesh.chains.catalog import PipelineCatalog
 from sitsmesh.chains.pipeline import Pipeline, pipeline_from
 from sitsmesh.chains.trace import trace_id
 from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from sitsmesh.tokens.window import TokenStageReport, TokenWindows
 from sitsmesh.transport.admin.common import read_yaml, yaml_text
 from sitsmesh.transport.admin.paging import (
     PageTokens,
@@ -38,9 +39,12 @@ class ChainAdmin:
 
     def __init__(self, catalog: PipelineCatalog, assembler: Assembler | None,
                  tokens: PageTokens, *, workers: int = 1,
-                 report: Callable[[Hop], None] | None = None) -> None:
+                 report: Callable[[Hop], None] | None = None,
+                 streams: TokenWindows | None = None) -> None:
         """`assembler` is None where this process does not serve the data plane; stage
-        reports go to `report` (the shared hop bus) when given, else to it."""
+        reports go to `report` (the shared hop bus) when given, else to it. `streams`:
+        the token streams each stage finished, joined to its row."""
+        self._streams = streams
         self._catalog = catalog
         self._tokens = tokens
         self._assembler = assembler
@@ -112,6 +116,8 @@ class ChainAdmin:
         report = self._assembler.report(request.pipeline, WINDOWS[window])
         if report is None:
             raise NotFoundError(f"pipeline {request.pipeline} does not exist")
+        token_stages = (self._streams.report(request.pipeline, WINDOWS[window])
+                        if self._streams is not None else {})
         reply = admin_pb2.LatencyChain(
             pipeline=report.pipeline, window=window, chains=report.chains,
             incomplete=report.incomplete, failed=report.failed, e2e_p50_ms=report.e2e_p50_ms,
@@ -126,6 +132,9 @@ class ChainAdmin:
                 entry.total_p99_ms = stage.total_p99_ms
             if stage.queue_p99_ms is not None:
                 entry.queue_p99_ms = stage.queue_p99_ms
+            streamed = token_stages.get(stage.name)
+            if streamed is not None:
+                _add_tokens(entry, streamed)
         for chain in report.slowest:
             reply.slowest.add(request_id=chain.request_id, trace_id=chain.trace_id,
                               e2e_ms=chain.e2e_ms, failed=chain.failed, stages=[
@@ -157,6 +166,16 @@ class ChainAdmin:
                              trace_id=trace_id(traceparent) if traceparent else ""))
             accepted += 1
         return admin_pb2.ReportStageLatencyResponse(accepted=accepted, rejected=rejected)
+
+
+def _add_tokens(entry: admin_pb2.StageLatencyReport, streamed: TokenStageReport) -> None:
+    entry.token_streams = streamed.streams
+    entry.output_tokens = streamed.tokens
+    entry.stalls = streamed.stalls
+    for name in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+        value = getattr(streamed, name)
+        if value is not None:
+            setattr(entry, name, value)
 
 
 def _judge(who: Credential, doc: dict[str, Any], source: str,
