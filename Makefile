@@ -26,7 +26,9 @@ $(STAMP): pyproject.toml | $(PY)
 run: $(STAMP)
 	$(VENV)/bin/sitsmesh dev $(ARGS)
 
-# System packages, as CHECK=PACKAGE pairs; installed when root, otherwise named.
+# System packages, as CHECK=PACKAGE pairs; installed when root, otherwise named. cmake
+# and g++ build llama-cpp-python (a real LLM engine for the token-stream tests; pip
+# caches the wheel after the first ~5 min build).
 TEST_SYSDEPS  := "$(PYTHON) -c 'import ensurepip, venv'=python3-venv" \
                  "command -v redis-server=redis-server" \
                  "ls /usr/lib/postgresql/*/bin/pg_ctl=postgresql" \
@@ -34,7 +36,9 @@ TEST_SYSDEPS  := "$(PYTHON) -c 'import ensurepip, venv'=python3-venv" \
                  "command -v promtool=prometheus" \
                  "command -v chromium=chromium" \
                  "command -v npm=npm" \
-                 "command -v zsh=zsh"
+                 "command -v zsh=zsh" \
+                 "command -v cmake=cmake" \
+                 "command -v g++=g++"
 BENCH_SYSDEPS := "command -v h2load=nghttp2-client"
 
 sysdeps:
