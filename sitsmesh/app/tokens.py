@@ -12,6 +12,7 @@ from sitsmesh.config import Settings
 from sitsmesh.tokens.metrics import TokenMetrics
 from sitsmesh.tokens.stages import StageIndex
 from sitsmesh.tokens.stream import TokenReport
+from sitsmesh.tokens.timing import StreamSummary
 from sitsmesh.tokens.window import TokenWindows
 from sitsmesh.transport.extproc import SERVICE_NAME, ExternalProcessorServicer, add_to_server
 from sitsmesh.transport.streams import OpenStreams
@@ -46,6 +47,17 @@ class TokensComponent:
                    format=report.format, ttft_s=summary.ttft_s, itl_p50_s=summary.itl_p50_s,
                    itl_p99_s=summary.itl_p99_s, tokens=summary.tokens,
                    stalls=summary.stall_count, end=summary.end.value)
+
+    def reported(self, pipeline: str, stage: str, summary: StreamSummary) -> bool:
+        """A stage behind no Envoy reported its stream (ReportStageLatency): counted as
+        format "reported", if the pipeline has that stage."""
+        if self._metrics is None or not self._stages.has(pipeline, stage):
+            return False
+        self._metrics.observe(TokenReport("", "", "reported", summary, None, 0),
+                              (pipeline, stage))
+        if self.windows is not None:
+            self.windows.add(pipeline, stage, summary)
+        return True
 
     def services(self, streams: OpenStreams) -> list[DataService]:
         if self._metrics is None:

@@ -11,10 +11,11 @@ UNKNOWN = ("-", "-")
 
 
 class StageIndex:
-    __slots__ = ("_index",)
+    __slots__ = ("_index", "_names")
 
     def __init__(self) -> None:
         self._index: dict[tuple[str, str], tuple[str, str]] = {}
+        self._names: frozenset[tuple[str, str]] = frozenset()
 
     def set_pipelines(self, pipelines: Mapping[str, Pipeline]) -> None:
         index: dict[tuple[str, str], tuple[str, str]] = {}
@@ -24,6 +25,11 @@ class StageIndex:
                     index.setdefault((stage.match_key, stage.match_value),
                                      (pipeline.name, stage.name))
         self._index = index
+        self._names = frozenset((p.name, stage.name) for p in pipelines.values()
+                                for stage in p.stages)
+
+    def has(self, pipeline: str, stage: str) -> bool:
+        return (pipeline, stage) in self._names
 
     def stage_of(self, cluster: str, route: str) -> tuple[str, str]:
         """(pipeline, stage), or ("-", "-") for a stream of no pipeline's stage."""

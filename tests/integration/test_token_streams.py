@@ -174,3 +174,46 @@ def test_a_stall_is_counted_a_hang_up_is_a_cut_and_sitsmesh_away_changes_nothing
         assert _raw_stream(envoy, {"x-stage-tokens": "12"}) == 12
     finally:
         envoy.kill()
+
+
+def test_a_stage_behind_no_envoy_reports_its_token_figures(
+        tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh]) -> None:
+    import grpc
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+
+    node = start_sitsmesh()
+    (tmp_path / "rag.yaml").write_text(
+        "name: rag\nmodels: ['m']\nstages:\n  - {name: llm, match: {route_name: llm}}\n")
+    assert node.cli("pipelines", "apply", str(tmp_path / "rag.yaml")).returncode == 0
+
+    def at(seconds: float) -> Timestamp:
+        stamp = Timestamp()
+        stamp.FromNanoseconds(int(seconds * 1e9))
+        return stamp
+
+    now = time.time()
+
+    def report(rid: str, first: float, tokens: int, stalls: int = 0,
+               stage: str = "llm") -> admin_pb2.ReportStageLatencyRequest:
+        return admin_pb2.ReportStageLatencyRequest(
+            request_id=rid, pipeline="rag", stage=stage, start=at(now), end=at(now + 2.0),
+            first_token=at(now + first), output_tokens=tokens, time_per_output_token_ms=25,
+            stalls=stalls)
+
+    sent = [report(f"r{i}", 0.3, 64) for i in range(4)]
+    sent += [report("early", -0.1, 64),           # first token before the stage began
+             report("stalls", 0.3, 3, stalls=5),  # more stalls than gaps
+             report("other", 0.3, 64, stage="nope")]  # no such stage: no token figures
+    with grpc.insecure_channel(node.admin_addr) as channel:
+        reply = admin_pb2_grpc.AdminServiceStub(channel).ReportStageLatency(
+            iter(sent), metadata=node.admin_metadata(), timeout=5)
+    assert (reply.accepted, reply.rejected) == (5, 2)
+    shown = node.cli("chain", "show", "rag", "-o", "json")
+    [llm] = json.loads(shown.stdout)["stages"]
+    assert llm["tokens"]["streams"] == 4 and llm["tokens"]["output_tokens"] == 256
+    assert abs(llm["tokens"]["ttft_p50_ms"] - 300) <= 15  # a histogram bucket
+    assert abs(llm["tokens"]["tpot_p50_ms"] - 25) <= 1.5
+    assert harness.metric_value(node.metrics(), "sitsmesh_output_tokens_total",
+                                pipeline="rag", stage="llm", format="reported") == 256

@@ -936,7 +936,7 @@ class HistogramBucket(_message.Message):
     def __init__(self, le_ms: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ReportStageLatencyRequest(_message.Message):
-    __slots__ = ("request_id", "pipeline", "stage", "start", "end", "first_byte", "traceparent")
+    __slots__ = ("request_id", "pipeline", "stage", "start", "end", "first_byte", "traceparent", "first_token", "output_tokens", "time_per_output_token_ms", "stalls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -944,6 +944,10 @@ class ReportStageLatencyRequest(_message.Message):
     END_FIELD_NUMBER: _ClassVar[int]
     FIRST_BYTE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIME_PER_OUTPUT_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    STALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     pipeline: str
     stage: str
@@ -951,7 +955,11 @@ class ReportStageLatencyRequest(_message.Message):
     end: _timestamp_pb2.Timestamp
     first_byte: _timestamp_pb2.Timestamp
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., pipeline: _Optional[str] = ..., stage: _Optional[str] = ..., start: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_byte: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    first_token: _timestamp_pb2.Timestamp
+    output_tokens: int
+    time_per_output_token_ms: float
+    stalls: int
+    def __init__(self, request_id: _Optional[str] = ..., pipeline: _Optional[str] = ..., stage: _Optional[str] = ..., start: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_byte: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., traceparent: _Optional[str] = ..., first_token: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., output_tokens: _Optional[int] = ..., time_per_output_token_ms: _Optional[float] = ..., stalls: _Optional[int] = ...) -> None: ...
 
 class ReportStageLatencyResponse(_message.Message):
     __slots__ = ("accepted", "rejected")

@@ -16,6 +16,7 @@ from sitsmesh.chains.catalog import PipelineCatalog
 from sitsmesh.chains.pipeline import Pipeline, pipeline_from
 from sitsmesh.chains.trace import trace_id
 from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from sitsmesh.tokens.timing import End, StreamSummary
 from sitsmesh.tokens.window import TokenStageReport, TokenWindows
 from sitsmesh.transport.admin.common import read_yaml, yaml_text
 from sitsmesh.transport.admin.paging import (
@@ -40,11 +41,14 @@ class ChainAdmin:
     def __init__(self, catalog: PipelineCatalog, assembler: Assembler | None,
                  tokens: PageTokens, *, workers: int = 1,
                  report: Callable[[Hop], None] | None = None,
-                 streams: TokenWindows | None = None) -> None:
+                 streams: TokenWindows | None = None,
+                 reported: Callable[[str, str, StreamSummary], bool] | None = None) -> None:
         """`assembler` is None where this process does not serve the data plane; stage
         reports go to `report` (the shared hop bus) when given, else to it. `streams`:
-        the token streams each stage finished, joined to its row."""
+        the token streams each stage finished, joined to its row; `reported` takes a
+        stage report's token figures (False: no such pipeline stage)."""
         self._streams = streams
+        self._reported = reported
         self._catalog = catalog
         self._tokens = tokens
         self._assembler = assembler
@@ -160,12 +164,44 @@ class ChainAdmin:
                 continue
             ttfb = (report.first_byte.ToNanoseconds() / 1e9 - start
                     if report.HasField("first_byte") else None)
+            summary = _streamed(report, start, end)
+            if summary is _BAD:
+                rejected += 1
+                continue
             traceparent = report.traceparent
             self._report(Hop(report.request_id, start, end - start, ttfb=ttfb,
                              pipeline=report.pipeline, stage=report.stage,
                              trace_id=trace_id(traceparent) if traceparent else ""))
+            if summary is not None and self._reported is not None:
+                self._reported(report.pipeline, report.stage, summary)
             accepted += 1
         return admin_pb2.ReportStageLatencyResponse(accepted=accepted, rejected=rejected)
+
+
+_BAD = StreamSummary(None, None, None, 0, 0.0, (), 0, End.ERROR)
+MAX_TOKENS = 10_000_000  # output tokens one stage report may claim
+
+
+def _streamed(report: admin_pb2.ReportStageLatencyRequest, start: float,
+              end: float) -> StreamSummary | None:
+    """A stage report's token figures; None if it has none, _BAD if they cannot be (a
+    first token outside the stage's span, a time per token longer than it, more stalls
+    than gaps)."""
+    if not report.HasField("first_token") and not report.output_tokens:
+        return None
+    first = report.first_token.ToNanoseconds() / 1e9 if report.HasField("first_token") \
+        else None
+    tokens, stalls = report.output_tokens, report.stalls
+    tpot = (report.time_per_output_token_ms / 1000
+            if report.HasField("time_per_output_token_ms") else None)
+    if ((first is not None and not start <= first <= end) or tokens > MAX_TOKENS
+            or (tpot is not None and not 0.0 <= tpot <= end - start)
+            or stalls > max(0, tokens - 1)):
+        return _BAD
+    span = end - first if first is not None else 0.0
+    return StreamSummary(first - start if first is not None else None, tpot, tpot, tokens,
+                         (tokens - 1) / span if span > 0 and tokens > 1 else 0.0, (),
+                         stalls, End.COMPLETE)
 
 
 def _add_tokens(entry: admin_pb2.StageLatencyReport, streamed: TokenStageReport) -> None:
