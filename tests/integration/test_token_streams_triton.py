@@ -1,0 +1,76 @@
+"""Token streams from Triton: a decoupled python-backend model streams one response per
+token through `generate_stream` (SSE), through real Envoy with the ext_proc fragment;
+sitsmesh reads Triton's event shape and counts and times the same tokens the client
+got."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sitsmesh.dev import harness, stream_model
+from sitsmesh.dev.triton import TritonServer
+
+pytestmark = pytest.mark.integration
+TOKENS, TTFT_MS = 12, 120
+
+
+@pytest.fixture
+def triton(tmp_path: Path) -> Iterator[TritonServer]:
+    repo = tmp_path / "models"
+    stream_model.write_stream_model(repo, ttft_ms=TTFT_MS, itl_ms=20, tokens=TOKENS)
+    server = TritonServer(tmp_path / "triton", repo)
+    server.start()
+    try:
+        load = urllib.request.Request(
+            f"{server.http_url}/v2/repository/models/{stream_model.NAME}/load", data=b"{}",
+            method="POST")
+        with urllib.request.urlopen(load, timeout=60) as reply:
+            assert reply.status == 200
+        yield server
+    finally:
+        server.kill()
+
+
+def test_triton_generate_stream_tokens_are_counted_and_timed(
+        tmp_path: Path, triton: TritonServer,
+        start_sitsmesh: Callable[..., harness.Sitsmesh]) -> None:
+    node = start_sitsmesh()
+    envoy = harness.start_envoy(tmp_path, node.data_addr, triton.http_port,
+                                fragments=["ext_proc"])
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", envoy.listen_port, timeout=20)
+        began = time.monotonic()
+        conn.request("POST", f"/v2/models/{stream_model.NAME}/generate_stream",
+                     body=json.dumps({"text_input": "hi", "max_tokens": TOKENS}),
+                     headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200, response.read()[:300]
+        texts, first = [], None
+        for line in response:
+            if line.startswith(b"data: "):
+                event = json.loads(line[6:])
+                texts.append(event["text_output"])
+                first = first or time.monotonic()
+        conn.close()
+        assert texts == [f" t{i}" for i in range(TOKENS)]
+        assert first is not None
+        client_ttft = first - began
+
+        def metric(name: str) -> float:
+            return harness.metric_value(node.metrics(), name, format="triton")
+
+        harness.wait_until(lambda: metric("sitsmesh_output_tokens_total") == TOKENS, 5,
+                           "sitsmesh's count of Triton's tokens")
+        ttft = metric("gen_ai_server_time_to_first_token_seconds_sum")
+        print(f"\nTTFT: sitsmesh {ttft * 1000:.1f} ms, client {client_ttft * 1000:.1f} ms")
+        assert TTFT_MS / 1000 <= ttft <= client_ttft + 0.002
+        assert metric("sitsmesh_token_events_unreadable_total") == 0
+    finally:
+        envoy.kill()
