@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 
 @dataclass(frozen=True, slots=True)
 class Usage:
@@ -120,5 +122,26 @@ def ndjson(data: bytes) -> Piece:
     return Piece(1 if text else 0, done=done, usage=usage)
 
 
+def triton_grpc(data: bytes) -> Piece:
+    """A Triton `ModelStreamInferResponse`: a response with output content is a token;
+    `triton_final_response` ends the stream; `error_message` ends it with an error."""
+    # Imported here: tritonclient's grpc stubs load only where gRPC streams are parsed.
+    from tritonclient.grpc import service_pb2
+
+    message = service_pb2.ModelStreamInferResponse()
+    try:
+        message.ParseFromString(data)
+    except DecodeError:
+        return Piece(error="not a ModelStreamInferResponse")
+    if message.error_message:
+        return Piece(done=True, error=f"Triton sent an error: {message.error_message[:80]}")
+    response = message.infer_response
+    final = response.parameters.get("triton_final_response")
+    done = final is not None and final.bool_param
+    has_output = any(response.raw_output_contents) or any(
+        o.HasField("contents") for o in response.outputs)
+    return Piece(1 if has_output else 0, done=done)
+
+
 FORMATS: Mapping[str, Callable[[bytes], Piece]] = {
-    "openai": openai, "triton": triton, "ndjson": ndjson}
+    "openai": openai, "triton": triton, "ndjson": ndjson, "triton-grpc": triton_grpc}

@@ -1,5 +1,5 @@
 """Events out of a streaming response body that arrives in arbitrary chunks: Server-Sent
-Events (`text/event-stream`) and newline-delimited JSON.
+Events (`text/event-stream`), newline-delimited JSON and gRPC length-prefixed messages.
 
 Envoy hands a body over in the pieces the upstream wrote, so a chunk may hold several
 events, or part of one, split anywhere (even inside a CRLF). Each splitter keeps the
@@ -132,3 +132,43 @@ def _line_end(chunk: bytes, start: int) -> int:
     lf = chunk.find(b"\n", start)
     cr = chunk.find(b"\r", start, lf if lf >= 0 else len(chunk))
     return cr if cr >= 0 else lf
+
+
+class GrpcSplitter:
+    """`feed(chunk)` -> each whole gRPC message of a response stream (its 5-byte prefix
+    taken off). A message over `max_event_bytes`, or compressed (its payload would need
+    the codec), is skipped by its length and counted, and the stream goes on."""
+
+    __slots__ = ("_buffer", "_skip", "max_event_bytes", "skipped")
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self.max_event_bytes = max_event_bytes
+        self.skipped = 0
+        self._buffer = bytearray()
+        self._skip = 0  # bytes of a skipped message still to come
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        if self._skip:
+            taken = min(self._skip, len(chunk))
+            self._skip -= taken
+            chunk = chunk[taken:]
+        buffer = self._buffer
+        buffer += chunk
+        messages: list[bytes] = []
+        while len(buffer) >= 5:
+            compressed, size = buffer[0], int.from_bytes(buffer[1:5], "big")
+            if compressed or size > self.max_event_bytes:
+                self.skipped += 1
+                taken = min(size, len(buffer) - 5)
+                del buffer[:5 + taken]
+                self._skip = size - taken
+                if self._skip:
+                    # The rest of this chunk was the message's: what follows is in the
+                    # next chunks, which the skip above consumes first.
+                    break
+                continue
+            if len(buffer) < 5 + size:
+                break
+            messages.append(bytes(buffer[5:5 + size]))
+            del buffer[:5 + size]
+        return messages

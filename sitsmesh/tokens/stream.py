@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sitsmesh.tokens.formats import FORMATS, Usage
-from sitsmesh.tokens.framing import MAX_EVENT_BYTES, LineSplitter, SseSplitter
+from sitsmesh.tokens.framing import MAX_EVENT_BYTES, GrpcSplitter, LineSplitter, SseSplitter
 from sitsmesh.tokens.timing import End, StreamClock, StreamSummary
 
 
@@ -19,7 +19,13 @@ def format_for(content_type: str, path: str) -> str:
         return "triton" if path.partition("?")[0].endswith("/generate_stream") else "openai"
     if kind in ("application/x-ndjson", "application/jsonl", "application/ndjson"):
         return "ndjson"
+    if kind.startswith("application/grpc") and path.endswith("/ModelStreamInfer"):
+        return "triton-grpc"
     return ""
+
+
+_SPLITTERS: dict[str, type[SseSplitter | LineSplitter | GrpcSplitter]] = {
+    "ndjson": LineSplitter, "triton-grpc": GrpcSplitter}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +45,13 @@ class TokenReport:
 class TokenStream:
     __slots__ = ("_clock", "_parse", "_splitter", "bad_events", "done", "error", "format",
                  "usage")
+    _splitter: SseSplitter | LineSplitter | GrpcSplitter
 
     def __init__(self, fmt: str, started: float, stall_s: float,
                  max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self.format = fmt
         self._parse = FORMATS[fmt]
-        self._splitter = (LineSplitter(max_event_bytes) if fmt == "ndjson"
-                          else SseSplitter(max_event_bytes))
+        self._splitter = _SPLITTERS.get(fmt, SseSplitter)(max_event_bytes)
         self._clock = StreamClock(started, stall_s)
         self.usage: Usage | None = None
         self.done = False   # the format's own end came ([DONE], done: true, an error)

@@ -74,3 +74,60 @@ def test_triton_generate_stream_tokens_are_counted_and_timed(
         assert metric("sitsmesh_token_events_unreadable_total") == 0
     finally:
         envoy.kill()
+
+
+def test_triton_grpc_model_stream_infer_tokens_are_counted(
+        tmp_path: Path, triton: TritonServer,
+        start_sitsmesh: Callable[..., harness.Sitsmesh]) -> None:
+    """ModelStreamInfer through Envoy (HTTP/2 to Triton's gRPC port): sitsmesh splits the
+    length-prefixed messages out of the body and counts a token per response."""
+    import queue
+
+    import numpy as np
+    from tritonclient import grpc as triton_grpc
+
+    from sitsmesh.dev import envoyconf
+
+    node = start_sitsmesh()
+    values = harness.envoy_values(node.data_addr, triton.http_port, harness.free_port(),
+                                  harness.free_port())
+    bootstrap = envoyconf.render(harness.REPO / "filters" / "local" / "bootstrap.yaml",
+                                 values, ["ext_proc"])
+    envoyconf.add_route(bootstrap, name="triton_grpc", prefix="/inference.",
+                        host="127.0.0.1", port=triton.grpc_port)
+    [cluster] = [c for c in bootstrap["static_resources"]["clusters"]
+                 if c["name"] == "triton_grpc"]
+    cluster["typed_extension_protocol_options"] = {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3"
+                     ".HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}}}}
+    config = envoyconf.write(bootstrap, tmp_path / "envoy.yaml")
+    listen = int(values["listen_port"])  # type: ignore[call-overload]
+    envoy = harness.launch_envoy(config, listen, int(values["envoy_admin_port"]),  # type: ignore[call-overload]
+                                 tmp_path / "envoy.log")
+    answers: queue.Queue[object] = queue.Queue()
+    client = triton_grpc.InferenceServerClient(f"127.0.0.1:{listen}")
+    try:
+        text = triton_grpc.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"hi"], dtype=np.object_))
+        count = triton_grpc.InferInput("max_tokens", [1], "INT32")
+        count.set_data_from_numpy(np.array([TOKENS], dtype=np.int32))
+        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        client.async_stream_infer(stream_model.NAME, [text, count])
+        got = [answers.get(timeout=10) for _ in range(TOKENS)]
+        client.stop_stream()
+        assert all(not isinstance(a, Exception) for a in got), got
+        assert [a.as_numpy("text_output")[0] for a in got] == [  # type: ignore[attr-defined]
+            f" t{i}".encode() for i in range(TOKENS)]
+
+        def metric(name: str) -> float:
+            return harness.metric_value(node.metrics(), name, format="triton-grpc")
+
+        harness.wait_until(lambda: metric("sitsmesh_output_tokens_total") == TOKENS, 10,
+                           "sitsmesh's count of the stream's responses")
+        assert metric("gen_ai_server_time_to_first_token_seconds_count") == 1
+        assert metric("sitsmesh_token_events_unreadable_total") == 0
+    finally:
+        client.close()
+        envoy.kill()

@@ -52,7 +52,7 @@ def test_ndjson_ollama_events() -> None:
     assert ndjson(b'{"message":{"role":"assistant","content":"b"},"done":false}') == Piece(1)
     assert ndjson(b'{"response":"","done":true,"prompt_eval_count":5,"eval_count":9}') == \
         Piece(0, done=True, usage=Usage(5, 9))
-    assert set(FORMATS) == {"openai", "triton", "ndjson"}
+    assert set(FORMATS) == {"openai", "triton", "ndjson", "triton-grpc"}
 
 
 def test_ttft_itl_and_throughput_from_content_events() -> None:
@@ -100,3 +100,19 @@ def test_a_long_stream_keeps_a_bounded_uniform_sample_of_its_gaps() -> None:
     summary = clock.summary(End.COMPLETE, at)
     assert summary.itl_p50_s == pytest.approx(0.01)
     assert summary.itl_p99_s == pytest.approx(0.5)  # the slow 1 % survives the thinning
+
+
+def test_triton_grpc_stream_responses() -> None:
+    from tritonclient.grpc import service_pb2
+
+    from sitsmesh.tokens.formats import triton_grpc
+
+    token = service_pb2.ModelStreamInferResponse()
+    token.infer_response.raw_output_contents.append(b"\x03\x00\x00\x00 t0")
+    assert triton_grpc(token.SerializeToString()) == Piece(1)
+    final = service_pb2.ModelStreamInferResponse()
+    final.infer_response.parameters["triton_final_response"].bool_param = True
+    assert triton_grpc(final.SerializeToString()) == Piece(0, done=True)
+    failed = service_pb2.ModelStreamInferResponse(error_message="model crashed")
+    assert triton_grpc(failed.SerializeToString()).done
+    assert triton_grpc(b"\xff\xff\xff").error

@@ -8,7 +8,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sitsmesh.tokens.framing import LineSplitter, SseSplitter
+from sitsmesh.tokens.framing import GrpcSplitter, LineSplitter, SseSplitter
 
 OPENAI = (b'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\n'
           b": keep-alive comment\n\n"
@@ -22,7 +22,8 @@ EVENTS = [b'{"choices":[{"delta":{"content":"Hel"}}]}',
           b"[DONE]"]
 
 
-def _all(splitter: SseSplitter | LineSplitter, chunks: list[bytes]) -> list[bytes]:
+def _all(splitter: SseSplitter | LineSplitter | GrpcSplitter, chunks: list[bytes]
+         ) -> list[bytes]:
     return [event for chunk in chunks for event in splitter.feed(chunk)]
 
 
@@ -77,3 +78,22 @@ def test_an_oversized_line_is_dropped_and_counted() -> None:
     assert splitter.feed(b'{"a":"' + b"x" * 50) == []
     assert splitter.feed(b'"}\n{"b":1}\n') == [b'{"b":1}']
     assert splitter.skipped == 1
+
+
+def _frame(message: bytes, compressed: int = 0) -> bytes:
+    return bytes([compressed]) + len(message).to_bytes(4, "big") + message
+
+
+@given(st.lists(st.integers(min_value=0), max_size=30))
+def test_grpc_messages_however_the_body_is_cut(cuts: list[int]) -> None:
+    body = _frame(b"one") + _frame(b"") + _frame(b"z" * 300) + _frame(b"two")
+    assert _all(GrpcSplitter(), _cut(body, cuts)) == [b"one", b"", b"z" * 300, b"two"]
+
+
+@given(st.lists(st.integers(min_value=0), max_size=30))
+def test_oversized_and_compressed_grpc_messages_are_skipped_by_length(cuts: list[int]) -> None:
+    body = (_frame(b"a") + _frame(b"x" * 500) + _frame(b"c" * 10, compressed=1)
+            + _frame(b"b"))
+    splitter = GrpcSplitter(max_event_bytes=100)
+    assert _all(splitter, _cut(body, cuts)) == [b"a", b"b"]
+    assert splitter.skipped == 2
