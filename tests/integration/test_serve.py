@@ -46,6 +46,7 @@ def test_get_status_reports_version_uptime_services_and_config(
                       ("data", "envoy.service.accesslog.v3.AccessLogService"): serving,
                       ("data", "envoy.service.metrics.v3.MetricsService"): serving,
                       ("data", "envoy.service.rate_limit_quota.v3.RateLimitQuotaService"): serving,
+                      ("data", "envoy.service.ext_proc.v3.ExternalProcessor"): serving,
                       ("admin", "sitsmesh.admin.v1.AdminService"): serving}
     assert not reply.workers
 
