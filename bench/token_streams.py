@@ -41,7 +41,9 @@ is shown for comparison), the stage and this client.
 
 Added TTFT = ext_proc - plain, per round (same round, adjacent in time), at p50 and
 p99: the median and range over rounds, and over all rounds pooled. The issue's target
-is <= 1 ms at p99.
+is <= 1 ms at p99. With 100 streams a round's TTFT p99 (nearest rank) is its
+second-largest TTFT, so one round's p99 is the luck of two streams; hence the median
+over rounds, and the pooled row (all rounds' streams together).
 
 sitsmesh's own numbers are checked after each ext_proc round: its
 `sitsmesh_token_streams_total` must grow by the round's streams (waited for up to 15 s)
@@ -59,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import os
 import random
@@ -375,13 +378,28 @@ def print_tables(rounds: list[Round], configs: list[str], args: argparse.Namespa
     print(f"\nTarget (added TTFT p99 <= 1 ms, median over rounds): {verdict}")
 
 
+BENIGN = ("There is no configured limit to the number of allowed active downstream",)
+
+
+def bad_line(line: str) -> bool:
+    """A warning or error: JSON lines (sitsmesh) by their level, others (Envoy, Python
+    tracebacks) by their tag; Envoy's start-up note on connection limits is left out."""
+    if any(b in line for b in BENIGN):
+        return False
+    with contextlib.suppress(ValueError):
+        record = json.loads(line)
+        if isinstance(record, dict):
+            level = str(record.get("level") or record.get("levelname") or "").lower()
+            return level in ("warning", "warn", "error", "critical", "exception")
+    return any(tag in line for tag in ("[warning]", "[error]", "[critical]", "Traceback"))
+
+
 def log_notes(procs: dict[str, harness.Proc]) -> list[str]:
     notes = []
     for role, proc in procs.items():
-        bad = [line for line in proc.output().splitlines()
-               if any(w in line.lower() for w in ("error", "warn", "critical", "traceback"))]
+        bad = [line for line in proc.output().splitlines() if bad_line(line)]
         notes.append(f"{role} log: {len(bad)} warning/error lines"
-                     + (": " + " | ".join(line[:200] for line in bad[:5]) if bad else ""))
+                     + (": " + " | ".join(line[:300] for line in bad[:5]) if bad else ""))
     return notes
 
 
@@ -395,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ttft-ms", type=float, default=50.0, help="stage's time to first token")
     p.add_argument("--ramp-ms", type=float, default=500.0,
                    help="streams start at random offsets within this")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of every configuration")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of every configuration")
     p.add_argument("--direct", action="store_true",
                    help="also a configuration straight to the stage (no Envoy)")
     p.add_argument("--seed", type=int, default=27)
@@ -449,9 +467,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rounds.append(r)
                     print(round_line(r), file=sys.stderr)
                     time.sleep(1)
+            # In observability mode Envoy closes its side of each ext_proc stream only
+            # after deferred_close_timeout (5 s by default): read the stats after that.
+            time.sleep(6)
             stats = envoys["ext_proc"].admin_get("/stats").splitlines()
             ext = [line for line in stats if "ext_proc" in line and not line.endswith(": 0")]
-            notes.append("ext_proc Envoy's nonzero ext_proc stats: " + "; ".join(ext))
+            notes.append("ext_proc Envoy's nonzero ext_proc stats (6 s after the last "
+                         "round): " + "; ".join(ext))
             for name in configs:
                 stalls = sum(1 for r in rounds if r.config == name
                              for g in r.gaps() if g > 1.0)
