@@ -325,9 +325,11 @@ def round_line(r: Round) -> str:
 
 
 def print_tables(rounds: list[Round], configs: list[str], args: argparse.Namespace) -> None:
-    nominal_s = args.ramp_ms / 2000 + args.ttft_ms / 1000 + args.tokens * args.itl_ms / 1000
+    # A round lasts from the first request to the last stream's end: the last start
+    # (~the ramp), its TTFT and tokens - 1 gaps.
+    nominal_s = (args.ramp_ms + args.ttft_ms + (args.tokens - 1) * args.itl_ms) / 1000
     print(f"\n{args.streams} streams x {args.tokens} tokens, TTFT {args.ttft_ms} ms, ITL "
-          f"{args.itl_ms} ms, starts over {args.ramp_ms} ms; nominal ~"
+          f"{args.itl_ms} ms, starts over {args.ramp_ms} ms; nominal (tokens/s as measured) ~"
           f"{args.streams * args.tokens / nominal_s:.0f} tokens/s "
           f"({args.streams * 1000 / args.itl_ms:.0f} at full concurrency)\n")
     print("Per round (CPU in ms per 1 000 tokens; sitsmesh's own mean TTFT / time per "
