@@ -144,7 +144,7 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
             swaps.manager.on_end = tracing.swap
         if pressure is not None and pressure.runtime is not None and role is not Role.WORKER:
             pressure.runtime.on_decisions = tracing.decisions
-    tokens = TokensComponent(settings, registry, serve=serve)
+    tokens = TokensComponent(registry, serve=serve)
     tokens.attach(chains)
     return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry, tokens,
                  tracing=tracing)

@@ -8,9 +8,8 @@ from prometheus_client import CollectorRegistry
 from sitsmesh import logs
 from sitsmesh.app.background import DataService
 from sitsmesh.app.components import ChainsComponent
-from sitsmesh.config import Settings
 from sitsmesh.tokens.metrics import TokenMetrics
-from sitsmesh.tokens.stages import StageIndex
+from sitsmesh.tokens.stages import UNKNOWN, StageIndex
 from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.tokens.timing import StreamSummary
 from sitsmesh.tokens.window import TokenWindows
@@ -23,9 +22,7 @@ STALL_S = 1.0
 
 
 class TokensComponent:
-    def __init__(self, settings: Settings, registry: CollectorRegistry | None, *,
-                 serve: bool) -> None:
-        self._settings = settings
+    def __init__(self, registry: CollectorRegistry | None, *, serve: bool) -> None:
         self._metrics = TokenMetrics(registry) if serve else None
         self._stages = StageIndex()
         # Per stage over the chain report's windows (GetLatencyChain, `chain show`).
@@ -36,11 +33,8 @@ class TokensComponent:
         chains.pipelines.on_change(self._stages.set_pipelines)
 
     def _report(self, report: TokenReport) -> None:
-        assert self._metrics is not None
         pipeline, stage = self._stages.stage_of(report.cluster, report.route)
-        self._metrics.observe(report, (pipeline, stage))
-        if self.windows is not None and pipeline != "-":
-            self.windows.add(pipeline, stage, report.summary)
+        self._record(report, pipeline, stage)
         summary = report.summary
         _log.debug("token stream", request_id=report.request_id, path=report.path,
                    pipeline=pipeline, stage=stage,
@@ -53,11 +47,15 @@ class TokensComponent:
         format "reported", if the pipeline has that stage."""
         if self._metrics is None or not self._stages.has(pipeline, stage):
             return False
-        self._metrics.observe(TokenReport("", "", "reported", summary, None, 0),
-                              (pipeline, stage))
-        if self.windows is not None:
-            self.windows.add(pipeline, stage, summary)
+        self._record(TokenReport("", "", "reported", summary, None, 0), pipeline, stage)
         return True
+
+    def _record(self, report: TokenReport, pipeline: str, stage: str) -> None:
+        """Into the metrics, and into the chain report's windows if it has a stage."""
+        assert self._metrics is not None and self.windows is not None
+        self._metrics.observe(report, (pipeline, stage))
+        if (pipeline, stage) != UNKNOWN:
+            self.windows.add(pipeline, stage, report.summary)
 
     def services(self, streams: OpenStreams) -> list[DataService]:
         if self._metrics is None:

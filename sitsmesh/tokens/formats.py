@@ -38,11 +38,19 @@ NOTHING = Piece()
 DONE = Piece(done=True)
 
 
-def _json(data: bytes) -> tuple[Any, str]:
+def _object(data: bytes, what: str = "an event", sender: str = "") -> dict[str, Any] | Piece:
+    """The event's JSON object, or the Piece that says why there is none: not JSON, not
+    an object, or (where `sender` names who sends them) an `error` object, which ends
+    the stream."""
     try:
-        return json.loads(data), ""
+        body = json.loads(data)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        return None, f"not JSON: {data[:40]!r}"
+        return Piece(error=f"not JSON: {data[:40]!r}")
+    if not isinstance(body, dict):
+        return Piece(error=f"{what} that is not a JSON object")
+    if sender and "error" in body:
+        return Piece(done=True, error=f"{sender} sent an error: {str(body['error'])[:80]}")
+    return body
 
 
 def _count(value: Any) -> int:
@@ -79,13 +87,9 @@ def openai(data: bytes) -> Piece:
     """An OpenAI-compatible `chat.completion.chunk` or `text_completion` event."""
     if data == b"[DONE]":
         return DONE
-    body, error = _json(data)
-    if error:
-        return Piece(error=error)
-    if not isinstance(body, dict):
-        return Piece(error="an event that is not a JSON object")
-    if "error" in body:
-        return Piece(done=True, error=f"the engine sent an error: {str(body['error'])[:80]}")
+    body = _object(data, sender="the engine")
+    if isinstance(body, Piece):
+        return body
     choices = body.get("choices")
     tokens = sum(1 for c in choices if isinstance(c, dict) and _has_text(c)) \
         if isinstance(choices, list) else 0
@@ -95,24 +99,18 @@ def openai(data: bytes) -> Piece:
 def triton(data: bytes) -> Piece:
     """A Triton `generate_stream` event: `text_output` per response of a decoupled
     model; an `error` object ends the stream."""
-    body, error = _json(data)
-    if error:
-        return Piece(error=error)
-    if not isinstance(body, dict):
-        return Piece(error="an event that is not a JSON object")
-    if "error" in body:
-        return Piece(done=True, error=f"Triton sent an error: {str(body['error'])[:80]}")
+    body = _object(data, sender="Triton")
+    if isinstance(body, Piece):
+        return body
     return Piece(1 if body.get("text_output") else 0)
 
 
 def ndjson(data: bytes) -> Piece:
     """A line of Ollama's shape: `response` (generate) or `message.content` (chat), and
     `done` with `prompt_eval_count` / `eval_count` on the last."""
-    body, error = _json(data)
-    if error:
-        return Piece(error=error)
-    if not isinstance(body, dict):
-        return Piece(error="a line that is not a JSON object")
+    body = _object(data, "a line")
+    if isinstance(body, Piece):
+        return body
     message = body.get("message")
     text = body.get("response") or (message.get("content")
                                     if isinstance(message, dict) else None)

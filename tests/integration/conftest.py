@@ -37,6 +37,15 @@ def upstream() -> Iterator[int]:
 
 
 @pytest.fixture
+def kill_envoys() -> Iterator[list[harness.Envoy]]:
+    """Envoys a test appends here are killed at its teardown."""
+    envoys: list[harness.Envoy] = []
+    yield envoys
+    for envoy in envoys:
+        envoy.kill()
+
+
+@pytest.fixture
 def envoy(tmp_path: Path, sitsmesh: harness.Sitsmesh, upstream: int) -> Iterator[harness.Envoy]:
     node = harness.start_envoy(tmp_path, sitsmesh.data_addr, upstream)
     yield node

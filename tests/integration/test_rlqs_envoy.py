@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,14 +102,6 @@ def _envoys(tmp_path: Path, node: harness.Sitsmesh, upstream: int, n: int
         envoys.append(harness.start_envoy(tmp_path / f"envoy{i}", node.data_addr, upstream,
                                           fragments=["rate_limit_quota"]))
     return envoys
-
-
-@pytest.fixture
-def kill_envoys() -> Iterator[list[harness.Envoy]]:
-    envoys: list[harness.Envoy] = []
-    yield envoys
-    for envoy in envoys:
-        envoy.kill()
 
 
 def test_sitsmesh_down_keeps_assignments_for_their_ttl_then_fails_open_and_resumes(

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -65,17 +64,9 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
 
 
-@pytest.fixture
-def envoys() -> Iterator[list[harness.Envoy]]:
-    started: list[harness.Envoy] = []
-    yield started
-    for envoy in started:
-        envoy.kill()
-
-
 def test_the_rlqs_process_follows_applied_configs_and_comes_back_after_a_crash(
         tmp_path: Path, start_sitsmesh: Start, upstream: int,
-        envoys: list[harness.Envoy]) -> None:
+        kill_envoys: list[harness.Envoy]) -> None:
     rlqs_addr = f"127.0.0.1:{harness.free_port()}"
     node = start_sitsmesh("--rlqs-addr", rlqs_addr, name="rlqs-process")
     serving = health_pb2.HealthCheckResponse.SERVING
@@ -92,7 +83,7 @@ def test_the_rlqs_process_follows_applied_configs_and_comes_back_after_a_crash(
     assert _events(node, "an Envoy streams RLQS to the data port")
     envoy = harness.start_envoy(tmp_path, node.data_addr, upstream,
                                 fragments=["rate_limit_quota"], rlqs_addr=rlqs_addr)
-    envoys.append(envoy)
+    kill_envoys.append(envoy)
 
     def status() -> int:
         return Pacer(envoy, "free", 1.0, 0)._send()
@@ -155,7 +146,7 @@ def test_bad_rlqs_addr_settings_stop_the_start(tmp_path: Path) -> None:
 
 def test_workers_serve_rlqs_through_the_rlqs_process(
         tmp_path: Path, start_sitsmesh: Start, upstream: int,
-        envoys: list[harness.Envoy]) -> None:
+        kill_envoys: list[harness.Envoy]) -> None:
     """Workers alone cannot serve RLQS (each would split the rates on its own); the one
     RLQS process beside them can."""
     rlqs_addr = f"127.0.0.1:{harness.free_port()}"
@@ -169,6 +160,6 @@ def test_workers_serve_rlqs_through_the_rlqs_process(
     assert "RLQS is not served by worker processes" not in node.output()
     envoy = harness.start_envoy(tmp_path, node.data_addr, upstream,
                                 fragments=["rate_limit_quota"], rlqs_addr=rlqs_addr)
-    envoys.append(envoy)
+    kill_envoys.append(envoy)
     harness.wait_until(lambda: Pacer(envoy, "free", 1.0, 0)._send() == 429, 15,
                        "DENY_ALL from the RLQS process beside two workers")
