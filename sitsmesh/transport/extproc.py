@@ -30,6 +30,10 @@ from sitsmesh.transport.streams import OpenStreams
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 MAX_HEADER_VALUE = 256  # request ids and paths kept per stream
 MAX_LAG_S = 1.0  # Envoy's request.time this far before receipt, or after: clock skew
+# The fragment's `deferred_close_timeout`: in observability mode Envoy keeps the Process
+# stream open this long after the HTTP stream ends, so a stream that was cut (no body
+# end) is seen to end this much after it did.
+CLOSE_DELAY_S = 1.0
 _CONTINUE = {
     "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
     "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
@@ -83,6 +87,7 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
         request_id = path = cluster = route = ""
         stream: TokenStream | None = None
         finished = False
+        last = started
         async for request in request_iterator:
             now = clock()
             kind = request.WhichOneof("request")
@@ -101,7 +106,11 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
             elif kind == "response_body" and stream is not None and not finished:
                 body = request.response_body
                 stream.chunk(body.body, now)
-                if body.end_of_stream:
+                last = now
+                # Its format's end ([DONE], done: true) is the end: clients such as the
+                # openai SDK hang up on [DONE] before the body's end reaches Envoy, and
+                # the Process stream then ends only after CLOSE_DELAY_S.
+                if body.end_of_stream or stream.done:
                     finished = True
                     self._finish(stream, End.COMPLETE, now,
                                  (request_id, path, cluster, route))
@@ -109,9 +118,10 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
                 await context.write(_CONTINUE[kind])
         if stream is not None and not finished:
             # Envoy ended the exchange before the body's end: cut, or idle past its
-            # timeout; a stream whose format said it was done had all it would send.
-            self._finish(stream, End.COMPLETE if stream.done else End.CUT, clock(),
-                         (request_id, path, cluster, route))
+            # timeout. It ended CLOSE_DELAY_S before the Process stream did (never before
+            # the last chunk seen), which is what a stall at the end is measured to.
+            ended = max(last, clock() - CLOSE_DELAY_S)
+            self._finish(stream, End.CUT, ended, (request_id, path, cluster, route))
 
     def _started(self, request: Any, received: float) -> float:
         """When Envoy had the request (its `request.time` attribute), on this process's
