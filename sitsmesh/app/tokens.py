@@ -10,6 +10,7 @@ from sitsmesh.app.background import DataService
 from sitsmesh.app.components import ChainsComponent
 from sitsmesh.tokens.metrics import TokenMetrics
 from sitsmesh.tokens.stages import UNKNOWN, StageIndex
+from sitsmesh.tokens.stalls import DEFAULT_S, StallThresholds
 from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.tokens.timing import StreamSummary
 from sitsmesh.tokens.window import TokenWindows
@@ -17,14 +18,16 @@ from sitsmesh.transport.extproc import SERVICE_NAME, ExternalProcessorServicer, 
 from sitsmesh.transport.streams import OpenStreams
 
 _log = logs.get("sitsmesh.tokens")
-# A gap between two tokens longer than this is a stall (per stage, later: learned).
-STALL_S = 1.0
+# A gap between two tokens longer than this is a stall, for a stream of no stage and
+# for a stage until its own threshold is learned (tokens/stalls.py).
+STALL_S = DEFAULT_S
 
 
 class TokensComponent:
     def __init__(self, registry: CollectorRegistry | None, *, serve: bool) -> None:
         self._metrics = TokenMetrics(registry) if serve else None
         self._stages = StageIndex()
+        self._stalls = StallThresholds(self._stages)
         # Per stage over the chain report's windows (GetLatencyChain, `chain show`).
         self.windows = TokenWindows() if serve else None
 
@@ -56,11 +59,13 @@ class TokensComponent:
         self._metrics.observe(report, (pipeline, stage))
         if (pipeline, stage) != UNKNOWN:
             self.windows.add(pipeline, stage, report.summary)
+            self._stalls.learn(pipeline, stage, report.summary)
 
     def services(self, streams: OpenStreams) -> list[DataService]:
         if self._metrics is None:
             return []
-        servicer = ExternalProcessorServicer(self._report, streams, stall_s=STALL_S)
+        servicer = ExternalProcessorServicer(self._report, streams, stall_s=STALL_S,
+                                             stall_of=self._stalls.stall_of)
         return [DataService(SERVICE_NAME, lambda server: add_to_server(servicer, server))]
 
     async def start(self) -> None:

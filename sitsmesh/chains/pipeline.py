@@ -13,6 +13,10 @@ from sitsmesh.errors import Code, SitsmeshError
 PIPELINE_KIND = "pipeline"
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 MATCH_KEYS = ("upstream_cluster", "route_name", "header")
+# A stage's stall threshold (token streams): under 10 ms every gap of a busy engine would
+# count; over 60 s is past Envoy's stream_idle_timeout (filters/local/bootstrap.yaml),
+# which cuts the stream before such a gap could end with a token.
+STALL_MS_MIN, STALL_MS_MAX = 10, 60_000
 
 
 class InvalidPipeline(SitsmeshError):
@@ -27,6 +31,9 @@ class Stage:
     sla_p99_ms: float | None = None
     ttfb_p99_ms: float | None = None
     triton_model: str = ""      # the Triton model behind the stage: its queue is scraped
+    # A gap between two tokens of its streams longer than this is a stall; None: learned
+    # from the stage's own time per token (tokens/stalls.py).
+    stall_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +55,8 @@ class Pipeline:
             {"name": s.name, "match": {s.match_key: s.match_value},
              **({"sla_p99_ms": s.sla_p99_ms} if s.sla_p99_ms is not None else {}),
              **({"ttfb_p99_ms": s.ttfb_p99_ms} if s.ttfb_p99_ms is not None else {}),
-             **({"triton_model": s.triton_model} if s.triton_model else {})}
+             **({"triton_model": s.triton_model} if s.triton_model else {}),
+             **({"stall_ms": s.stall_ms} if s.stall_ms is not None else {})}
             for s in self.stages]}
         if self.models:
             body["models"] = list(self.models)
@@ -62,6 +70,16 @@ def _number(value: Any, where: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise InvalidPipeline(f"{where} must be a positive number of milliseconds")
+    return float(value)
+
+
+def _stall_ms(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not STALL_MS_MIN <= value <= STALL_MS_MAX):
+        raise InvalidPipeline(f"{where} must be a number of milliseconds from "
+                              f"{STALL_MS_MIN} to {STALL_MS_MAX}")
     return float(value)
 
 
@@ -82,7 +100,8 @@ def pipeline_from(name: str, body: Mapping[str, Any], source: str = "pipeline") 
         where = f"{source}: stages[{i}]"
         if not isinstance(raw, dict):
             raise InvalidPipeline(f"{where} must be a mapping")
-        extra = set(raw) - {"name", "match", "sla_p99_ms", "ttfb_p99_ms", "triton_model"}
+        extra = set(raw) - {"name", "match", "sla_p99_ms", "ttfb_p99_ms", "triton_model",
+                            "stall_ms"}
         if extra:
             raise InvalidPipeline(f"{where}: unknown key '{sorted(extra)[0]}'")
         stage_name = raw.get("name")
@@ -105,7 +124,7 @@ def pipeline_from(name: str, body: Mapping[str, Any], source: str = "pipeline") 
         stages.append(Stage(stage_name, key, value,
                             _number(raw.get("sla_p99_ms"), f"{where}.sla_p99_ms"),
                             _number(raw.get("ttfb_p99_ms"), f"{where}.ttfb_p99_ms"),
-                            triton_model))
+                            triton_model, _stall_ms(raw.get("stall_ms"), f"{where}.stall_ms")))
     models = body.get("models", [])
     if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
         raise InvalidPipeline(f"{source}: models must be a list of model name patterns")

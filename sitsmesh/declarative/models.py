@@ -17,7 +17,7 @@ from pydantic_core import PydanticCustomError
 
 from sitsmesh.authz.keypolicy import MAX_KEYS, MAX_TTL_S, key_policy_from
 from sitsmesh.authz.model import MAX_PRIORITY, tenant_from
-from sitsmesh.chains.pipeline import pipeline_from
+from sitsmesh.chains.pipeline import STALL_MS_MAX, STALL_MS_MIN, pipeline_from
 from sitsmesh.errors import SitsmeshError
 from sitsmesh.pressure.thresholds import thresholds_from
 from sitsmesh.ratelimit.config import parse_domain
@@ -64,6 +64,7 @@ class PipelineStage(_Strict):
     sla_p99_ms: Annotated[float, Field(gt=0)] | None = None
     ttfb_p99_ms: Annotated[float, Field(gt=0)] | None = None
     triton_model: str | None = None
+    stall_ms: Annotated[float, Field(ge=STALL_MS_MIN, le=STALL_MS_MAX)] | None = None
 
 
 class PipelineSpec(_Strict):

@@ -49,6 +49,13 @@ stages:
 DEMO_THRESHOLDS = """stages:
   model: {parallelism: 1, queue_capacity: 32}
 """
+# The token stage as a pipeline, so `chain show chat` has its TTFT and time per token.
+# Its stall threshold is learned (tokens/stalls.py); `stall_ms: 300` would set it.
+CHAT_PIPELINE = f"""name: chat
+stages:
+  - name: llm
+    match: {{upstream_cluster: {TOKENS_CLUSTER}}}
+"""
 
 
 def _start_triton(run_dir: Path, ports: DevPorts) -> subprocess.Popen[bytes] | None:
@@ -134,13 +141,19 @@ def _admin_flags(serve_args: list[str]) -> list[str]:
     return admin
 
 
-def _demo_pipeline(bin_dir: Path, run_dir: Path, serve_args: list[str]) -> None:
-    """The demo model's pipeline and thresholds, through the admin API like any SRE."""
+def _demo_pipeline(bin_dir: Path, run_dir: Path, serve_args: list[str], *,
+                   triton: bool) -> None:
+    """The token stage's pipeline, and with Triton the demo model's pipeline and
+    thresholds, through the admin API like any SRE."""
     cli, admin = str(bin_dir / "sitsmesh"), _admin_flags(serve_args)
+    (run_dir / "chat.yaml").write_text(CHAT_PIPELINE)
     (run_dir / "pipeline.yaml").write_text(DEMO_PIPELINE)
     (run_dir / "thresholds.yaml").write_text(DEMO_THRESHOLDS)
-    for args in (["pipelines", "apply", str(run_dir / "pipeline.yaml")],
-                 ["thresholds", "set", DEMO_MODEL, str(run_dir / "thresholds.yaml")]):
+    steps = [["pipelines", "apply", str(run_dir / "chat.yaml")]]
+    if triton:
+        steps += [["pipelines", "apply", str(run_dir / "pipeline.yaml")],
+                  ["thresholds", "set", DEMO_MODEL, str(run_dir / "thresholds.yaml")]]
+    for args in steps:
         done = subprocess.run([cli, *args, *admin], capture_output=True, text=True,
                               check=False)
         if done.returncode != 0:
@@ -182,8 +195,9 @@ def _bootstrap(filters_dir: Path, ports: DevPorts, admission: str, rlqs_addr: st
                                             "metrics_service"])
     if rlqs_addr:
         envoyconf.use_rlqs_addr(bootstrap, rlqs_addr)
+    # No route timeout on a streaming route: it would bound the whole generation.
     envoyconf.add_route(bootstrap, name=TOKENS_CLUSTER, prefix="/v1/chat/",
-                        host="127.0.0.1", port=tokens_port)
+                        host="127.0.0.1", port=tokens_port, timeout="0s")
     envoyconf.ext_proc_only_on(bootstrap, [TOKENS_CLUSTER])
     return bootstrap
 
@@ -240,8 +254,7 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
         _wait_ready(f"http://127.0.0.1:{ports.envoy_admin}/ready", envoy, "envoy")
         time.sleep(1.5)  # let sitsmesh print its start-up lines first
         key = _demo_key(bin_dir, serve_args)
-        if triton is not None:
-            _demo_pipeline(bin_dir, run_dir, serve_args)
+        _demo_pipeline(bin_dir, run_dir, serve_args, triton=triton is not None)
         hints = [
             (f"curl -s -d '{{}}' -H 'x-api-key: {key}' "
              f"http://127.0.0.1:{ports.listen}/v2/models/demo/infer",
@@ -262,6 +275,8 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
              f"\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}]}}' "
              f"http://127.0.0.1:{ports.listen}/v1/chat/completions",
              "a token stream through Envoy, timed by sitsmesh (ext_proc)"),
+            (".venv/bin/sitsmesh chain show chat",
+             "TTFT and time per token of the chat pipeline's llm stage"),
             ("curl -s http://127.0.0.1:9464/metrics | grep -E 'gen_ai_server|token'",
              "time to first token, time per token, tokens"),
             ("curl -s http://127.0.0.1:9464/metrics | grep sitsmesh_", "Prometheus metrics"),

@@ -156,17 +156,37 @@ def use_rlqs_addr(bootstrap: dict[str, Any], addr: str) -> None:
 
 
 def add_route(bootstrap: dict[str, Any], *, name: str, prefix: str, host: str,
-              port: int) -> None:
-    """Route `prefix` to a new static cluster `name` at host:port, ahead of the catch-all."""
+              port: int, timeout: str = "30s", http2: bool = False) -> None:
+    """Route `prefix` to a new static cluster `name` at host:port, ahead of the catch-all.
+
+    The cluster has the template's `upstream` cluster's buffer limit; `http2`: it speaks
+    HTTP/2 (gRPC) with the connection manager's flow-control windows, so an engine
+    cannot push more ahead of a slow client than a client can push ahead of Envoy
+    (filters/fragments/ext_proc.yaml). `timeout` "0s": none, for streaming routes."""
     manager = http_connection_manager(bootstrap)
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]
     routes.insert(0, {"name": name, "match": {"prefix": prefix},
-                      "route": {"cluster": name, "timeout": "30s"}})
-    bootstrap["static_resources"]["clusters"].append({
+                      "route": {"cluster": name, "timeout": timeout}})
+    clusters = bootstrap["static_resources"]["clusters"]
+    cluster: dict[str, Any] = {
         "name": name, "type": "STATIC", "connect_timeout": "1s",
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {
-                "address": host, "port_value": port}}}}]}]}})
+                "address": host, "port_value": port}}}}]}]}}
+    template: dict[str, Any] = next((c for c in clusters if c.get("name") == "upstream"), {})
+    if "per_connection_buffer_limit_bytes" in template:
+        cluster["per_connection_buffer_limit_bytes"] = template[
+            "per_connection_buffer_limit_bytes"]
+    if http2:
+        windows = {k: v for k, v in manager.get("http2_protocol_options", {}).items()
+                   if k.startswith("initial_")}
+        cluster["typed_extension_protocol_options"] = {HTTP_OPTIONS: {
+            "@type": f"type.googleapis.com/{HTTP_OPTIONS}",
+            "explicit_http_config": {"http2_protocol_options": windows}}}
+    clusters.append(cluster)
+
+
+HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
 EXT_PROC = "envoy.filters.http.ext_proc"

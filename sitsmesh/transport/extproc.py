@@ -64,10 +64,14 @@ def _attribute(request: Any, name: str) -> str:
 class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, report: Callable[[TokenReport], None], streams: OpenStreams, *,
                  stall_s: float, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 stall_of: Callable[[str, str], float] | None = None) -> None:
+        """`stall_of(cluster, route)`: the stall threshold of the stage a stream went to,
+        asked when its response headers name it; `stall_s` for every stream without."""
         self._report = report
         self._streams = streams
         self._stall_s = stall_s
+        self._stall_of = stall_of
         self._clock = clock
         self._wall = wall
         self.untracked = 0  # responses that were not token streams
@@ -100,7 +104,9 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
                 cluster = _attribute(request, "xds.cluster_name")
                 route = _attribute(request, "xds.route_name")
                 if fmt:
-                    stream = TokenStream(fmt, started, self._stall_s)
+                    stall_s = (self._stall_s if self._stall_of is None
+                               else self._stall_of(cluster, route))
+                    stream = TokenStream(fmt, started, stall_s)
                 else:
                     self.untracked += 1
             elif kind == "response_body" and stream is not None and not finished:

@@ -33,6 +33,29 @@ def test_dev_stack_serves_through_envoy_and_status_is_serving_and_swaps(
                                      headers={"x-api-key": key}, data=b"{}", method="POST")
         with urllib.request.urlopen(req, timeout=5) as resp:
             assert json.loads(resp.read())["upstream"] == "demo"
+        # README "Token streams": the `curl -N` stream through Envoy, then its TTFT and
+        # time per token on the chat pipeline's llm stage in `chain show chat`.
+        chat = urllib.request.Request(
+            f"http://127.0.0.1:{listen}/v1/chat/completions", method="POST",
+            headers={"x-api-key": key}, data=json.dumps({
+                "model": "tiny", "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}).encode())
+        with urllib.request.urlopen(chat, timeout=10) as resp:
+            events = [line for line in resp if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]\n" and len(events) == 24 + 3
+
+        def streamed() -> dict[str, float]:
+            shown = harness.run_cli("chain", "show", "chat", "-o", "json", "--admin", admin,
+                                    "--state-dir", str(state))
+            assert shown.returncode == 0, shown.stderr
+            [llm] = json.loads(shown.stdout)["stages"]
+            tokens: dict[str, float] = llm.get("tokens", {})
+            return tokens
+
+        harness.wait_until(lambda: streamed().get("streams") == 1, 10, "the stream timed")
+        timed = streamed()
+        assert timed["output_tokens"] == 24
+        assert timed["ttft_p50_ms"] > 0 and timed["tpot_p50_ms"] > 0
         status = harness.run_cli("status", "--admin", admin, "--state-dir", str(state))
         assert status.returncode == 0, status.stderr
         assert "SERVING" in status.stdout

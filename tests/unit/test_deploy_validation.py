@@ -566,7 +566,7 @@ def check_resilience_wiring(kube: Sequence[Doc], istio: Sequence[Doc]) -> None:
     assert 0 < outlier.get("maxEjectionPercent", 10) <= 50, "never eject a majority"
 
     clusters = [p for p in _patches(istio, "CLUSTER")
-                if p["match"]["cluster"].get("service") == host]
+                if p["match"].get("cluster", {}).get("service") == host]
     assert len(clusters) == 1, f"one CLUSTER patch for {host}"
     assert clusters[0]["match"]["cluster"].get("portNumber") == data_port
     value = clusters[0]["patch"]["value"]
