@@ -223,7 +223,7 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
         TenantAdmin(graph.authz.directory, tokens, workers=workers),
         ChainAdmin(graph.chains.pipelines, graph.chains.assembler, tokens, workers=workers,
                    report=graph.chains.report, streams=graph.tokens.windows,
-                   reported=graph.tokens.reported),
+                   reported=graph.tokens.reported, joined=graph.tokens.joined),
         SwapAdmin(graph.swaps.manager, tokens),
         BatchingAdmin(graph.swaps.batching, tokens, pipelines=graph.chains.pipelines),
         PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime, tokens),
