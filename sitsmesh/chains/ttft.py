@@ -16,10 +16,14 @@ The attribution rule (pure, no clock):
   first token back out, which is the LLM's doing as far as the chain can tell.
 - Over many requests, the owner of TTFT in the slowest 1 % is the stage with the largest
   summed share over those requests (sitsmesh.chains.tokenjoin).
+- A stall is the innermost stage's that had it: every stage around the one that stopped
+  sees the same gap relayed, so a stall that overlaps (by more than half) a stall of a
+  stage whose hop started later is dropped from the outer stage's list.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,7 +41,8 @@ class StageStream:
     itl_p99_ms: float | None
     tokens: int
     tokens_per_s: float
-    stalls: tuple[tuple[float, float], ...]  # (after ms, length ms), at most MAX_STALLS
+    # (after ms, length ms), at most MAX_STALLS: those this stage made (see the rule)
+    stalls: tuple[tuple[float, float], ...]
     stall_count: int
     end: str
 
@@ -88,10 +93,32 @@ def request_tokens(request_id: str, trace_id: str, hops: Mapping[str, Hop],
     else:
         first = seen.ttft_s
     shares = ttft_shares(hops, entry.start, entry.start + first) if first is not None else {}
+    starts = {name: hops[name].start for name in streamed}
     return RequestTokens(
         request_id, trace_id, first, seen.itl_p50_s, seen.itl_p99_s, e2e_s, source, shares,
-        tuple(stage_stream(name, streams[name]) for name in streamed), entry.start,
-        {name: hops[name].start for name in streamed})
+        own_stalls([stage_stream(name, streams[name]) for name in streamed], starts),
+        entry.start, starts)
+
+
+def own_stalls(streams: list[StageStream], starts: Mapping[str, float]
+               ) -> tuple[StageStream, ...]:
+    """The streams with each stall left only at the innermost stage that had it."""
+    def absolute(stream: StageStream) -> list[tuple[float, float]]:
+        base = starts[stream.stage] * 1000
+        return [(base + after, base + after + length) for after, length in stream.stalls]
+
+    inner = {s.stage: absolute(s) for s in streams}
+    out = []
+    for stream in streams:
+        later = [span for other in streams if starts[other.stage] > starts[stream.stage]
+                 for span in inner[other.stage]]
+        kept = tuple(stall for stall, (begin, end) in zip(stream.stalls, inner[stream.stage],
+                                                          strict=True)
+                     if not any(min(end, e) - max(begin, b) > (end - begin) / 2
+                                for b, e in later))
+        out.append(stream if len(kept) == len(stream.stalls)
+                   else dataclasses.replace(stream, stalls=kept))
+    return tuple(out)
 
 
 def ttft_shares(hops: Mapping[str, Hop], start: float, first: float) -> dict[str, float]:

@@ -156,10 +156,13 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
         print()
         print(_request_tokens(doc["tokens"], stages))
     if doc["slowest"]:
-        slow = [(f"SLOWEST (of {len(doc['slowest'])})", "E2E ms", "TTFT ms", "STALLS",
-                 "TRACE ID", "REQUEST ID")]
+        # TTFT and stalls where the pipeline streams: the table stays as it was elsewhere.
+        streams = any("ttft_ms" in c for c in doc["slowest"])
+        slow = [(f"SLOWEST (of {len(doc['slowest'])})", "E2E ms",
+                 *(("TTFT ms", "STALLS") if streams else ()), "TRACE ID", "REQUEST ID")]
         slow += [("", f"{c['e2e_ms']:.1f}",
-                  f"{c['ttft_ms']:.1f}" if "ttft_ms" in c else "-", _stalls(c),
+                  *((f"{c['ttft_ms']:.1f}" if "ttft_ms" in c else "-", _stalls(c))
+                    if streams else ()),
                   _printable(c["trace_id"]) or "-",
                   _printable(c["request_id"])) for c in doc["slowest"][:SLOWEST_SHOWN]]
         print()

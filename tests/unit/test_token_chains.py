@@ -147,3 +147,19 @@ def test_reports_whose_chain_never_comes_are_dropped_and_counted() -> None:
     join.report_for("chat", 60)
     assert join.waiting() == (0, 0) and join.dropped["expired"] == 3
     assert join.report_for("chat", 60).dropped == 5
+
+
+def test_a_relayed_stall_is_the_inner_stages() -> None:
+    chain = hops(0.01, 0.1)  # the LLM's hop starts 10 ms after the guard's
+    relayed = summary(0.11, stalls=(Stall(0.31, 2.0),))
+    made = summary(0.1, stalls=(Stall(0.3, 2.0),))
+    guard_own = summary(0.11, stalls=(Stall(5.0, 1.5),))  # no stall inside at that time
+    figures = request_tokens("r", "", chain, {"guard": relayed, "llm": made}, 4.0,
+                             order=("guard", "llm"))
+    assert figures is not None
+    assert {s.stage: s.stalls for s in figures.streams} == {
+        "guard": (), "llm": ((300.0, 2000.0),)}
+    assert figures.streams[0].stall_count == 1  # the count is what the stage saw
+    figures = request_tokens("r", "", chain, {"guard": guard_own, "llm": made}, 7.0,
+                             order=("guard", "llm"))
+    assert figures is not None and figures.streams[0].stalls == ((5000.0, 1500.0),)
