@@ -59,7 +59,8 @@ class RequestTokens:
     shares: Mapping[str, float]  # stage -> seconds of the request's TTFT
     streams: tuple[StageStream, ...]  # in the order of `order`, streaming stages only
     start: float = 0.0         # the entry hop's start (absolute seconds)
-    stage_starts: Mapping[str, float] | None = None  # each streaming stage's hop start
+    # each streaming stage's hop (start, end), absolute seconds: for its trace span
+    stage_spans: Mapping[str, tuple[float, float]] | None = None
 
     @property
     def longest_stall(self) -> tuple[str, float, float] | None:
@@ -97,7 +98,7 @@ def request_tokens(request_id: str, trace_id: str, hops: Mapping[str, Hop],
     return RequestTokens(
         request_id, trace_id, first, seen.itl_p50_s, seen.itl_p99_s, e2e_s, source, shares,
         own_stalls([stage_stream(name, streams[name]) for name in streamed], starts),
-        entry.start, starts)
+        entry.start, {name: (hops[name].start, hops[name].end) for name in streamed})
 
 
 def own_stalls(streams: list[StageStream], starts: Mapping[str, float]

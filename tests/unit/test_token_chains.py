@@ -163,3 +163,35 @@ def test_a_relayed_stall_is_the_inner_stages() -> None:
     figures = request_tokens("r", "", chain, {"guard": guard_own, "llm": made}, 7.0,
                              order=("guard", "llm"))
     assert figures is not None and figures.streams[0].stalls == ((5000.0, 1500.0),)
+
+
+def test_the_streaming_stages_spans_carry_the_genai_figures_first_token_and_stalls() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sitsmesh.config import Settings
+    from sitsmesh.telemetry import tracing
+
+    exporter = InMemorySpanExporter()
+    tracer = tracing.build(Settings(trace_sample_ratio=0.0), "single", exporter)
+    clock = Clock()
+    assembler, join = joined(clock)
+    join.on_joined = tracer.token_streams
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    join.report("t", "chat", "guard", summary(0.6))
+    join.report("t", "chat", "llm", summary(0.1, stalls=(Stall(0.3, 2.0),)))
+    for hop in hops(0.5, 0.1, "t").values():
+        hop.trace_id = trace_id
+        assembler.add(hop)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"sitsmesh.token_stream guard", "sitsmesh.token_stream llm"}
+    llm = spans["sitsmesh.token_stream llm"]
+    assert llm.context is not None and f"{llm.context.trace_id:032x}" == trace_id
+    assert llm.attributes is not None
+    assert llm.attributes["gen_ai.server.time_to_first_token"] == pytest.approx(0.1)
+    assert llm.attributes["gen_ai.usage.output_tokens"] == 10
+    assert llm.attributes["sitsmesh.ttft_part_ms"] == pytest.approx(100)
+    events = {e.name: e for e in llm.events}
+    assert llm.start_time is not None
+    assert events["gen_ai.first_token"].timestamp - llm.start_time == pytest.approx(1e8, rel=1e-3)
+    assert events["sitsmesh.stall"].attributes == {"sitsmesh.stall_ms": 2000.0}
+    assert spans["sitsmesh.token_stream guard"].parent == llm.parent  # one request's parent
