@@ -147,7 +147,7 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     tokens = TokensComponent(registry, serve=serve)
     tokens.attach(chains)
     if tracing is not None and tokens.joined is not None:
-        tokens.joined.on_joined = tracing.token_streams
+        tokens.joined.listen(tracing.token_streams)
     return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry, tokens,
                  tracing=tracing)
 

@@ -36,7 +36,8 @@ class TokensComponent:
         join their request's chain where this process assembles chains."""
         chains.pipelines.on_change(self._stages.set_pipelines)
         if self._metrics is not None and chains.assembler is not None:
-            self.joined = TokenJoin()
+            self.joined = TokenJoin(on_drop=self._metrics.unjoined)
+            self.joined.listen(self._metrics.chain)
             chains.assembler.on_close = self.joined.closed
 
     def _report(self, report: TokenReport) -> None:

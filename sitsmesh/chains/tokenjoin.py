@@ -78,7 +78,7 @@ class TokenJoin:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, slot_s: int = 10,
                  slots: int = 30, grace_s: float = GRACE_S, ttl_s: float = PENDING_TTL_S,
                  max_pending: int = MAX_PENDING, max_waiting: int = MAX_WAITING,
-                 on_joined: Callable[[str, RequestTokens], None] | None = None) -> None:
+                 on_drop: Callable[[str], None] | None = None) -> None:
         self._clock = clock
         self._slot_s = slot_s
         self._slots = slots
@@ -86,7 +86,9 @@ class TokenJoin:
         self._ttl_s = ttl_s
         self._max_pending = max_pending
         self._max_waiting = max_waiting
-        self.on_joined = on_joined
+        self._on_drop = on_drop
+        # Each joined request goes to these (pipeline, figures): metrics, trace spans.
+        self._listeners: list[Callable[[str, RequestTokens], None]] = []
         # request id -> (first report's time, {stage: summary}); oldest first
         self._pending: OrderedDict[str, tuple[float, dict[str, StreamSummary]]] = OrderedDict()
         self._waiting: OrderedDict[str, _Waiting] = OrderedDict()
@@ -121,7 +123,7 @@ class TokenJoin:
             if entry is None:
                 if len(self._pending) >= self._max_pending:
                     self._pending.popitem(last=False)
-                    self.dropped["max_pending"] += 1
+                    self._dropped("max_pending")
                 entry = self._pending[request_id] = (now, {})
             entry[1].setdefault(stage, summary)  # a retried stream: the first one stands
         self._sweep(now)
@@ -161,7 +163,7 @@ class TokenJoin:
             if seen > stale:
                 break
             del self._pending[rid]
-            self.dropped["expired"] += 1
+            self._dropped("expired")
         for name in [p for p, at in self._streaming.items() if at < now - STREAMING_S]:
             del self._streaming[name]
 
@@ -190,8 +192,16 @@ class TokenJoin:
             for _, length in stream.stalls:
                 if length > tally.stall_max_ms.get(stream.stage, 0.0):
                     tally.stall_max_ms[stream.stage] = length
-        if self.on_joined is not None:
-            self.on_joined(waiting.pipeline, figures)
+        for listener in self._listeners:
+            listener(waiting.pipeline, figures)
+
+    def listen(self, listener: Callable[[str, RequestTokens], None]) -> None:
+        self._listeners.append(listener)
+
+    def _dropped(self, reason: str) -> None:
+        self.dropped[reason] += 1
+        if self._on_drop is not None:
+            self._on_drop(reason)
 
     def _tally(self, pipeline: str) -> _Tally:
         index = int(self._clock() // self._slot_s)

@@ -129,6 +129,13 @@ def test_a_slow_guard_before_the_llm_owns_ttft_in_the_slowest_one_percent(
     assert any(c["ttft_owner"] == "llm" for c in doc["slowest"][1:])
     table = node.cli("chain", "show", "chat")
     assert "TTFT owner in the slowest 1 %: guard" in table.stdout, table.stdout
+    # Prometheus: every request's TTFT, and each stage's part of it.
+    metrics = node.metrics()
+    assert harness.metric_value(metrics, "sitsmesh_chain_time_to_first_token_seconds_count",
+                                pipeline="chat") == 30
+    assert harness.metric_value(
+        metrics, "sitsmesh_chain_time_to_first_token_part_seconds_total", pipeline="chat",
+        stage="guard") >= 0.6 + 29 * 0.005
 
 
 def test_a_stage_that_stalls_is_named_with_the_stalls_length(

@@ -175,7 +175,7 @@ def test_the_streaming_stages_spans_carry_the_genai_figures_first_token_and_stal
     tracer = tracing.build(Settings(trace_sample_ratio=0.0), "single", exporter)
     clock = Clock()
     assembler, join = joined(clock)
-    join.on_joined = tracer.token_streams
+    join.listen(tracer.token_streams)
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     join.report("t", "chat", "guard", summary(0.6))
     join.report("t", "chat", "llm", summary(0.1, stalls=(Stall(0.3, 2.0),)))
