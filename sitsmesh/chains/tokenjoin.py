@@ -6,8 +6,10 @@ end and flushes the log up to an interval later, while ext_proc reports at the l
 chunk (or, for a cut stream, a close delay after it). So reports wait for their chain
 (bounded in count and age; those whose chain never comes are dropped and counted), and a
 closed chain of a pipeline that streams waits up to GRACE_S for the reports of its other
-hops, unless every hop has reported. Plain Python with an injected clock; the sweeps run
-from the calls themselves, so nothing needs a timer.
+hops, unless every hop has reported. A pipeline "streams" once a report named it (for
+STREAMING_S after the last): before that, a chain that closes ahead of its first report
+is not held, so the first request of a pipeline may go unjoined. Plain Python with an
+injected clock; the sweeps run from the calls themselves, so nothing needs a timer.
 """
 
 from __future__ import annotations

@@ -171,3 +171,40 @@ def test_a_stage_that_stalls_is_named_with_the_stalls_length(
     [chain] = [c for c in reply.slowest if c.request_id == "stalled"]
     [llm] = [s for s in chain.stages if s.name == "llm"]
     assert len(llm.stream.stalls) == 1 and llm.stream.stalls[0].length_ms >= 2000
+
+
+def test_a_stage_behind_no_envoy_joins_its_requests_chain(
+        tmp_path: Path, start_sitsmesh: Start) -> None:
+    import grpc
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+
+    node = _node(start_sitsmesh, tmp_path)
+
+    def at(seconds: float) -> Timestamp:
+        stamp = Timestamp()
+        stamp.FromNanoseconds(int(seconds * 1e9))
+        return stamp
+
+    now = time.time()
+    sent = []
+    for i in range(4):
+        # The guard's hop holds the request 0.4 s, then the LLM streams from 0.4 s on.
+        sent += [admin_pb2.ReportStageLatencyRequest(
+                     request_id=f"r{i}", pipeline="chat", stage="guard", start=at(now),
+                     end=at(now + 2.0)),
+                 admin_pb2.ReportStageLatencyRequest(
+                     request_id=f"r{i}", pipeline="chat", stage="llm", start=at(now + 0.4),
+                     end=at(now + 1.9), first_token=at(now + 0.5), output_tokens=50,
+                     time_per_output_token_ms=25)]
+    with grpc.insecure_channel(node.admin_addr) as channel:
+        reply = admin_pb2_grpc.AdminServiceStub(channel).ReportStageLatency(
+            iter(sent), metadata=node.admin_metadata(), timeout=5)
+    assert (reply.accepted, reply.rejected) == (8, 0)
+    doc = _chain(node, 4)
+    assert doc["tokens"]["ttft_owner"] == "guard"
+    for chain in doc["slowest"]:
+        assert abs(chain["ttft_ms"] - 500) <= 1 and chain["ttft_owner"] == "guard"
+        parts = {s["name"]: s.get("ttft_part_ms") for s in chain["stages"]}
+        assert abs(parts["guard"] - 400) <= 1 and abs(parts["llm"] - 100) <= 1

@@ -195,3 +195,13 @@ def test_the_streaming_stages_spans_carry_the_genai_figures_first_token_and_stal
     assert events["gen_ai.first_token"].timestamp - llm.start_time == pytest.approx(1e8, rel=1e-3)
     assert events["sitsmesh.stall"].attributes == {"sitsmesh.stall_ms": 2000.0}
     assert spans["sitsmesh.token_stream guard"].parent == llm.parent  # one request's parent
+
+
+def test_closed_chains_waiting_are_bounded_the_oldest_joined_with_what_came() -> None:
+    clock = Clock()
+    assembler, join = joined(clock, max_waiting=2)
+    for i in range(3):  # only the LLM hops report: each chain waits for its guard's
+        join.report(f"w{i}", "chat", "llm", summary(0.1))
+        add_chain(assembler, f"w{i}", 0.01, 0.1)
+    assert join.waiting() == (2, 2) and join.joined == 1
+    assert join.dropped == {"expired": 0, "max_pending": 0}

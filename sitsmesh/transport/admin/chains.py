@@ -181,11 +181,12 @@ class ChainAdmin:
                 rejected += 1
                 continue
             traceparent = report.traceparent
+            # The stream before the hop: a hop may close its chain, which the stream joins.
+            if summary is not None and self._reported is not None:
+                self._reported(report.pipeline, report.stage, summary, report.request_id)
             self._report(Hop(report.request_id, start, end - start, ttfb=ttfb,
                              pipeline=report.pipeline, stage=report.stage,
                              trace_id=trace_id(traceparent) if traceparent else ""))
-            if summary is not None and self._reported is not None:
-                self._reported(report.pipeline, report.stage, summary, report.request_id)
             accepted += 1
         return admin_pb2.ReportStageLatencyResponse(accepted=accepted, rejected=rejected)
 
