@@ -104,6 +104,8 @@ def request_tokens(request_id: str, trace_id: str, hops: Mapping[str, Hop],
 def own_stalls(streams: list[StageStream], starts: Mapping[str, float]
                ) -> tuple[StageStream, ...]:
     """The streams with each stall left only at the innermost stage that had it."""
+    if not any(s.stalls for s in streams):
+        return tuple(streams)  # the common case
     def absolute(stream: StageStream) -> list[tuple[float, float]]:
         base = starts[stream.stage] * 1000
         return [(base + after, base + after + length) for after, length in stream.stalls]
