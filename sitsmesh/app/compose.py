@@ -146,6 +146,8 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
             pressure.runtime.on_decisions = tracing.decisions
     tokens = TokensComponent(registry, serve=serve)
     tokens.attach(chains)
+    if tracing is not None and tokens.joined is not None:
+        tokens.joined.listen(tracing.token_streams)
     return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry, tokens,
                  tracing=tracing)
 
@@ -223,7 +225,7 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
         TenantAdmin(graph.authz.directory, tokens, workers=workers),
         ChainAdmin(graph.chains.pipelines, graph.chains.assembler, tokens, workers=workers,
                    report=graph.chains.report, streams=graph.tokens.windows,
-                   reported=graph.tokens.reported),
+                   reported=graph.tokens.reported, joined=graph.tokens.joined),
         SwapAdmin(graph.swaps.manager, tokens),
         BatchingAdmin(graph.swaps.batching, tokens, pipelines=graph.chains.pipelines),
         PressureAdmin(graph.pressure.thresholds, graph.pressure.runtime, tokens),

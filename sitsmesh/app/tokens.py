@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 from sitsmesh import logs
 from sitsmesh.app.background import DataService
 from sitsmesh.app.components import ChainsComponent
+from sitsmesh.chains.tokenjoin import TokenJoin
 from sitsmesh.tokens.metrics import TokenMetrics
 from sitsmesh.tokens.stages import UNKNOWN, StageIndex
 from sitsmesh.tokens.stalls import DEFAULT_S, StallThresholds
@@ -30,10 +31,17 @@ class TokensComponent:
         self._stalls = StallThresholds(self._stages)
         # Per stage over the chain report's windows (GetLatencyChain, `chain show`).
         self.windows = TokenWindows() if serve else None
+        # Each stream joined to its request's latency chain (set by attach).
+        self.joined: TokenJoin | None = None
 
     def attach(self, chains: ChainsComponent) -> None:
-        """Streams are labelled by the pipeline stage their Envoy cluster or route is."""
+        """Streams are labelled by the pipeline stage their Envoy cluster or route is, and
+        join their request's chain where this process assembles chains."""
         chains.pipelines.on_change(self._stages.set_pipelines)
+        if self._metrics is not None and chains.assembler is not None:
+            self.joined = TokenJoin(on_drop=self._metrics.unjoined)
+            self.joined.listen(self._metrics.chain)
+            chains.assembler.on_close = self.joined.closed
 
     def _report(self, report: TokenReport) -> None:
         pipeline, stage = self._stages.stage_of(report.cluster, report.route)
@@ -45,12 +53,14 @@ class TokensComponent:
                    itl_p99_s=summary.itl_p99_s, tokens=summary.tokens,
                    stalls=summary.stall_count, end=summary.end.value)
 
-    def reported(self, pipeline: str, stage: str, summary: StreamSummary) -> bool:
+    def reported(self, pipeline: str, stage: str, summary: StreamSummary,
+                 request_id: str = "") -> bool:
         """A stage behind no Envoy reported its stream (ReportStageLatency): counted as
         format "reported", if the pipeline has that stage."""
         if self._metrics is None or not self._stages.has(pipeline, stage):
             return False
-        self._record(TokenReport("", "", "reported", summary, None, 0), pipeline, stage)
+        self._record(TokenReport(request_id, "", "reported", summary, None, 0), pipeline,
+                     stage)
         return True
 
     def _record(self, report: TokenReport, pipeline: str, stage: str) -> None:
@@ -60,6 +70,8 @@ class TokensComponent:
         if (pipeline, stage) != UNKNOWN:
             self.windows.add(pipeline, stage, report.summary)
             self._stalls.learn(pipeline, stage, report.summary)
+            if self.joined is not None:
+                self.joined.report(report.request_id, pipeline, stage, report.summary)
 
     def services(self, streams: OpenStreams) -> list[DataService]:
         if self._metrics is None:

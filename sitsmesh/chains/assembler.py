@@ -178,6 +178,10 @@ class Assembler:
         # Backpressure reads every hop as work its stage did, the calls of a fan-out and
         # retries included (the chain keeps one per stage; the stage did them all).
         self.on_hop: Callable[[str, str, Hop], None] | None = None
+        # Each complete chain whole (request id, pipeline, its hops, e2e, trace id): token
+        # streams join it there (sitsmesh.chains.tokenjoin).
+        self.on_close: Callable[[str, Pipeline, Mapping[str, Hop], float, str], None] | None \
+            = None
         self.duplicates = 0
         self.unmatched = 0
         self.set_pipelines(pipelines)
@@ -311,6 +315,8 @@ class Assembler:
             kept.push(e2e, self._sequence, _slow_chain(request_id, chain, own, e2e, failed))
         if self._on_chain is not None:
             self._on_chain(chain.pipeline.name, own, e2e)
+        if self.on_close is not None:
+            self.on_close(request_id, chain.pipeline, chain.hops, e2e, chain.trace_id)
 
     def report(self, pipeline_name: str, window_s: int) -> ChainReport | None:
         pipeline = self.pipelines.get(pipeline_name)

@@ -30,8 +30,10 @@ tr.bottleneck td{background:#fff3cd;font-weight:600}
 .chain .ids{margin:0 0 4px}.hists{display:flex;flex-wrap:wrap;gap:16px}
 .hist{border:1px solid #e4e4e4;border-radius:4px;padding:6px}
 svg text{font:11px system-ui,sans-serif;fill:#222}.empty{color:#777}
-svg.axis{margin-left:9px}
+svg.axis{margin-left:9px}.tokens{color:#444;margin:0 0 12px}
 """
+FIRST_MARK = "#222"    # the first-token tick on a streaming stage's bar
+STALL = "#d62728"      # a stall on a streaming stage's bar
 
 
 def _text(value: Any) -> str:
@@ -65,6 +67,7 @@ def render(doc: Mapping[str, Any]) -> str:
         f'{_ms(doc.get("e2e_p50_ms", 0))} ms, p99 {_ms(doc.get("e2e_p99_ms", 0))} ms; '
         f'bottleneck: <strong id="bottleneck">{_text(doc.get("bottleneck") or "-")}</strong>'
         "</p>",
+        _tokens(doc.get("tokens")),
         _summary_table(stages, str(doc.get("bottleneck", ""))),
         _waterfall(doc.get("slowest", []), colors),
         _histograms(doc.get("histograms", []), colors),
@@ -73,10 +76,28 @@ def render(doc: Mapping[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _tokens(tokens: Mapping[str, Any] | None) -> str:
+    """The request-level token line, where the pipeline streams."""
+    if not tokens:
+        return ""
+
+    def ms(name: str) -> str:
+        return _ms(tokens[name]) if name in tokens else "-"
+
+    return (f'<p class="tokens">requests with tokens: {int(_num(tokens.get("chains", 0)))};'
+            f' TTFT p50 {ms("ttft_p50_ms")} ms, p99 {ms("ttft_p99_ms")} ms; ITL p50 '
+            f'{ms("itl_p50_ms")} ms, p99 {ms("itl_p99_ms")} ms; TTFT owner in the slowest '
+            f'1 %: <strong id="ttft-owner">{_text(tokens.get("ttft_owner") or "-")}</strong>'
+            "</p>")
+
+
 def _summary_table(stages: Sequence[Mapping[str, Any]], bottleneck: str) -> str:
+    streams = any("ttft_attributed_ms" in s or "tokens" in s for s in stages)
+    extra = ("<th>TTFT part, slowest 1 % ms</th><th>TTFT p50 ms</th><th>TPOT p50 ms</th>"
+             "<th>longest stall ms</th>") if streams else ""
     rows = ['<h2>Stages</h2><table id="stages"><thead><tr><th>stage</th><th>p50 ms</th>'
             "<th>p90 ms</th><th>p99 ms</th><th>TTFB p99 ms</th><th>slowest 1 % ms</th>"
-            "<th>share of e2e</th></tr></thead><tbody>"]
+            f"<th>share of e2e</th>{extra}</tr></thead><tbody>"]
     for s in stages:
         name = str(s["name"])
         ttfb = _ms(s["ttfb_p99_ms"]) if "ttfb_p99_ms" in s else "-"
@@ -85,9 +106,46 @@ def _summary_table(stages: Sequence[Mapping[str, Any]], bottleneck: str) -> str:
             f'<tr{marker}><td class="stage">{_text(name)}</td><td class="n">{_ms(s["p50_ms"])}'
             f'</td><td class="n">{_ms(s["p90_ms"])}</td><td class="n">{_ms(s["p99_ms"])}</td>'
             f'<td class="n">{ttfb}</td><td class="n">{_ms(s["attributed_ms"])}</td>'
-            f'<td class="n">{_num(s["share_of_e2e_p99"]):.0%}</td></tr>')
+            f'<td class="n">{_num(s["share_of_e2e_p99"]):.0%}</td>'
+            f'{_token_cells(s) if streams else ""}</tr>')
     rows.append("</tbody></table>")
     return "".join(rows)
+
+
+def _token_cells(stage: Mapping[str, Any]) -> str:
+    tokens: Mapping[str, Any] = stage.get("tokens", {})
+    cells = [_ms(stage["ttft_attributed_ms"]) if "ttft_attributed_ms" in stage else "-"]
+    cells += [_ms(tokens[n]) if n in tokens else "-"
+              for n in ("ttft_p50_ms", "tpot_p50_ms", "stall_max_ms")]
+    return "".join(f'<td class="n">{c}</td>' for c in cells)
+
+
+def _stream_marks(stage: Mapping[str, Any], x: float, y: int, scale: float) -> str:
+    """The first token (a tick) and the stalls (red spans) on a streaming stage's bar,
+    kept inside the bar (the stream's clock and the hop's differ by a little)."""
+    end = x + _num(stage.get("total_ms", 0)) * scale
+    stream: Mapping[str, Any] = stage.get("stream") or {}
+    marks = []
+    if "ttft_ms" in stream:
+        at = min(x + _num(stream["ttft_ms"]) * scale, end - 2.0)
+        marks.append(f'<rect class="first-token" x="{at:.1f}" y="{y - 1}" width="2" '
+                     f'height="{LANE_H - 1}" fill="{FIRST_MARK}"><title>first token at '
+                     f'+{_ms(stream["ttft_ms"])} ms</title></rect>')
+    for stall in stream.get("stalls", []):
+        at = min(x + _num(stall.get("after_ms", 0)) * scale, end - 1.0)
+        width = max(1.0, min(_num(stall.get("length_ms", 0)) * scale, end - at))
+        marks.append(f'<rect class="stall" x="{at:.1f}" y="{y + 3}" width="{width:.1f}" '
+                     f'height="{LANE_H - 9}" fill="{STALL}"><title>stall of '
+                     f'{_ms(stall.get("length_ms"))} ms after {_ms(stall.get("after_ms"))} ms'
+                     f'</title></rect>')
+    return "".join(marks)
+
+
+def _chain_tokens(chain: Mapping[str, Any]) -> str:
+    if "ttft_ms" not in chain:
+        return ""
+    return (f' · TTFT <span class="ttft">{_ms(chain["ttft_ms"])} ms</span>, owner '
+            f'<span class="ttft-owner">{_text(chain.get("ttft_owner") or "-")}</span>')
 
 
 def _waterfall(chains: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -> str:
@@ -113,7 +171,8 @@ def _waterfall(chains: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -
             '<div class="chain waterfall-row"><div class="ids">'
             f'<strong>{_ms(chain.get("e2e_ms", 0))} ms</strong>{failed} · request '
             f'<span class="mono request-id">{_text(chain.get("request_id", ""))}</span> · trace '
-            f'<span class="mono trace-id">{_text(trace) if trace else "-"}</span></div>')
+            f'<span class="mono trace-id">{_text(trace) if trace else "-"}</span>'
+            f'{_chain_tokens(chain)}</div>')
         lanes = list(chain.get("stages", []))
         height = LANE_H * max(1, len(lanes)) + 4
         out.append(f'<svg width="{label_w + WATERFALL_W + 10}" height="{height}" '
@@ -129,7 +188,8 @@ def _waterfall(chains: Sequence[Mapping[str, Any]], colors: Mapping[str, str]) -
                 f'its own</title><text x="0" y="{y + 11}">{_text(name)} '
                 f'{_ms(stage.get("total_ms"))} ms (own {_ms(stage.get("own_ms"))})</text>'
                 f'<rect x="{x:.1f}" y="{y}" width="{width:.1f}" height="{LANE_H - 3}" '
-                f'fill="{colors.get(name, PALETTE[0])}"></rect></g>')
+                f'fill="{colors.get(name, PALETTE[0])}"></rect>'
+                f'{_stream_marks(stage, x, y, WATERFALL_W / span)}</g>')
         out.append("</svg></div>")
     out.append("</div>")
     return "".join(out)

@@ -85,6 +85,8 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
 
 SLOWEST_SHOWN = 5  # rows of the table's "slowest" section; json and html have them all
 TOKEN_FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+REQUEST_TOKEN_FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+STREAM_FIELDS = ("ttft_ms", "itl_p50_ms", "itl_p99_ms")
 
 
 def cmd_chain_show(args: argparse.Namespace) -> int:
@@ -108,6 +110,10 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
                                if s.HasField(name)}
             stage["tokens"].update(streams=s.token_streams, output_tokens=s.output_tokens,
                                    stalls=s.stalls)
+            if s.HasField("stall_max_ms"):
+                stage["tokens"]["stall_max_ms"] = s.stall_max_ms
+        if reply.token_chains:
+            stage.update(ttft_attributed_ms=s.ttft_attributed_ms, ttft_share=s.ttft_share)
         stages.append(stage)
     doc = {"pipeline": reply.pipeline, "window": reply.window, "chains": reply.chains,
            "incomplete": reply.incomplete, "failed": reply.failed,
@@ -117,6 +123,11 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
            "histograms": [{"name": h.name, "buckets": [{"le_ms": b.le_ms, "count": b.count}
                                                        for b in h.buckets]}
                           for h in reply.histograms]}
+    if reply.token_chains or reply.token_reports_dropped:
+        doc["tokens"] = {name: getattr(reply, name) for name in REQUEST_TOKEN_FIELDS
+                         if reply.HasField(name)}
+        doc["tokens"].update(chains=reply.token_chains, ttft_owner=reply.ttft_owner,
+                             reports_dropped=reply.token_reports_dropped)
     if args.output in ("json", "yaml"):
         render(args, doc, None)
         return 0
@@ -133,16 +144,26 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
     streamed = [s for s in stages if "tokens" in s]
     if streamed:
         tokens = [("TOKEN STREAMS", "STREAMS", "TTFT50 ms", "TTFT99 ms", "TPOT50 ms",
-                   "TPOT99 ms", "TOKENS", "STALLS")]
+                   "TPOT99 ms", "TOKENS", "STALLS", "LONGEST STALL ms")]
         tokens += [(s["name"], str(t["streams"]), *(f"{t[n]:.1f}" if n in t else "-"
                                                   for n in TOKEN_FIELDS),
-                    str(t["output_tokens"]), str(t["stalls"]))
+                    str(t["output_tokens"]), str(t["stalls"]),
+                    f"{t['stall_max_ms']:.0f}" if "stall_max_ms" in t else "-")
                    for s in streamed for t in (s["tokens"],)]
         print()
         print(table(tokens))
+    if "tokens" in doc:
+        print()
+        print(_request_tokens(doc["tokens"], stages))
     if doc["slowest"]:
-        slow = [(f"SLOWEST (of {len(doc['slowest'])})", "E2E ms", "TRACE ID", "REQUEST ID")]
-        slow += [("", f"{c['e2e_ms']:.1f}", _printable(c["trace_id"]) or "-",
+        # TTFT and stalls where the pipeline streams: the table stays as it was elsewhere.
+        streams = any("ttft_ms" in c for c in doc["slowest"])
+        slow = [(f"SLOWEST (of {len(doc['slowest'])})", "E2E ms",
+                 *(("TTFT ms", "STALLS") if streams else ()), "TRACE ID", "REQUEST ID")]
+        slow += [("", f"{c['e2e_ms']:.1f}",
+                  *((f"{c['ttft_ms']:.1f}" if "ttft_ms" in c else "-", _stalls(c))
+                    if streams else ()),
+                  _printable(c["trace_id"]) or "-",
                   _printable(c["request_id"])) for c in doc["slowest"][:SLOWEST_SHOWN]]
         print()
         print(table(slow))
@@ -150,10 +171,49 @@ def cmd_chain_show(args: argparse.Namespace) -> int:
 
 
 def _slow_chain(chain: admin_pb2.SlowChain) -> dict[str, Any]:
-    return {"request_id": chain.request_id, "trace_id": chain.trace_id,
-            "e2e_ms": chain.e2e_ms, "failed": chain.failed,
-            "stages": [{"name": s.name, "offset_ms": s.offset_ms, "own_ms": s.own_ms,
-                        "total_ms": s.total_ms} for s in chain.stages]}
+    doc: dict[str, Any] = {
+        "request_id": chain.request_id, "trace_id": chain.trace_id, "e2e_ms": chain.e2e_ms,
+        "failed": chain.failed, "stages": [_slow_stage(s) for s in chain.stages]}
+    if chain.HasField("ttft_ms"):
+        doc.update(ttft_ms=chain.ttft_ms, ttft_owner=chain.ttft_owner)
+    return doc
+
+
+def _slow_stage(s: admin_pb2.SlowChainStage) -> dict[str, Any]:
+    doc: dict[str, Any] = {"name": s.name, "offset_ms": s.offset_ms, "own_ms": s.own_ms,
+                           "total_ms": s.total_ms}
+    if s.HasField("ttft_part_ms"):
+        doc["ttft_part_ms"] = s.ttft_part_ms
+    if s.HasField("stream"):
+        stream = s.stream
+        doc["stream"] = {name: getattr(stream, name) for name in STREAM_FIELDS
+                         if stream.HasField(name)}
+        doc["stream"].update(
+            output_tokens=stream.output_tokens, tokens_per_s=stream.tokens_per_s,
+            stall_count=stream.stall_count, end=stream.end,
+            stalls=[{"after_ms": t.after_ms, "length_ms": t.length_ms} for t in stream.stalls])
+    return doc
+
+
+def _stalls(chain: dict[str, Any]) -> str:
+    """`llm 2000 ms @+310 ms`: each stall of the chain, with its stage, length and when."""
+    named = [f"{_printable(s['name'])} {t['length_ms']:.0f} ms @+{t['after_ms']:.0f} ms"
+             for s in chain["stages"] for t in s.get("stream", {}).get("stalls", [])]
+    return ", ".join(named) or "-"
+
+
+def _request_tokens(tokens: dict[str, Any], stages: list[dict[str, Any]]) -> str:
+    def ms(name: str) -> str:
+        return f"{tokens[name]:.1f}" if name in tokens else "-"
+
+    owner = tokens["ttft_owner"]
+    part = next((s for s in stages if s["name"] == owner), None)
+    owned = (f" ({part['ttft_attributed_ms']:.1f} ms, {part['ttft_share']:.0%})"
+             if part is not None and "ttft_attributed_ms" in part else "")
+    return (f"requests with tokens: {tokens['chains']}; TTFT p50 {ms('ttft_p50_ms')} ms, "
+            f"p99 {ms('ttft_p99_ms')} ms; ITL p50 {ms('itl_p50_ms')} ms, "
+            f"p99 {ms('itl_p99_ms')} ms; TTFT owner in the slowest 1 %: "
+            f"{_printable(owner) or '-'}{owned}")
 
 
 def _printable(text: str) -> str:

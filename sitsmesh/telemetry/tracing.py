@@ -1,5 +1,5 @@
-"""OpenTelemetry tracing: spans for Check, ShouldRateLimit, swaps and controller decisions,
-exported in batches over OTLP/gRPC.
+"""OpenTelemetry tracing: spans for Check, ShouldRateLimit, swaps, controller decisions
+and the token streams of latency chains, exported in batches over OTLP/gRPC.
 
 Off by default. This module imports the SDK, so sitsmesh.app.compose imports it only
 where `otlp_endpoint` is set: with tracing off no SDK object exists and the decision
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -34,11 +35,19 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from sitsmesh import __version__, logs
 from sitsmesh.authz.check import Allowed, CheckInput, Denied
+from sitsmesh.chains.ttft import RequestTokens
 from sitsmesh.config import Settings
 from sitsmesh.errors import StartupError
 from sitsmesh.pressure.controller import Decision, Snapshot
@@ -53,6 +62,7 @@ CHECK = "envoy.service.auth.v3.Authorization/Check"
 SHOULD_RATE_LIMIT = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 SWAP = "sitsmesh.swap"
 CONTROLLER_DECISION = "sitsmesh.controller.decision"
+STREAM_SPAN = "sitsmesh.token_stream"
 SHUTDOWN_S = 5.0     # the most a stop waits for the last batch to leave
 LOG_EVERY_S = 30.0   # one line per this about failed exports and dropped spans
 MAX_DESCRIPTORS = 16        # of a ShouldRateLimit, named on its span
@@ -236,6 +246,44 @@ class Tracing:
         if outcome != SUCCEEDED:
             span.set_status(Status(StatusCode.ERROR, record.error or outcome))
         span.end(end_time=wall_ns(ended))
+
+    def token_streams(self, pipeline: str, figures: RequestTokens) -> None:
+        """A joined chain's streaming stages: one span each, in the chain's trace, with
+        the GenAI figures as attributes, the first token and each stall as events.
+
+        The chain keeps its trace id but not the caller's span id, so the spans hang
+        under a parent derived from the request id (the same for all of a request's
+        streams), sampled: the trace was worth a traceparent to someone."""
+        if not figures.trace_id or not figures.stage_spans:
+            return
+        parent_id = int.from_bytes(hashlib.blake2b(figures.request_id.encode(),
+                                                   digest_size=8).digest(), "big") or 1
+        context = trace.set_span_in_context(NonRecordingSpan(SpanContext(
+            int(figures.trace_id, 16), parent_id, is_remote=True,
+            trace_flags=TraceFlags(TraceFlags.SAMPLED))))
+        for stream in figures.streams:
+            start, end = figures.stage_spans[stream.stage]
+            attributes: dict[str, Any] = {
+                "sitsmesh.pipeline": pipeline, "sitsmesh.stage": stream.stage,
+                "sitsmesh.request_id": figures.request_id,
+                "gen_ai.usage.output_tokens": stream.tokens,
+                "sitsmesh.tokens_per_s": stream.tokens_per_s,
+                "sitsmesh.stalls": stream.stall_count, "sitsmesh.stream_end": stream.end,
+                "sitsmesh.ttft_part_ms": figures.shares.get(stream.stage, 0.0) * 1000}
+            for key, value in (("gen_ai.server.time_to_first_token", stream.ttft_ms),
+                               ("gen_ai.server.time_per_output_token", stream.itl_p50_ms)):
+                if value is not None:
+                    attributes[key] = value / 1000  # seconds, as the GenAI metrics
+            span = self.tracer.start_span(f"{STREAM_SPAN} {stream.stage}", context=context,
+                                          kind=SpanKind.INTERNAL, attributes=attributes,
+                                          start_time=wall_ns(start))
+            if stream.ttft_ms is not None:
+                span.add_event("gen_ai.first_token",
+                               timestamp=wall_ns(start + stream.ttft_ms / 1000))
+            for after, length in stream.stalls:
+                span.add_event("sitsmesh.stall", {"sitsmesh.stall_ms": length},
+                               timestamp=wall_ns(start + after / 1000))
+            span.end(end_time=wall_ns(end))
 
     def decisions(self, snapshot: Snapshot) -> None:
         """A span for each pipeline whose admitted fraction (to 0.01) or, while shedding,

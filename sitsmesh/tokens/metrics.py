@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from sitsmesh.chains.ttft import RequestTokens
 from sitsmesh.tokens.stages import UNKNOWN
 from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.tokens.timing import End
@@ -20,7 +21,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 class TokenMetrics:
     """`observe` takes each finished stream's report."""
 
-    __slots__ = ("_bad", "_ends", "_stalls", "_tokens", "_tpot", "_ttft")
+    __slots__ = ("_bad", "_chain_itl", "_chain_ttft", "_ends", "_parts", "_stalls",
+                 "_tokens", "_tpot", "_ttft", "_unjoined")
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self._ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
@@ -44,6 +46,26 @@ class TokenMetrics:
         self._bad = Counter("sitsmesh_token_events_unreadable_total",
                             "Events of token streams that their format could not read, or "
                             "over the event size bound.", LABELS, registry=registry)
+        # Per request, over its latency chain (sitsmesh.chains.ttft has the rule).
+        self._chain_ttft = Histogram(
+            "sitsmesh_chain_time_to_first_token_seconds",
+            "Time to first token per request, from its entry hop's start to the first "
+            "token seen at the entry.", ["pipeline"], registry=registry,
+            buckets=TTFT_BUCKETS)
+        self._chain_itl = Histogram(
+            "sitsmesh_chain_time_per_output_token_seconds",
+            "Inter-token latency per request (its median gap), as its entry saw it.",
+            ["pipeline"], registry=registry, buckets=TPOT_BUCKETS)
+        self._parts = Counter(
+            "sitsmesh_chain_time_to_first_token_part_seconds_total",
+            "Each stage's part of its requests' time to first token.",
+            ["pipeline", "stage"], registry=registry)
+        self._unjoined = Counter(
+            "sitsmesh_token_reports_unjoined_total",
+            "Token stream reports dropped before their request's chain came: expired, or "
+            "pushed out by the bound on waiting reports.", ["reason"], registry=registry)
+        for reason in ("expired", "max_pending"):
+            self._unjoined.labels(reason)
         for end in End:  # every series exists from the start, at 0
             self._ends.labels(*UNKNOWN, "openai", end.value)
 
@@ -60,3 +82,15 @@ class TokenMetrics:
             self._stalls.labels(*labels).inc(summary.stall_count)
         if report.bad_events:
             self._bad.labels(*labels).inc(report.bad_events)
+
+    def chain(self, pipeline: str, figures: RequestTokens) -> None:
+        """A request joined to its streams (sitsmesh.chains.tokenjoin's listener)."""
+        if figures.ttft_s is not None:
+            self._chain_ttft.labels(pipeline).observe(figures.ttft_s)
+        if figures.itl_p50_s is not None:
+            self._chain_itl.labels(pipeline).observe(figures.itl_p50_s)
+        for stage, seconds in figures.shares.items():
+            self._parts.labels(pipeline, stage).inc(seconds)
+
+    def unjoined(self, reason: str) -> None:
+        self._unjoined.labels(reason).inc()

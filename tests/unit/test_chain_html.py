@@ -123,3 +123,45 @@ def test_histogram_bins_are_powers_of_two_with_gaps_filled() -> None:
     wide = chainhtml._bins([{"le_ms": 0.011, "count": 1}, {"le_ms": 3_600_000, "count": 1}])
     assert len(wide) == chainhtml.MAX_BINS and sum(n for _, n in wide) == 2
     assert chainhtml._bins([]) == []
+
+
+def _streaming_reply() -> admin_pb2.LatencyChain:
+    reply = _reply(stage="llm")
+    reply.token_chains, reply.ttft_owner = 3, "pre"
+    reply.ttft_p50_ms, reply.ttft_p99_ms, reply.itl_p50_ms, reply.itl_p99_ms = 80, 90, 20, 30
+    for stage in reply.stages:
+        stage.ttft_attributed_ms, stage.ttft_share = 60, 0.75
+    llm = reply.stages[1]
+    llm.token_streams, llm.output_tokens, llm.stalls, llm.stall_max_ms = 3, 30, 1, 2000
+    llm.ttft_p50_ms = 20
+    slow = reply.slowest[0]
+    slow.ttft_ms, slow.ttft_owner = 80, "pre"
+    slow.stages[1].ttft_part_ms = 20
+    slow.stages[1].stream.CopyFrom(admin_pb2.StageStream(
+        ttft_ms=20, itl_p50_ms=5, output_tokens=10, tokens_per_s=200, stall_count=1,
+        end="complete", stalls=[admin_pb2.TokenStall(after_ms=40, length_ms=2000)]))
+    return reply
+
+
+def test_a_streaming_pipelines_ttft_owner_and_stalls_in_table_json_and_html(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _serve(monkeypatch, _streaming_reply())
+    assert main(["chain", "show", "demo"]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT owner in the slowest 1 %: pre (60.0 ms, 75%)" in out
+    rows = out.split("SLOWEST (of", 1)[1].splitlines()
+    assert "TTFT ms" in rows[0] and "STALLS" in rows[0]
+    assert "80.0" in rows[1] and "llm 2000 ms @+40 ms" in rows[1]
+    assert main(["chain", "show", "demo", "-o", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["tokens"] == {"ttft_p50_ms": 80.0, "ttft_p99_ms": 90.0, "itl_p50_ms": 20.0,
+                             "itl_p99_ms": 30.0, "chains": 3, "ttft_owner": "pre",
+                             "reports_dropped": 0}
+    llm = doc["slowest"][0]["stages"][1]
+    assert llm["ttft_part_ms"] == 20.0
+    assert llm["stream"]["stalls"] == [{"after_ms": 40.0, "length_ms": 2000.0}]
+    assert doc["stages"][1]["tokens"]["stall_max_ms"] == 2000.0
+    page = chainhtml.render(doc)
+    assert '<strong id="ttft-owner">pre</strong>' in page
+    assert 'class="first-token"' in page and "stall of 2000.0 ms after 40.0 ms" in page
+    assert "<th>longest stall ms</th>" in page

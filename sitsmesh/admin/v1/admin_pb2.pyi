@@ -832,7 +832,7 @@ class GetLatencyChainResponse(_message.Message):
     def __init__(self, chain: _Optional[_Union[LatencyChain, _Mapping]] = ...) -> None: ...
 
 class StageLatencyReport(_message.Message):
-    __slots__ = ("name", "p50_ms", "p90_ms", "p99_ms", "ttfb_p99_ms", "total_p99_ms", "attributed_ms", "share_of_e2e_p99", "queue_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "token_streams", "output_tokens", "stalls")
+    __slots__ = ("name", "p50_ms", "p90_ms", "p99_ms", "ttfb_p99_ms", "total_p99_ms", "attributed_ms", "share_of_e2e_p99", "queue_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "token_streams", "output_tokens", "stalls", "ttft_attributed_ms", "ttft_share", "stall_max_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     P50_MS_FIELD_NUMBER: _ClassVar[int]
     P90_MS_FIELD_NUMBER: _ClassVar[int]
@@ -849,6 +849,9 @@ class StageLatencyReport(_message.Message):
     TOKEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STALLS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_ATTRIBUTED_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SHARE_FIELD_NUMBER: _ClassVar[int]
+    STALL_MAX_MS_FIELD_NUMBER: _ClassVar[int]
     name: str
     p50_ms: float
     p90_ms: float
@@ -865,10 +868,13 @@ class StageLatencyReport(_message.Message):
     token_streams: int
     output_tokens: int
     stalls: int
-    def __init__(self, name: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., ttfb_p99_ms: _Optional[float] = ..., total_p99_ms: _Optional[float] = ..., attributed_ms: _Optional[float] = ..., share_of_e2e_p99: _Optional[float] = ..., queue_p99_ms: _Optional[float] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., token_streams: _Optional[int] = ..., output_tokens: _Optional[int] = ..., stalls: _Optional[int] = ...) -> None: ...
+    ttft_attributed_ms: float
+    ttft_share: float
+    stall_max_ms: float
+    def __init__(self, name: _Optional[str] = ..., p50_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., ttfb_p99_ms: _Optional[float] = ..., total_p99_ms: _Optional[float] = ..., attributed_ms: _Optional[float] = ..., share_of_e2e_p99: _Optional[float] = ..., queue_p99_ms: _Optional[float] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., token_streams: _Optional[int] = ..., output_tokens: _Optional[int] = ..., stalls: _Optional[int] = ..., ttft_attributed_ms: _Optional[float] = ..., ttft_share: _Optional[float] = ..., stall_max_ms: _Optional[float] = ...) -> None: ...
 
 class LatencyChain(_message.Message):
-    __slots__ = ("pipeline", "window", "chains", "incomplete", "e2e_p50_ms", "e2e_p99_ms", "stages", "bottleneck", "failed", "slowest", "histograms")
+    __slots__ = ("pipeline", "window", "chains", "incomplete", "e2e_p50_ms", "e2e_p99_ms", "stages", "bottleneck", "failed", "slowest", "histograms", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "ttft_owner", "token_chains", "token_reports_dropped")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
@@ -880,6 +886,13 @@ class LatencyChain(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     SLOWEST_FIELD_NUMBER: _ClassVar[int]
     HISTOGRAMS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_OWNER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHAINS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_REPORTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     pipeline: str
     window: str
     chains: int
@@ -891,33 +904,76 @@ class LatencyChain(_message.Message):
     failed: int
     slowest: _containers.RepeatedCompositeFieldContainer[SlowChain]
     histograms: _containers.RepeatedCompositeFieldContainer[StageHistogram]
-    def __init__(self, pipeline: _Optional[str] = ..., window: _Optional[str] = ..., chains: _Optional[int] = ..., incomplete: _Optional[int] = ..., e2e_p50_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLatencyReport, _Mapping]]] = ..., bottleneck: _Optional[str] = ..., failed: _Optional[int] = ..., slowest: _Optional[_Iterable[_Union[SlowChain, _Mapping]]] = ..., histograms: _Optional[_Iterable[_Union[StageHistogram, _Mapping]]] = ...) -> None: ...
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    ttft_owner: str
+    token_chains: int
+    token_reports_dropped: int
+    def __init__(self, pipeline: _Optional[str] = ..., window: _Optional[str] = ..., chains: _Optional[int] = ..., incomplete: _Optional[int] = ..., e2e_p50_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLatencyReport, _Mapping]]] = ..., bottleneck: _Optional[str] = ..., failed: _Optional[int] = ..., slowest: _Optional[_Iterable[_Union[SlowChain, _Mapping]]] = ..., histograms: _Optional[_Iterable[_Union[StageHistogram, _Mapping]]] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., itl_p50_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ..., ttft_owner: _Optional[str] = ..., token_chains: _Optional[int] = ..., token_reports_dropped: _Optional[int] = ...) -> None: ...
 
 class SlowChain(_message.Message):
-    __slots__ = ("request_id", "trace_id", "e2e_ms", "stages", "failed")
+    __slots__ = ("request_id", "trace_id", "e2e_ms", "stages", "failed", "ttft_ms", "ttft_owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     trace_id: str
     e2e_ms: float
     stages: _containers.RepeatedCompositeFieldContainer[SlowChainStage]
     failed: bool
-    def __init__(self, request_id: _Optional[str] = ..., trace_id: _Optional[str] = ..., e2e_ms: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[SlowChainStage, _Mapping]]] = ..., failed: _Optional[bool] = ...) -> None: ...
+    ttft_ms: float
+    ttft_owner: str
+    def __init__(self, request_id: _Optional[str] = ..., trace_id: _Optional[str] = ..., e2e_ms: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[SlowChainStage, _Mapping]]] = ..., failed: _Optional[bool] = ..., ttft_ms: _Optional[float] = ..., ttft_owner: _Optional[str] = ...) -> None: ...
 
 class SlowChainStage(_message.Message):
-    __slots__ = ("name", "offset_ms", "own_ms", "total_ms")
+    __slots__ = ("name", "offset_ms", "own_ms", "total_ms", "stream", "ttft_part_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_MS_FIELD_NUMBER: _ClassVar[int]
     OWN_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    TTFT_PART_MS_FIELD_NUMBER: _ClassVar[int]
     name: str
     offset_ms: float
     own_ms: float
     total_ms: float
-    def __init__(self, name: _Optional[str] = ..., offset_ms: _Optional[float] = ..., own_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    stream: StageStream
+    ttft_part_ms: float
+    def __init__(self, name: _Optional[str] = ..., offset_ms: _Optional[float] = ..., own_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., stream: _Optional[_Union[StageStream, _Mapping]] = ..., ttft_part_ms: _Optional[float] = ...) -> None: ...
+
+class StageStream(_message.Message):
+    __slots__ = ("ttft_ms", "itl_p50_ms", "itl_p99_ms", "output_tokens", "tokens_per_s", "stalls", "stall_count", "end")
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STALLS_FIELD_NUMBER: _ClassVar[int]
+    STALL_COUNT_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    ttft_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    output_tokens: int
+    tokens_per_s: float
+    stalls: _containers.RepeatedCompositeFieldContainer[TokenStall]
+    stall_count: int
+    end: str
+    def __init__(self, ttft_ms: _Optional[float] = ..., itl_p50_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ..., output_tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., stalls: _Optional[_Iterable[_Union[TokenStall, _Mapping]]] = ..., stall_count: _Optional[int] = ..., end: _Optional[str] = ...) -> None: ...
+
+class TokenStall(_message.Message):
+    __slots__ = ("after_ms", "length_ms")
+    AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_MS_FIELD_NUMBER: _ClassVar[int]
+    after_ms: float
+    length_ms: float
+    def __init__(self, after_ms: _Optional[float] = ..., length_ms: _Optional[float] = ...) -> None: ...
 
 class StageHistogram(_message.Message):
     __slots__ = ("name", "buckets")

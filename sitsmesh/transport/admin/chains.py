@@ -14,10 +14,12 @@ from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.chains.assembler import Assembler, Hop
 from sitsmesh.chains.catalog import PipelineCatalog
 from sitsmesh.chains.pipeline import Pipeline, pipeline_from
+from sitsmesh.chains.tokenjoin import TokenJoin
 from sitsmesh.chains.trace import trace_id
 from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from sitsmesh.tokens.timing import End, StreamSummary
 from sitsmesh.tokens.window import TokenStageReport, TokenWindows
+from sitsmesh.transport.admin import tokenreply
 from sitsmesh.transport.admin.common import read_yaml, yaml_text
 from sitsmesh.transport.admin.paging import (
     PageTokens,
@@ -42,12 +44,15 @@ class ChainAdmin:
                  tokens: PageTokens, *, workers: int = 1,
                  report: Callable[[Hop], None] | None = None,
                  streams: TokenWindows | None = None,
-                 reported: Callable[[str, str, StreamSummary], bool] | None = None) -> None:
+                 reported: Callable[[str, str, StreamSummary, str], bool] | None = None,
+                 joined: TokenJoin | None = None) -> None:
         """`assembler` is None where this process does not serve the data plane; stage
         reports go to `report` (the shared hop bus) when given, else to it. `streams`:
         the token streams each stage finished, joined to its row; `reported` takes a
-        stage report's token figures (False: no such pipeline stage)."""
+        stage report's token figures (False: no such pipeline stage); `joined`: the token
+        streams joined to their requests' chains, where this process joins them."""
         self._streams = streams
+        self._joined = joined
         self._reported = reported
         self._catalog = catalog
         self._tokens = tokens
@@ -122,6 +127,8 @@ class ChainAdmin:
             raise NotFoundError(f"pipeline {request.pipeline} does not exist")
         token_stages = (self._streams.report(request.pipeline, WINDOWS[window])
                         if self._streams is not None else {})
+        joined = (self._joined.report_for(request.pipeline, WINDOWS[window])
+                  if self._joined is not None else None)
         reply = admin_pb2.LatencyChain(
             pipeline=report.pipeline, window=window, chains=report.chains,
             incomplete=report.incomplete, failed=report.failed, e2e_p50_ms=report.e2e_p50_ms,
@@ -140,11 +147,16 @@ class ChainAdmin:
             if streamed is not None:
                 _add_tokens(entry, streamed)
         for chain in report.slowest:
-            reply.slowest.add(request_id=chain.request_id, trace_id=chain.trace_id,
-                              e2e_ms=chain.e2e_ms, failed=chain.failed, stages=[
-                                  admin_pb2.SlowChainStage(name=s.name, offset_ms=s.offset_ms,
-                                                           own_ms=s.own_ms, total_ms=s.total_ms)
-                                  for s in chain.stages])
+            slow = reply.slowest.add(
+                request_id=chain.request_id, trace_id=chain.trace_id, e2e_ms=chain.e2e_ms,
+                failed=chain.failed, stages=[
+                    admin_pb2.SlowChainStage(name=s.name, offset_ms=s.offset_ms,
+                                             own_ms=s.own_ms, total_ms=s.total_ms)
+                    for s in chain.stages])
+            if joined is not None:
+                tokenreply.slow_chain(slow, joined.requests.get(chain.request_id))
+        if joined is not None:
+            tokenreply.chain(reply, joined)
         for hist in report.histograms:
             reply.histograms.add(name=hist.name, buckets=[
                 admin_pb2.HistogramBucket(le_ms=le, count=n) for le, n in hist.buckets])
@@ -169,11 +181,12 @@ class ChainAdmin:
                 rejected += 1
                 continue
             traceparent = report.traceparent
+            # The stream before the hop: a hop may close its chain, which the stream joins.
+            if summary is not None and self._reported is not None:
+                self._reported(report.pipeline, report.stage, summary, report.request_id)
             self._report(Hop(report.request_id, start, end - start, ttfb=ttfb,
                              pipeline=report.pipeline, stage=report.stage,
                              trace_id=trace_id(traceparent) if traceparent else ""))
-            if summary is not None and self._reported is not None:
-                self._reported(report.pipeline, report.stage, summary)
             accepted += 1
         return admin_pb2.ReportStageLatencyResponse(accepted=accepted, rejected=rejected)
 
