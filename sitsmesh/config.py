@@ -18,13 +18,14 @@ from typing import Any
 
 import yaml
 
-from sitsmesh import netsettings, ratelimitenv
+from sitsmesh import netsettings, ratelimitenv, tritonsettings
 from sitsmesh import settingvalues as values
 from sitsmesh.authz import gie, methods
 from sitsmesh.authz.extract import open_path
 from sitsmesh.errors import ConfigError
 from sitsmesh.limits import LIMIT_PARSERS
 from sitsmesh.netsettings import callers, data_address, identities, optional_address
+from sitsmesh.tritonsettings import TritonEndpoint
 
 # Defined in netsettings with the other address values; callers import them from here.
 Address = netsettings.Address
@@ -33,16 +34,6 @@ ENV_PREFIX = "SITSMESH_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
 TLS_VERSIONS = ("1.2", "1.3")
-
-
-@dataclass(frozen=True, slots=True)
-class TritonEndpoint:
-    """One production Triton server, and the sandbox that vets candidates for it."""
-
-    name: str
-    url: str                  # gRPC HOST:PORT
-    metrics_url: str = ""     # http://HOST:PORT/metrics; pressure and drain read it
-    preflight_url: str = ""   # gRPC HOST:PORT of a sandbox serving the same repository
 
 
 def default_state_dir() -> Path:
@@ -199,45 +190,6 @@ def _address(raw: Any) -> Address:
     return parse_address(raw)
 
 
-_ENDPOINT_KEYS = {"name": values.string, "url": values.grpc_target, "metrics_url": values.http_url,
-                  "preflight_url": values.grpc_target}
-
-
-def _triton(raw: Any) -> tuple[TritonEndpoint, ...]:
-    """A YAML list of endpoints, or the same list as JSON (environment, flag)."""
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError:
-            raise ValueError("expected a list of endpoints (JSON from a flag or the "
-                             "environment)") from None
-    if not isinstance(raw, list):
-        raise ValueError(f"expected a list of endpoints, got {type(raw).__name__}")
-    endpoints: list[TritonEndpoint] = []
-    for i, item in enumerate(raw):
-        where = f"endpoint {i + 1}"
-        if not isinstance(item, dict):
-            raise ValueError(f"{where}: expected a mapping, got {type(item).__name__}")
-        for key in item:
-            if key not in _ENDPOINT_KEYS:
-                raise ValueError(f"{where}: unknown key '{key}' (allowed: "
-                                 f"{', '.join(_ENDPOINT_KEYS)})")
-        for key in ("name", "url"):
-            if key not in item:
-                raise ValueError(f"{where}: '{key}' is required")
-        values: dict[str, str] = {}
-        for key, parse in _ENDPOINT_KEYS.items():
-            if key in item:
-                try:
-                    values[key] = parse(item[key])
-                except ValueError as exc:
-                    raise ValueError(f"{where}: '{key}': {exc}") from None
-        if any(e.name == values["name"] for e in endpoints):
-            raise ValueError(f"{where}: name '{values['name']}' is used twice")
-        endpoints.append(TritonEndpoint(**values))
-    return tuple(endpoints)
-
-
 PARSERS: dict[str, Callable[[Any], Any]] = {
     "data_addr": data_address,
     "admin_addr": _address,
@@ -285,7 +237,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "chain_ttl_seconds": values.seconds,
     "pressure_scrape_seconds": values.seconds,
     "pressure_stale_seconds": values.seconds,
-    "triton": _triton,
+    "triton": tritonsettings.endpoints,
     "triton_url": values.grpc_target,
     "triton_metrics_url": values.http_url,
     "triton_preflight_url": values.grpc_target,
