@@ -25,11 +25,11 @@ from sitsmesh.authz.extract import open_path
 from sitsmesh.errors import ConfigError
 from sitsmesh.limits import LIMIT_PARSERS
 from sitsmesh.netsettings import callers, data_address, identities, optional_address
-from sitsmesh.tritonsettings import TritonEndpoint
 
 # Defined in netsettings with the other address values; callers import them from here.
 Address = netsettings.Address
 parse_address = netsettings.parse_address
+TritonEndpoint = tritonsettings.TritonEndpoint
 ENV_PREFIX = "SITSMESH_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
