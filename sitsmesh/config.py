@@ -20,7 +20,7 @@ import yaml
 
 from sitsmesh import netsettings, ratelimitenv, tritonsettings
 from sitsmesh import settingvalues as values
-from sitsmesh.authz import gie, methods
+from sitsmesh.authz import gie, methods, streamcheck
 from sitsmesh.authz.extract import open_path
 from sitsmesh.errors import ConfigError
 from sitsmesh.limits import LIMIT_PARSERS
@@ -99,6 +99,12 @@ class Settings:
     # Route family -> HTTP methods it accepts (authz/methods.py); the rest get a 405.
     authz_methods: Mapping[str, tuple[str, ...]] = field(
         default_factory=lambda: dict(methods.DEFAULTS))
+    # Per-message checks of gRPC streams: README "Per-message checks of gRPC streams".
+    # Streaming method path -> the field number of its messages' model name.
+    stream_check_methods: Mapping[str, int] = field(
+        default_factory=lambda: dict(streamcheck.DEFAULT_METHODS))
+    stream_check_deadline_seconds: float = 1.0
+    stream_check_fail_mode: str = "closed"  # a message incomplete past the deadline
     chain_ttl_seconds: float = 30.0
     pressure_scrape_seconds: float = 0.25
     pressure_stale_seconds: float = 1.0
@@ -234,6 +240,9 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "authz_jwt_tenant_claim": values.string,
     "authz_priority_header": values.header_name,
     "admission_hold_seconds": values.seconds,
+    "stream_check_methods": streamcheck.parse_methods,
+    "stream_check_deadline_seconds": streamcheck.parse_deadline,
+    "stream_check_fail_mode": values.choice(("closed", "open")),
     "chain_ttl_seconds": values.seconds,
     "pressure_scrape_seconds": values.seconds,
     "pressure_stale_seconds": values.seconds,

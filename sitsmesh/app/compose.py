@@ -26,6 +26,7 @@ from sitsmesh.app.components import (
     SwapsComponent,
 )
 from sitsmesh.app.quota import QuotaComponent
+from sitsmesh.app.streamchecks import StreamChecksComponent
 from sitsmesh.app.telemetry import TelemetryComponent
 from sitsmesh.app.tokens import TokensComponent
 from sitsmesh.config import Settings
@@ -69,6 +70,7 @@ class Graph:
     quota: QuotaComponent
     telemetry: TelemetryComponent
     tokens: TokensComponent
+    checks: StreamChecksComponent
     # Envoy's access-log and stats streams, ended when the drain window closes.
     streams: OpenStreams = field(default_factory=OpenStreams)
     # OpenTelemetry, when otlp_endpoint is set: flushed after every part has stopped.
@@ -77,10 +79,12 @@ class Graph:
     @property
     def parts(self) -> tuple[RateLimitComponent | AuthzComponent | ChainsComponent
                              | PressureComponent | SwapsComponent | QuotaComponent
-                             | TokensComponent | TelemetryComponent, ...]:
+                             | TokensComponent | StreamChecksComponent
+                             | TelemetryComponent, ...]:
         # Telemetry last: its final flush follows every decision.
         return tuple(p for p in (self.ratelimit, self.authz, self.chains, self.pressure,
-                                 self.swaps, self.quota, self.tokens, self.telemetry)
+                                 self.swaps, self.quota, self.tokens, self.checks,
+                                 self.telemetry)
                      if p is not None)
 
     def data_services(self) -> list[DataService]:
@@ -88,7 +92,8 @@ class Graph:
         pressure = self.pressure.services(self.streams) if self.pressure is not None else []
         return [*self.authz.services(), *self.ratelimit.services(),
                 *self.chains.services(self.streams), *pressure,
-                *self.quota.services(self.streams), *self.tokens.services(self.streams)]
+                *self.quota.services(self.streams),
+                *self.tokens.services(self.streams, self.checks.servicer)]
 
     async def start(self) -> None:
         for part in self.parts:
@@ -149,7 +154,7 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     if tracing is not None and tokens.joined is not None:
         tokens.joined.listen(tracing.token_streams)
     return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry, tokens,
-                 tracing=tracing)
+                 StreamChecksComponent(settings, authz, registry), tracing=tracing)
 
 
 @dataclass(frozen=True, slots=True)

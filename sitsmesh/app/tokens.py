@@ -16,6 +16,8 @@ from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.tokens.timing import StreamSummary
 from sitsmesh.tokens.window import TokenWindows
 from sitsmesh.transport.extproc import SERVICE_NAME, ExternalProcessorServicer, add_to_server
+from sitsmesh.transport.extprocmux import ExtProcMux
+from sitsmesh.transport.streamcheck import StreamCheckServicer
 from sitsmesh.transport.streams import OpenStreams
 
 _log = logs.get("sitsmesh.tokens")
@@ -73,11 +75,14 @@ class TokensComponent:
             if self.joined is not None:
                 self.joined.report(report.request_id, pipeline, stage, report.summary)
 
-    def services(self, streams: OpenStreams) -> list[DataService]:
+    def services(self, streams: OpenStreams, checks: StreamCheckServicer | None = None
+                 ) -> list[DataService]:
+        """The data port's ExternalProcessor: this observer, and `checks` (per-message
+        checks of gRPC streams) for the ext_proc filter that asks for them."""
         if self._metrics is None:
             return []
-        servicer = ExternalProcessorServicer(self._report, streams, stall_s=STALL_S,
-                                             stall_of=self._stalls.stall_of)
+        servicer = ExtProcMux(ExternalProcessorServicer(
+            self._report, streams, stall_s=STALL_S, stall_of=self._stalls.stall_of), checks)
         return [DataService(SERVICE_NAME, lambda server: add_to_server(servicer, server))]
 
     async def start(self) -> None:

@@ -66,6 +66,10 @@ class CheckInput:
     # The HTTP method; "" when the caller gave none, which Envoy never does for HTTP (a
     # direct caller able to omit it could as well send any method it likes).
     method: str = ""
+    # The route checks each message of this gRPC stream (its ext_authz context extension
+    # sitsmesh_stream_check: per_message, authz/streamcheck.py): the body is not buffered
+    # for Check, which decides on identity and admission alone.
+    per_message: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +183,8 @@ class Authorizer:
                 extract.normalize(request.path) if request_class == "metadata" else "")]
             if request.method not in allowed:
                 return refused_grpc if grpc else refused
-        if from_body:
+        # A stream checked message by message has its models checked as they come.
+        if from_body and not (request.per_message and grpc and not request.body):
             # The model is in the body: a body cut short by Envoy's buffer limit, or
             # one we cannot read, could hide the real model. Fail safe.
             if request.headers.get("x-envoy-auth-partial-body") == "true":
@@ -214,6 +219,10 @@ class Authorizer:
             set_headers += gie_set
             remove += gie_remove
         return Allowed(tenant.name, priority, model, request_class, set_headers, remove)
+
+    def identify(self, request: CheckInput) -> Tenant | Denied:
+        """Who the caller is on the directory as it is now (a stream's later messages)."""
+        return self._identify(request, self.snapshot)
 
     def _identify(self, request: CheckInput, snapshot: AuthzSnapshot) -> Tenant | Denied:
         headers = request.headers

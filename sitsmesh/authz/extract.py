@@ -103,7 +103,7 @@ def _grpc_models(body: bytes) -> str:
         end = pos + 5 + int.from_bytes(body[pos + 1:pos + 5], "big")
         if end > size:
             return ""
-        found = _field_one(body, pos + 5, end)
+        found = string_field(body, pos + 5, end)
         if not found:
             return ""
         if model and found != model:
@@ -112,7 +112,10 @@ def _grpc_models(body: bytes) -> str:
     return model
 
 
-def _field_one(body: bytes, pos: int, end: int) -> str:
+def string_field(body: bytes, pos: int, end: int, number: int = 1) -> str:
+    """The last value of string field `number` in the protobuf message body[pos:end];
+    "" when it has none, or the message cannot be read (a fixed-width field included:
+    ModelInferRequest has none)."""
     found = ""
     while pos < end:
         tag, pos = _varint(body, pos, end)
@@ -123,7 +126,7 @@ def _field_one(body: bytes, pos: int, end: int) -> str:
             length, pos = _varint(body, pos, end)
             if length < 0 or pos + length > end:
                 return ""
-            if field == 1:
+            if field == number:
                 try:
                     found = body[pos:pos + length].decode()
                 except UnicodeDecodeError:

@@ -104,6 +104,12 @@ _FLAG_HELP = {
                      "(those are the defaults; families not named keep theirs)",
     "authz_jwt_metadata_key": "payload_in_metadata of Envoy's jwt_authn: read its verified "
                               "payload from the Check's metadata_context",
+    "stream_check_methods": "gRPC streaming methods checked message by message, with "
+                            "the field of their model name: /pkg.Service/Method=FIELD,...",
+    "stream_check_deadline_seconds": "how long one message of a checked stream may take "
+                                     "to arrive whole",
+    "stream_check_fail_mode": "a message past that deadline: closed ends the stream, "
+                              "open forwards it unchecked",
     "chain_ttl_seconds": "how long a latency chain waits for its missing hops",
     "pressure_scrape_seconds": "how often Triton's /metrics is scraped (default 0.25)",
     "pressure_stale_seconds": "a stage signal older than this counts as saturated (default 1)",

@@ -204,6 +204,31 @@ def ext_proc_only_on(bootstrap: dict[str, Any], route_names: Sequence[str]) -> N
                              ".ExtProcPerRoute", "disabled": True}
 
 
+STREAM_CHECK = "sitsmesh.grpc_stream_check"
+EXT_AUTHZ = "envoy.filters.http.ext_authz"
+
+
+def stream_checks_on(bootstrap: dict[str, Any], route_names: Sequence[str]) -> None:
+    """Check the messages of the gRPC streams on `route_names` one by one (the
+    grpc_stream_check fragment): ext_authz there checks the headers only, and tells
+    Check so; every other route skips the filter."""
+    manager = http_connection_manager(bootstrap)
+    for host in manager["route_config"]["virtual_hosts"]:
+        for route in host["routes"]:
+            per_filter = route.setdefault("typed_per_filter_config", {})
+            if route.get("name") not in route_names:
+                per_filter[STREAM_CHECK] = {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3"
+                             ".ExtProcPerRoute", "disabled": True}
+                continue
+            per_filter[EXT_AUTHZ] = {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3"
+                         ".ExtAuthzPerRoute",
+                "check_settings": {"disable_request_body_buffering": True,
+                                   "context_extensions": {
+                                       "sitsmesh_stream_check": "per_message"}}}
+
+
 def write(bootstrap: dict[str, Any], out: Path) -> Path:
     out.write_text(yaml.safe_dump(bootstrap, sort_keys=False), encoding="utf-8")
     return out

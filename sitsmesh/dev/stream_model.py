@@ -6,7 +6,10 @@ token, with set TTFT and time per token (config parameters, `max_tokens` per req
 from __future__ import annotations
 
 import py_compile
+import urllib.request
 from pathlib import Path
+
+from sitsmesh.dev.triton import TritonServer
 
 NAME = "streamer"
 
@@ -71,3 +74,21 @@ def write_stream_model(repo: Path, *, ttft_ms: float = 100, itl_ms: float = 20,
     source.write_text(MODEL_PY)
     py_compile.compile(str(source), doraise=True)
     return model_dir
+
+
+def start_triton(tmp: Path, *, ttft_ms: float = 100, itl_ms: float = 20,
+                 tokens: int = 16) -> TritonServer:
+    """A Triton server in `tmp` with the stream model written and loaded."""
+    write_stream_model(tmp / "models", ttft_ms=ttft_ms, itl_ms=itl_ms, tokens=tokens)
+    server = TritonServer(tmp / "triton", tmp / "models")
+    server.start()
+    try:
+        load = urllib.request.Request(  # noqa: S310 (http://127.0.0.1)
+            f"{server.http_url}/v2/repository/models/{NAME}/load", data=b"{}", method="POST")
+        with urllib.request.urlopen(load, timeout=60) as reply:  # noqa: S310
+            if reply.status != 200:
+                raise RuntimeError(f"loading {NAME}: HTTP {reply.status}")
+    except BaseException:
+        server.kill()
+        raise
+    return server

@@ -26,6 +26,9 @@ _RPC_CODE = {400: code_pb2.INVALID_ARGUMENT, 401: code_pb2.UNAUTHENTICATED,
              429: code_pb2.RESOURCE_EXHAUSTED, 503: code_pb2.UNAVAILABLE}
 _OK_STATUS = status_pb2.Status(code=code_pb2.OK)
 JWT_AUTHN = "envoy.filters.http.jwt_authn"
+# The route's ext_authz context extension for streams checked message by message (set
+# by Envoy's route config, which no client writes).
+STREAM_CHECK, PER_MESSAGE = "sitsmesh_stream_check", "per_message"
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -33,7 +36,7 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
                                       append_action=_OVERWRITE)
 
 
-def _grpc_message(text: str) -> str:
+def grpc_message(text: str) -> str:
     """gRPC's percent-encoding: printable ASCII stays, everything else (and %) is escaped."""
     return "".join(c if " " <= c <= "~" and c != "%" else quote(c) for c in text)
 
@@ -53,7 +56,7 @@ def _denied(decision: Denied) -> Any:
         # Envoy turns a bare 429 into UNAVAILABLE for gRPC callers, which clients retry
         # at once; a shed call must say RESOURCE_EXHAUSTED.
         headers.append(_header("grpc-status", str(_RPC_CODE[decision.status])))
-        headers.append(_header("grpc-message", _grpc_message(decision.message)))
+        headers.append(_header("grpc-message", grpc_message(decision.message)))
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=_RPC_CODE[decision.status], message=decision.message),
         denied_response=external_auth_pb2.DeniedHttpResponse(
@@ -61,7 +64,7 @@ def _denied(decision: Denied) -> Any:
             body=json.dumps(body)))
 
 
-def _verified_claim(context: Any, key: str, claim: str) -> str:
+def verified_claim(context: Any, key: str, claim: str) -> str:
     """A claim of the payload Envoy's jwt_authn verified and put in dynamic metadata
     under `key` (its payload_in_metadata); "" when there is none."""
     filters = context.filter_metadata
@@ -125,11 +128,12 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
             headers = {h.key: h.value or h.raw_value.decode(errors="replace")
                        for h in http.header_map.headers}
         body = http.raw_body or http.body.encode()
-        jwt_tenant = _verified_claim(attributes.metadata_context, self._jwt_key,
+        jwt_tenant = verified_claim(attributes.metadata_context, self._jwt_key,
                                      self._jwt_claim) if self._jwt_key else ""
         checked = CheckInput(headers, http.path, body, attributes.source.principal,
                              headers.get("x-request-id") or http.id, is_http, jwt_tenant,
-                             http.method or headers.get(":method", ""))
+                             http.method or headers.get(":method", ""),
+                             attributes.context_extensions.get(STREAM_CHECK) == PER_MESSAGE)
         decision = self._authorizer.check(checked)
         if self._telemetry is not None:
             self._telemetry.check(checked, decision, started, context)

@@ -152,5 +152,5 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
                                  stream.bad_events + stream.oversized, cluster, route))
 
 
-def add_to_server(servicer: ExternalProcessorServicer, server: aio.Server) -> None:
+def add_to_server(servicer: pb_grpc.ExternalProcessorServicer, server: aio.Server) -> None:
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,19 +22,9 @@ TOKENS, TTFT_MS = 12, 120
 
 @pytest.fixture
 def triton(tmp_path: Path) -> Iterator[TritonServer]:
-    repo = tmp_path / "models"
-    stream_model.write_stream_model(repo, ttft_ms=TTFT_MS, itl_ms=20, tokens=TOKENS)
-    server = TritonServer(tmp_path / "triton", repo)
-    server.start()
-    try:
-        load = urllib.request.Request(
-            f"{server.http_url}/v2/repository/models/{stream_model.NAME}/load", data=b"{}",
-            method="POST")
-        with urllib.request.urlopen(load, timeout=60) as reply:
-            assert reply.status == 200
-        yield server
-    finally:
-        server.kill()
+    server = stream_model.start_triton(tmp_path, ttft_ms=TTFT_MS, itl_ms=20, tokens=TOKENS)
+    yield server
+    server.kill()
 
 
 def test_triton_generate_stream_tokens_are_counted_and_timed(
