@@ -6,6 +6,7 @@ message that stalls past the deadline follows the fail mode."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import socket
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 from tritonclient import grpc as triton_grpc
 from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
 
 from sitsmesh.dev import envoyconf, harness, stream_model
 from sitsmesh.dev.triton import TritonServer
@@ -102,7 +104,7 @@ class Client:
 
 
 def _error(answer: Any) -> tuple[str, str]:
-    assert isinstance(answer, Exception), answer
+    assert isinstance(answer, InferenceServerException), answer
     return str(answer.status()), str(answer.message())
 
 
@@ -179,7 +181,7 @@ def _frame(model: str) -> bytes:
     text.contents.bytes_contents.append(b"hi")
     count = request.inputs.add(name="max_tokens", datatype="INT32", shape=[1])
     count.contents.int_contents.append(TOKENS)
-    payload = request.SerializeToString()  # ModelStreamInfer takes ModelInferRequests
+    payload: bytes = request.SerializeToString()  # ModelStreamInfer takes ModelInferRequests
     return b"\x00" + len(payload).to_bytes(4, "big") + payload
 
 
@@ -257,3 +259,22 @@ def test_a_message_stalled_past_the_deadline_follows_the_fail_mode(
         assert headers.get("grpc-status") == "0" and answered > 0, headers
     finally:
         made.envoy.kill()
+
+
+def test_sitsmesh_gone_mid_stream_fails_the_stream_without_a_hang(stack: Stack) -> None:
+    client = Client(stack.envoy, stack.key)
+    try:
+        client.send()
+        assert len(client.take(TOKENS)) == TOKENS
+        stack.node.kill()
+        # failure_mode_allow false: no message goes on unchecked: Envoy ends the stream
+        # when sitsmesh's side of it breaks (at once, or at the next message).
+        with contextlib.suppress(InferenceServerException):
+            client.send()
+        answers = []
+        while not isinstance(answer := client.answers.get(timeout=10), Exception):
+            answers.append(answer)
+        assert answers == []
+        assert _error(answer)[0] in ("StatusCode.INTERNAL", "StatusCode.UNAVAILABLE")
+    finally:
+        client.close()
