@@ -267,6 +267,7 @@ class AuthzComponent:
                 jwt_trusted_principals=frozenset(settings.authz_jwt_trusted_principals),
                 trust_pipeline_hint=settings.authz_trust_pipeline_hint,
                 open_paths=frozenset(settings.authz_open_paths),
+                per_message_paths=frozenset(settings.stream_check_methods),
                 jwt_metadata_key=settings.authz_jwt_metadata_key,
                 methods=dict(settings.authz_methods),
                 gie=GieSettings(settings.gie_headers, settings.gie_objective_header,

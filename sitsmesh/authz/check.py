@@ -18,6 +18,7 @@ from sitsmesh.authz.gie import GieHeaders, GieSettings
 from sitsmesh.authz.model import ApiKey, Tenant, key_id_of, matches
 
 HEADER_PREFIX = "x-sits-"
+MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 MAX_HEADER_VALUE = 8192
 
 
@@ -52,6 +53,9 @@ class AuthzSettings:
     # HTTP methods each route family accepts (authz/methods.py); others get a 405.
     methods: Mapping[str, tuple[str, ...]] = field(
         default_factory=lambda: dict(route_methods.DEFAULTS))
+    # gRPC methods whose messages the grpc_stream_check filter checks one by one
+    # (stream_check_methods): only these may start without the body's model.
+    per_message_paths: frozenset[str] = frozenset((MODEL_STREAM_INFER,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +188,8 @@ class Authorizer:
             if request.method not in allowed:
                 return refused_grpc if grpc else refused
         # A stream checked message by message has its models checked as they come.
-        if from_body and not (request.per_message and grpc and not request.body):
+        if from_body and not (request.per_message and not request.body and grpc
+                              and request.path in self._settings.per_message_paths):
             # The model is in the body: a body cut short by Envoy's buffer limit, or
             # one we cannot read, could hide the real model. Fail safe.
             if request.headers.get("x-envoy-auth-partial-body") == "true":

@@ -23,14 +23,14 @@ from typing import Any
 
 import grpc
 
-from sitsmesh.authz.check import Authorizer, CheckInput, Denied
+from sitsmesh.authz.check import MODEL_STREAM_INFER, Authorizer, CheckInput, Denied
 from sitsmesh.authz.extract import string_field
 from sitsmesh.authz.model import Tenant
 from sitsmesh.keyvalues import split_pairs
 
 # gRPC streaming methods checked by default, and the protobuf field of the model name
 # in each of their messages (ModelInferRequest.model_name).
-DEFAULT_METHODS: Mapping[str, int] = {"/inference.GRPCInferenceService/ModelStreamInfer": 1}
+DEFAULT_METHODS: Mapping[str, int] = {MODEL_STREAM_INFER: 1}
 PREFIX = 5  # a gRPC message: compressed flag (1 byte), length (4 bytes, big-endian)
 _STATUS = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED}
 

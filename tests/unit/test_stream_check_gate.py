@@ -170,7 +170,11 @@ def test_check_lets_a_per_message_stream_start_without_its_body() -> None:
     body = _message("bert")
     named = authorizer.check(CheckInput(headers, PATH, body, method="POST", per_message=True))
     assert not isinstance(named, Allowed) and named.code == "model_not_allowed"
-    # Nor does it open an HTTP route whose model is in its body.
+    # Nor does it open a method the stream checks do not check (its one message would
+    # go unchecked), nor an HTTP route whose model is in its body.
+    unary = authorizer.check(CheckInput(headers, "/inference.GRPCInferenceService/ModelInfer",
+                                        method="POST", per_message=True))
+    assert not isinstance(unary, Allowed) and unary.code == "model_unknown"
     http = authorizer.check(CheckInput({"x-api-key": KEY}, "/v1/chat/completions",
                                        method="POST", per_message=True))
     assert not isinstance(http, Allowed)
