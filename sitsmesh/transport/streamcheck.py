@@ -64,7 +64,7 @@ def _status_headers(refusal: Refusal) -> Any:
 def _immediate(refusal: Refusal) -> Any:
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         grpc_status=pb.GrpcStatus(status=refusal.status.value[0]),
-        details=f"sitsmesh_{refusal.code}", body=f"{refusal.code}: {refusal.message}".encode()))
+        details=f"stream_check_{refusal.code}", body=f"{refusal.code}: {refusal.message}".encode()))
 
 
 class StreamCheckMetrics:
