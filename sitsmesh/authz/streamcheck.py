@@ -51,6 +51,10 @@ class StreamCheckSettings:
     max_message_bytes: int = 4 << 20
     deadline_s: float = 1.0
     fail_open: bool = False
+    # Incomplete messages held across every open stream: a client that sends all but
+    # the last byte of a 4 MiB message on each of a thousand streams would otherwise
+    # hold 4 GB for the deadline. Past it, the stream that grew the total is ended.
+    max_held_bytes: int = 64 << 20
 
     def field_of(self, path: str) -> int:
         """The model field of a checked method; 0 for one the settings do not name (gRPC
@@ -174,6 +178,22 @@ class MessageGate:
             buffer.clear()
         self.pending_since = (self.pending_since or now) if buffer else None
         return bytes(out)
+
+    @property
+    def held(self) -> int:
+        """Bytes of an incomplete message held back."""
+        return len(self._buffer)
+
+    def busy(self) -> None:
+        """Every stream together holds too much: this one ends."""
+        self._refuse(Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "server_busy",
+                             "sitsmesh holds too many incomplete messages; send whole "
+                             "messages, or retry later"))
+        self.release()
+
+    def release(self) -> None:
+        self._buffer.clear()
+        self.pending_since = None
 
     def overdue(self, now: float) -> bytes:
         """The incomplete message passed its deadline: refused (fail closed), or its

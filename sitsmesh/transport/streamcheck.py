@@ -114,13 +114,17 @@ class CheckedStream:
             await self._context.write(response)
 
     async def forward(self, data: bytes, end: bool) -> None:
-        gate = self.gate
-        before = gate.messages
-        out = gate.feed(data, self._servicer.clock())
+        gate, servicer = self.gate, self._servicer
+        before, held = gate.messages, gate.held
+        out = gate.feed(data, servicer.clock())
+        servicer.held += gate.held - held
         if gate.messages > before:
             self._metrics.messages.labels("forwarded").inc(gate.messages - before)
+        if gate.refusal is None and servicer.held > servicer.settings.max_held_bytes:
+            servicer.held -= gate.held
+            gate.busy()
         if gate.refusal is not None:
-            await self.refuse()
+            await self.refuse(out)  # the messages before the refused one still go
             return
         if out or end:
             await self.write(_body(out, end))
@@ -138,7 +142,9 @@ class CheckedStream:
 
     async def _overdue(self) -> None:
         self._deadline = None
+        held = self.gate.held
         released = self.gate.overdue(self._servicer.clock())
+        self._servicer.held += self.gate.held - held
         if self.gate.refusal is not None:
             await self.refuse()
         elif released:
@@ -152,9 +158,10 @@ class CheckedStream:
         if not self.ended and self.gate.identify() is not None:
             self._spawn(self.refuse())
 
-    async def refuse(self) -> None:
-        """End the request side; the refusal goes into the response's trailers, or the
-        stream is cut after CUT_GRACE_S."""
+    async def refuse(self, passed: bytes = b"") -> None:
+        """Forward `passed` (whole messages before the refused one) and end the request
+        side; the refusal goes into the response's trailers, or the stream is cut after
+        CUT_GRACE_S."""
         if self.ended:
             return
         self.ended = True
@@ -165,7 +172,7 @@ class CheckedStream:
                   messages=self.gate.messages, code=refusal.code, reason=refusal.message)
         if self._deadline is not None:
             self._deadline.cancel()
-        await self.write(_body(b"", True))
+        await self.write(_body(passed, True))
         self._cut = asyncio.get_running_loop().call_later(
             CUT_GRACE_S, lambda: self._spawn(self._cut_now()))
 
@@ -179,6 +186,8 @@ class CheckedStream:
 
     def close(self) -> None:
         self.answered = True
+        self._servicer.held -= self.gate.held
+        self.gate.release()
         for handle in (self._deadline, self._cut):
             if handle is not None:
                 handle.cancel()
@@ -195,6 +204,7 @@ class StreamCheckServicer:
         self.metrics = metrics
         self.clock = clock
         self.open: set[CheckedStream] = set()
+        self.held = 0  # bytes of incomplete messages held across every open stream
 
     def recheck(self) -> None:
         for stream in list(self.open):

@@ -12,47 +12,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sitsmesh.authz.admission import Admission, AdmissionPolicy
-from sitsmesh.authz.check import Allowed, Authorizer, AuthzSettings, AuthzSnapshot, CheckInput
-from sitsmesh.authz.model import ApiKey, Tenant, digest, new_key
+from sitsmesh.authz.check import Allowed, Authorizer, AuthzSnapshot, CheckInput
+from sitsmesh.authz.model import Tenant
 from sitsmesh.authz.streamcheck import (
     MessageGate,
     StreamCheckSettings,
     parse_deadline,
     parse_methods,
 )
-
-KEY_ID, KEY = new_key()
-ACME = Tenant("acme", ("llama-*",))
-PATH = "/inference.GRPCInferenceService/ModelStreamInfer"
-
-
-def _authorizer() -> Authorizer:
-    keys = {KEY_ID: ApiKey(KEY_ID, "acme", digest(KEY), 0.0)}
-    return Authorizer(AuthzSnapshot({"acme": ACME}, keys), AuthzSettings(),
-                      Admission(AdmissionPolicy({"acme": 10}), hold_s=5), clock=lambda: 1.0)
-
-
-def _message(model: str, padding: int = 0) -> bytes:
-    """A gRPC frame of a ModelInferRequest: model_name (1), id (3, a string)."""
-    name = model.encode()
-    body = b"\x0a" + bytes([len(name)]) + name
-    if padding:
-        body += b"\x1a" + _varint(padding) + b"x" * padding
-    return b"\x00" + len(body).to_bytes(4, "big") + body
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+from tests.streamframes import KEY, KEY_ID, PATH, acme_authorizer, frame_of
 
 
 def _gate(authorizer: Authorizer | None = None, **settings: object) -> MessageGate:
-    gate = MessageGate(authorizer or _authorizer(),
+    gate = MessageGate(authorizer or acme_authorizer(),
                        StreamCheckSettings(**settings),  # type: ignore[arg-type]
                        CheckInput({"x-api-key": KEY}, PATH), 1)
     assert gate.identify() is None
@@ -69,7 +41,7 @@ def _feed(gate: MessageGate, body: bytes, cuts: list[int], now: float = 0.0) -> 
 
 @given(st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
 def test_whole_messages_are_forwarded_however_the_body_is_cut(cuts: list[int]) -> None:
-    body = _message("llama-3", 40) + _message("llama-3") + _message("llama-3", 300)
+    body = frame_of("llama-3", 40) + frame_of("llama-3") + frame_of("llama-3", 300)
     gate = _gate()
     assert _feed(gate, body, cuts) == body
     assert gate.messages == 3 and gate.refusal is None and gate.pending_since is None
@@ -77,20 +49,20 @@ def test_whole_messages_are_forwarded_however_the_body_is_cut(cuts: list[int]) -
 
 @given(st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
 def test_a_refused_message_and_all_after_it_are_never_forwarded(cuts: list[int]) -> None:
-    allowed = _message("llama-3") + _message("llama-3", 20)
+    allowed = frame_of("llama-3") + frame_of("llama-3", 20)
     gate = _gate()
-    out = _feed(gate, allowed + _message("llama-4") + _message("llama-3"), cuts)
+    out = _feed(gate, allowed + frame_of("llama-4") + frame_of("llama-3"), cuts)
     assert out == allowed
     assert gate.refusal is not None and gate.refusal.code == "model_mixed"
     assert gate.refusal.status is grpc.StatusCode.PERMISSION_DENIED
     assert "message 3" in gate.refusal.message and "llama-4" in gate.refusal.message
-    assert gate.feed(_message("llama-3"), 0.0) == b""  # the gate stays shut
+    assert gate.feed(frame_of("llama-3"), 0.0) == b""  # the gate stays shut
 
 
 @pytest.mark.parametrize(("body", "code", "status"), [
-    (_message("bert"), "model_not_allowed", grpc.StatusCode.PERMISSION_DENIED),
+    (frame_of("bert"), "model_not_allowed", grpc.StatusCode.PERMISSION_DENIED),
     (b"\x00\x00\x00\x00\x02\x10\x01", "model_unknown", grpc.StatusCode.PERMISSION_DENIED),
-    (b"\x01" + _message("llama-3")[1:], "message_compressed", grpc.StatusCode.INVALID_ARGUMENT),
+    (b"\x01" + frame_of("llama-3")[1:], "message_compressed", grpc.StatusCode.INVALID_ARGUMENT),
     # The length prefix alone is enough to refuse: its body never has to arrive.
     (b"\x00\x00\x10\x00\x01", "message_too_large", grpc.StatusCode.RESOURCE_EXHAUSTED),
 ])
@@ -103,27 +75,27 @@ def test_each_refusal_has_its_code_and_status(body: bytes, code: str,
 
 
 def test_a_revoked_key_or_a_narrowed_tenant_is_refused_mid_stream() -> None:
-    authorizer = _authorizer()
+    authorizer = acme_authorizer()
     gate = _gate(authorizer)
-    assert gate.feed(_message("llama-3"), 0.0)
+    assert gate.feed(frame_of("llama-3"), 0.0)
     revoked = dataclasses.replace(authorizer.snapshot.keys[KEY_ID], revoked=True)
     authorizer.snapshot = AuthzSnapshot(authorizer.snapshot.tenants, {KEY_ID: revoked})
     refusal = gate.identify()  # what a directory change runs on every open stream
     assert refusal is not None and refusal.status is grpc.StatusCode.UNAUTHENTICATED
     assert refusal.message == "API key revoked"
 
-    authorizer = _authorizer()
+    authorizer = acme_authorizer()
     gate = _gate(authorizer)
-    assert gate.feed(_message("llama-3"), 0.0)
+    assert gate.feed(frame_of("llama-3"), 0.0)
     authorizer.snapshot = AuthzSnapshot({"acme": Tenant("acme", ("bert",))},
                                         authorizer.snapshot.keys)
-    assert gate.feed(_message("llama-3"), 0.0) == b""
+    assert gate.feed(frame_of("llama-3"), 0.0) == b""
     assert gate.refusal is not None and gate.refusal.code == "model_not_allowed"
 
 
 def test_a_message_past_its_deadline_is_refused_when_failing_closed() -> None:
     gate = _gate(deadline_s=1.0)
-    frame = _message("llama-3", 50)
+    frame = frame_of("llama-3", 50)
     assert gate.feed(frame[:10], 5.0) == b""
     assert gate.pending_since == 5.0
     assert gate.overdue(5.5) == b"" and gate.refusal is None  # not yet
@@ -135,11 +107,11 @@ def test_a_message_past_its_deadline_is_refused_when_failing_closed() -> None:
 
 def test_a_message_past_its_deadline_goes_through_unchecked_when_failing_open() -> None:
     gate = _gate(deadline_s=1.0, fail_open=True)
-    frame = _message("llama-3", 50)
+    frame = frame_of("llama-3", 50)
     assert gate.feed(frame[:10], 5.0) == b""
     assert gate.overdue(6.1) == frame[:10]
     # The rest of it passes; the messages after it are checked again.
-    nxt, bad = _message("llama-3"), _message("bert")
+    nxt, bad = frame_of("llama-3"), frame_of("bert")
     assert gate.feed(frame[10:] + nxt + bad, 6.2) == frame[10:] + nxt
     assert gate.refusal is not None and gate.refusal.code == "model_mixed"
 
@@ -160,14 +132,14 @@ def test_the_settings_parsers_refuse_what_cannot_be_checked() -> None:
 
 
 def test_check_lets_a_per_message_stream_start_without_its_body() -> None:
-    authorizer = _authorizer()
+    authorizer = acme_authorizer()
     headers = {"x-api-key": KEY, "content-type": "application/grpc"}
     bare = authorizer.check(CheckInput(headers, PATH, method="POST"))
     assert not isinstance(bare, Allowed) and bare.code == "model_unknown"
     started = authorizer.check(CheckInput(headers, PATH, method="POST", per_message=True))
     assert isinstance(started, Allowed) and started.tenant == "acme"
     # The flag does not lift a body's check: a body that names a model is checked.
-    body = _message("bert")
+    body = frame_of("bert")
     named = authorizer.check(CheckInput(headers, PATH, body, method="POST", per_message=True))
     assert not isinstance(named, Allowed) and named.code == "model_not_allowed"
     # Nor does it open a method the stream checks do not check (its one message would
