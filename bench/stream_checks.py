@@ -21,6 +21,10 @@ whole run:
   the body streamed through unbuffered; the filter is the only difference. (Checks
   off, ext_authz would buffer the body of a bidirectional stream until it ends.)
 - **B, checked**: the same Envoy config plus the grpc_stream_check filter.
+- with `--floor` also **F, floor**: B's config with the filter pointed at a bare
+  grpc.aio ExternalProcessor (own process) that hands each body chunk straight back,
+  checking nothing: what any Python ext_proc server costs per message, so B - F is
+  what sitsmesh's own work (the gate, its metrics, its budget) adds on top.
 
 Load: one round opens `--streams` streams (gRPC, one channel each, `x-api-key`), sends
 one message on each and waits for its answer (not counted: it carries the stream's
@@ -32,15 +36,17 @@ message must be answered, in order, and every stream end with OK, within the rou
 bound (its nominal time + 15 s); otherwise the run fails (exit 1).
 
 Rounds: a warm-up round per configuration (not reported), then `--rounds` rounds, each
-running A and B once, one after the other, the order alternating (A, B in even rounds,
-B, A in odd ones), so the drift of this noisy 2-core VM hits both alike. Per round:
+running every configuration once, one after the other, the order rotated each round
+(A, B then B, A; with F: A, B, F then B, F, A then F, A, B), so the drift of this
+noisy 2-core VM hits all alike. Per round:
 latency p50/p99 (nearest rank over all its messages), messages/s achieved (messages /
 first send to last answer), and CPU per 1 000 messages over the paced part of the
 round (from the first send to the last answer) from /proc/<pid>/stat utime+stime of
-every process in each server's process group: sitsmesh, the configuration's Envoy, the
-upstream, and this client (its own process time). Added latency = B - A per round
-(adjacent in time): the median and range over rounds, and over all rounds pooled; the
-ratio B / A likewise. sitsmesh's `sitsmesh_stream_check_messages_total{outcome=
+every process in each server's process group: sitsmesh (one process with the default
+1 worker), the configuration's Envoy, the upstream, the floor server, and this client
+(its own process time). Added latency = B - A (and F - A) per round (adjacent in
+time): the median and range over rounds, and over all rounds pooled; the ratio B / A
+likewise. sitsmesh's `sitsmesh_stream_check_messages_total{outcome=
 "forwarded"}` must grow by exactly the messages of each B round and not at all in A.
 """
 
@@ -49,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import statistics
 import sys
@@ -88,6 +95,41 @@ class Echo(service_pb2_grpc.GRPCInferenceServiceServicer):
 async def main():
     server = aio.server()
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Echo(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print("PORT", port, flush=True)
+    await server.wait_for_termination()
+
+asyncio.run(main())
+"""
+# The floor (--floor): the same filter pointed at a bare grpc.aio ExternalProcessor that
+# hands every body chunk straight back: what any Python ext_proc server costs per message.
+NOOP_CODE = """
+import asyncio
+from grpc import aio
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+CONTINUE = {kind: pb.ProcessingResponse(**{kind: answer}) for kind, answer in (
+    ("request_headers", pb.HeadersResponse()), ("response_headers", pb.HeadersResponse()),
+    ("request_trailers", pb.TrailersResponse()), ("response_trailers", pb.TrailersResponse()))}
+
+class Noop(pb_grpc.ExternalProcessorServicer):
+    async def Process(self, request_iterator, context):
+        async for request in request_iterator:
+            kind = request.WhichOneof("request")
+            if kind == "request_body":
+                body = request.request_body
+                await context.write(pb.ProcessingResponse(request_body=pb.BodyResponse(
+                    response=pb.CommonResponse(body_mutation=pb.BodyMutation(
+                        streamed_response=pb.StreamedBodyResponse(
+                            body=body.body, end_of_stream=body.end_of_stream))))))
+            else:
+                await context.write(CONTINUE[kind])
+
+async def main():
+    server = aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(Noop(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print("PORT", port, flush=True)
@@ -248,41 +290,48 @@ def cpu_fmt(value: float) -> str:
 
 
 def round_line(r: Round) -> str:
+    floor = cpu_fmt(r.per_1k("floor")) if "floor" in r.cpu else "-"
     return (f"| {r.index} | {r.config} | {ms(pct(r.latencies, 50))} | "
             f"{ms(pct(r.latencies, 99))} | {ms(max(r.latencies))} | "
             f"{r.messages / r.wall_s:.0f} | {cpu_fmt(r.per_1k('sitsmesh'))} | "
-            f"{cpu_fmt(r.per_1k(r.config))} | {cpu_fmt(r.per_1k('upstream'))} | "
+            f"{cpu_fmt(r.per_1k(r.config))} | {cpu_fmt(r.per_1k('upstream'))} | {floor} | "
             f"{cpu_fmt(r.per_1k('client'))} |")
 
 
-def print_tables(rounds: list[Round], args: argparse.Namespace) -> None:
+def print_tables(rounds: list[Round], configs: list[str], args: argparse.Namespace) -> None:
     print(f"\n{args.streams} streams x {args.messages} messages per round at "
           f"{args.rate:g} messages/s in total ({args.rate / args.streams:g} per stream), "
-          f"{args.payload_bytes}-byte payload; {args.rounds} rounds, A/B alternating.\n"
-          "A = Envoy + ext_authz (body unbuffered, per_message context extension), no "
-          "grpc_stream_check; B = A + the grpc_stream_check filter.\n")
-    print("Per round (latency in ms, send to answer; CPU in ms per 1 000 messages):\n")
+          f"{args.payload_bytes}-byte payload; {args.rounds} rounds, order rotated.")
+    for name in configs:
+        print(f"- {name}: {DESCRIBED[name]}")
+    print("\nPer round (latency in ms, send to answer; CPU in ms per 1 000 messages):\n")
     print("| round | config | p50 | p99 | max | msg/s | sitsmesh CPU | Envoy CPU | "
-          "upstream CPU | client CPU |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "upstream CPU | floor CPU | client CPU |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rounds:
         print(round_line(r))
-    print(f"\nPer configuration, median over {args.rounds} rounds (range):\n")
-    print("| config | p50 ms | p99 ms | msg/s | sitsmesh CPU ms/1k msg | Envoy CPU ms/1k "
-          "msg | upstream CPU | client CPU |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name in ("A", "B"):
+    print(f"\nPer configuration, median over {args.rounds} rounds (range); CPU in ms per "
+          "1 000 messages:\n")
+    print("| config | p50 ms | p99 ms | msg/s | sitsmesh CPU | Envoy CPU | floor server CPU "
+          "| upstream CPU | client CPU |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in configs:
         mine = [r for r in rounds if r.config == name]
+        floor = spread([r.per_1k("floor") for r in mine], cpu_fmt) if name == "F" else "-"
         print(f"| {name} | {spread([pct(r.latencies, 50) for r in mine])} | "
               f"{spread([pct(r.latencies, 99) for r in mine])} | "
               f"{spread([r.messages / r.wall_s for r in mine], lambda v: f'{v:.0f}')} | "
               f"{spread([r.per_1k('sitsmesh') for r in mine], cpu_fmt)} | "
-              f"{spread([r.per_1k(name) for r in mine], cpu_fmt)} | "
+              f"{spread([r.per_1k(name) for r in mine], cpu_fmt)} | {floor} | "
               f"{spread([r.per_1k('upstream') for r in mine], cpu_fmt)} | "
               f"{spread([r.per_1k('client') for r in mine], cpu_fmt)} |")
-    a = {r.index: r for r in rounds if r.config == "A"}
-    b = {r.index: r for r in rounds if r.config == "B"}
-    print("\nAdded per message (B - A, same round), ms, and ratio B / A:\n")
+    base = {r.index: r for r in rounds if r.config == "A"}
+    for name in configs[1:]:
+        print_added(base, {r.index: r for r in rounds if r.config == name}, name)
+
+
+def print_added(a: dict[int, Round], b: dict[int, Round], name: str) -> None:
+    print(f"\nAdded per message ({name} - A, same round), ms, and ratio {name} / A:\n")
     print("| | p50 added | p99 added | p50 ratio | p99 ratio |")
     print("|---|---:|---:|---:|---:|")
     rows: dict[str, list[float]] = {"d50": [], "d99": [], "r50": [], "r99": []}
@@ -306,50 +355,72 @@ def print_tables(rounds: list[Round], args: argparse.Namespace) -> None:
           f"{ms(pct(pooled_b, 99) - pct(pooled_a, 99))} | "
           f"{pct(pooled_b, 50) / pct(pooled_a, 50):.2f} | "
           f"{pct(pooled_b, 99) / pct(pooled_a, 99):.2f} |")
-    d_sits = [b[i].per_1k("sitsmesh") - a[i].per_1k("sitsmesh") for i in a]
-    d_envoy = [b[i].per_1k("B") - a[i].per_1k("A") for i in a]
-    print(f"\nAdded CPU per 1 000 messages (B - A, same round), ms: sitsmesh "
-          f"{spread(d_sits, cpu_fmt)}, Envoy {spread(d_envoy, cpu_fmt)}")
+    server = "sitsmesh" if name == "B" else "floor"
+    d_server = [b[i].per_1k(server) - a[i].per_1k(server) for i in a]
+    d_envoy = [b[i].per_1k(name) - a[i].per_1k("A") for i in a]
+    print(f"\nAdded CPU per 1 000 messages ({name} - A, same round), ms: ext_proc server "
+          f"({server}) {spread(d_server, cpu_fmt)}, Envoy {spread(d_envoy, cpu_fmt)}")
 
 
 # --------------------------------------------------------------------------- main
 
-def start_upstream(work: Path) -> tuple[harness.Proc, int]:
-    upstream = harness.spawn([sys.executable, "-c", UPSTREAM_CODE], work / "upstream.log")
+DESCRIBED = {
+    "A": "baseline: Envoy + ext_authz, the route's body not buffered and the per_message "
+         "context extension (as envoyconf.stream_checks_on sets them), no grpc_stream_check",
+    "B": "A + the grpc_stream_check filter (sitsmesh checks every message)",
+    "F": "floor: A + the same filter pointed at a bare grpc.aio ExternalProcessor that "
+         "hands each body chunk straight back (no checks)",
+}
+
+
+def start_server(code: str, work: Path, role: str) -> tuple[harness.Proc, int]:
+    """A Python server from `code`, which prints `PORT <n>` once it listens."""
+    server = harness.spawn([sys.executable, "-c", code], work / f"{role}.log")
     port: list[int] = []
 
     def ready() -> bool:
-        if upstream.proc.poll() is not None:
-            raise BenchError(f"upstream exited: {upstream.output()}")
-        words = upstream.output().split()
+        if server.proc.poll() is not None:
+            raise BenchError(f"{role} exited: {server.output()}")
+        words = server.output().split()
         if "PORT" in words:
             port.append(int(words[words.index("PORT") + 1]))
         return bool(port)
 
     try:
-        harness.wait_until(ready, 20, "the upstream's port")
+        harness.wait_until(ready, 20, f"the {role}'s port")
     except BaseException:
-        upstream.kill()
+        server.kill()
         raise
-    return upstream, port[0]
+    return server, port[0]
 
 
-def start_envoy(work: Path, node: harness.Sitsmesh, upstream_port: int,
-                checked: bool) -> harness.Envoy:
+def start_envoy(work: Path, node: harness.Sitsmesh, upstream_port: int, name: str,
+                floor_port: int = 0) -> harness.Envoy:
     work.mkdir()
     values = harness.envoy_values(node.data_addr, upstream_port, harness.free_port(),
                                   harness.free_port())
-    fragments = ["ext_authz", "grpc_stream_check"] if checked else ["ext_authz"]
+    fragments = ["ext_authz"] if name == "A" else ["ext_authz", "grpc_stream_check"]
     bootstrap = envoyconf.render(harness.REPO / "filters" / "local" / "bootstrap.yaml",
                                  values, fragments)
     envoyconf.add_route(bootstrap, name="grpc_stream", prefix="/inference.",
                         host="127.0.0.1", port=upstream_port, timeout="0s", http2=True)
     envoyconf.stream_checks_on(bootstrap, ["grpc_stream"])
-    if not checked:  # no filter to turn off on the other routes
-        for host in envoyconf.http_connection_manager(bootstrap)["route_config"][
-                "virtual_hosts"]:
+    manager = envoyconf.http_connection_manager(bootstrap)
+    if name == "A":  # no filter to turn off on the other routes
+        for host in manager["route_config"]["virtual_hosts"]:
             for route in host["routes"]:
                 route.get("typed_per_filter_config", {}).pop(envoyconf.STREAM_CHECK, None)
+    if name == "F":
+        clusters = bootstrap["static_resources"]["clusters"]
+        floor = copy.deepcopy(next(c for c in clusters if c["name"] == "sitsmesh_data"))
+        floor.pop("health_checks", None)
+        floor["name"] = floor["load_assignment"]["cluster_name"] = "floor_ext_proc"
+        address = floor["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
+            "address"]["socket_address"]
+        address["port_value"] = floor_port
+        clusters.append(floor)
+        flt = next(f for f in manager["http_filters"] if f["name"] == envoyconf.STREAM_CHECK)
+        flt["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = "floor_ext_proc"
     config = envoyconf.write(bootstrap, work / "envoy.yaml")
     return harness.launch_envoy(config, int(values["listen_port"]),  # type: ignore[call-overload]
                                 int(values["envoy_admin_port"]),  # type: ignore[call-overload]
@@ -362,10 +433,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=10, help="concurrent streams")
     p.add_argument("--messages", type=int, default=500, help="messages per stream per round")
     p.add_argument("--payload-bytes", type=int, default=64, help="text_input bytes")
-    p.add_argument("--rounds", type=int, default=8, help="rounds of A and B each")
+    p.add_argument("--rounds", type=int, default=8, help="rounds of every configuration")
+    p.add_argument("--floor", action="store_true",
+                   help="also F: the filter against a bare Python ExternalProcessor")
     args = p.parse_args(argv)
     if min(args.rate, args.streams, args.messages, args.rounds) <= 0:
         p.error("--rate, --streams, --messages and --rounds must be positive")
+    configs = ["A", "B", "F"] if args.floor else ["A", "B"]
     start_load = load1()
     print(f"start {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, 1-min load "
           f"{start_load:.2f}", file=sys.stderr)
@@ -375,8 +449,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             contextlib.ExitStack() as stack:
         work = Path(tmp)
         try:
-            upstream, upstream_port = start_upstream(work)
+            upstream, upstream_port = start_server(UPSTREAM_CODE, work, "upstream")
             stack.callback(upstream.kill)
+            procs: dict[str, harness.Proc] = {"upstream": upstream}
+            floor_port = 0
+            if args.floor:
+                floor, floor_port = start_server(NOOP_CODE, work, "floor")
+                stack.callback(floor.kill)
+                procs["floor"] = floor
             node = harness.start_sitsmesh(work)
             stack.callback(node.kill)
             made = node.cli("tenants", "create", "acme", "--models", MODEL)
@@ -387,23 +467,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise BenchError(f"apikeys create: {keyed.stderr}")
             key = json.loads(keyed.stdout)["key"]
             envoys = {}
-            for name, checked in (("A", False), ("B", True)):
-                envoys[name] = start_envoy(work / name, node, upstream_port, checked)
+            for name in configs:
+                envoys[name] = start_envoy(work / name, node, upstream_port, name, floor_port)
                 stack.callback(envoys[name].kill)
-            pgids = {"sitsmesh": node.proc.pid, "upstream": upstream.proc.pid,
-                     **{n: e.proc.pid for n, e in envoys.items()}}
+            procs.update({"sitsmesh": node, **envoys})
+            pgids = {role: proc.proc.pid for role, proc in procs.items()}
             warm = argparse.Namespace(**{**vars(args), "messages": min(args.messages, 100)})
-            for name in ("A", "B"):  # warm-up, not reported
+            for name in configs:  # warm-up, not reported
                 run_round(name, envoys[name].listen_port, key, -1, warm, pgids, node)
             for i in range(args.rounds):
-                for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
+                shift = i % len(configs)
+                for name in configs[shift:] + configs[:shift]:
                     r = run_round(name, envoys[name].listen_port, key, i, args, pgids, node)
                     rounds.append(r)
                     print(round_line(r), file=sys.stderr, flush=True)
             stats = envoys["B"].admin_get("/stats").splitlines()
             ext = [line for line in stats if "ext_proc" in line and not line.endswith(": 0")]
             notes.append("B Envoy's nonzero ext_proc stats: " + "; ".join(ext))
-            notes += log_notes({"sitsmesh": node, "upstream": upstream, **envoys})
+            notes += log_notes(procs)
         except (BenchError, TimeoutError, RuntimeError, OSError) as exc:
             print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
@@ -411,13 +492,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"end {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, 1-min load "
           f"{end_load:.2f}", file=sys.stderr)
     print(f"1-min load: {start_load:.2f} at the start, {end_load:.2f} at the end")
-    print_tables(rounds, args)
+    print_tables(rounds, configs, args)
     print("\nNotes:")
     for note in notes:
         print(f"- {note}")
     print(f"- every message answered in order, every stream ended OK: "
           f"{sum(r.messages for r in rounds)} paced messages; sitsmesh's forwarded count "
-          "grew by exactly each B round's messages (set-up ones included) and not in A")
+          "grew by exactly each B round's messages (set-up ones included), by none in the "
+          "others")
     return 0
 
 
