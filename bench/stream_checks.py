@@ -36,18 +36,18 @@ message must be answered, in order, and every stream end with OK, within the rou
 bound (its nominal time + 15 s); otherwise the run fails (exit 1).
 
 Rounds: a warm-up round per configuration (not reported), then `--rounds` rounds, each
-running every configuration once, one after the other, the order rotated each round
-(A, B then B, A; with F: A, B, F then B, F, A then F, A, B), so the drift of this
-noisy 2-core VM hits all alike. Per round: latency p50/p99 (nearest rank over all its
-messages), messages/s achieved (messages / first send to last answer), and CPU per
-1 000 messages over the paced part of the round (once every stream is open, until every
-stream has ended) from /proc/<pid>/stat utime+stime of
-every process in each server's process group: sitsmesh (one process with the default
-1 worker), the configuration's Envoy, the upstream, the floor server, and this client
-(its own process time). Added latency = B - A (and F - A) per round (adjacent in
-time): the median and range over rounds, and over all rounds pooled; the ratio B / A
-likewise. sitsmesh's `sitsmesh_stream_check_messages_total{outcome=
-"forwarded"}` must grow by exactly the messages of each B round and not at all in A.
+running every configuration once, one after the other, the order rotated each round (A,
+B then B, A; with F: A, B, F then B, F, A then F, A, B), so the drift of this noisy
+2-core VM hits all alike. Per round: latency p50/p99 (nearest rank over all its
+messages), messages/s achieved (messages / first send to last answer), and CPU per 1 000
+messages over the paced part of the round (once every stream is open, until every stream
+has ended) from /proc/<pid>/stat utime+stime of every process in each server's process
+group: sitsmesh (one process with the default 1 worker), the configuration's Envoy, the
+upstream, the floor server, and this client (its own process time). Added latency = B -
+A (and F - A) per round (adjacent in time): the median and range over rounds, and over
+all rounds pooled; the ratio B / A likewise. sitsmesh's
+`sitsmesh_stream_check_messages_total{outcome="forwarded"}` must grow by exactly the
+messages of each B round and not at all in A or F.
 """
 
 from __future__ import annotations
