@@ -77,6 +77,7 @@ class StreamCheckMetrics:
             "sitsmesh_stream_check_refusals", "Checked gRPC streams ended by sitsmesh, by "
             "reason (model_not_allowed, model_mixed, unauthenticated, check_deadline, ...)",
             ["code"], **kwargs)
+        self.forwarded = self.messages.labels("forwarded")  # once, not per message
         self.cuts = Counter(
             "sitsmesh_stream_check_cuts", "Refused streams reset because their response "
             "did not end within the grace (a revoked key while the model generates)",
@@ -119,7 +120,7 @@ class CheckedStream:
         out = gate.feed(data, servicer.clock())
         servicer.held += gate.held - held
         if gate.messages > before:
-            self._metrics.messages.labels("forwarded").inc(gate.messages - before)
+            self._metrics.forwarded.inc(gate.messages - before)
         if gate.refusal is None and servicer.held > servicer.settings.max_held_bytes:
             servicer.held -= gate.held
             gate.busy()
