@@ -60,7 +60,8 @@ class TokensComponent:
     def services(self, streams: OpenStreams) -> list[DataService]:
         if self._metrics is None:
             return []
-        servicer = ExternalProcessorServicer(self._report, streams, stall_s=STALL_S)
+        servicer = ExternalProcessorServicer(self._report, streams, stall_s=STALL_S,
+                                             untracked=self._metrics.untracked)
         return [DataService(SERVICE_NAME, lambda server: add_to_server(servicer, server))]
 
     async def start(self) -> None:

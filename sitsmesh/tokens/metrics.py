@@ -11,6 +11,7 @@ from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.tokens.timing import End
 
 LABELS = ("pipeline", "stage", "format")
+UNTRACKED = ("not_streaming", "streams", "bytes")
 # The GenAI conventions' advisory buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0)
@@ -20,7 +21,7 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 class TokenMetrics:
     """`observe` takes each finished stream's report."""
 
-    __slots__ = ("_bad", "_ends", "_stalls", "_tokens", "_tpot", "_ttft")
+    __slots__ = ("_bad", "_ends", "_stalls", "_tokens", "_tpot", "_ttft", "_untracked")
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self._ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
@@ -44,8 +45,19 @@ class TokenMetrics:
         self._bad = Counter("sitsmesh_token_events_unreadable_total",
                             "Events of token streams that their format could not read, or "
                             "over the event size bound.", LABELS, registry=registry)
+        self._untracked = Counter("sitsmesh_token_streams_untracked_total",
+                                  "Responses seen by the ext_proc filter and not timed: "
+                                  "not a token stream (not_streaming), or past the bound "
+                                  "on streams parsed at once (streams) or on the bytes "
+                                  "their unfinished events keep (bytes).", ["reason"],
+                                  registry=registry)
         for end in End:  # every series exists from the start, at 0
             self._ends.labels(*UNKNOWN, "openai", end.value)
+        for reason in UNTRACKED:
+            self._untracked.labels(reason)
+
+    def untracked(self, reason: str) -> None:
+        self._untracked.labels(reason).inc()
 
     def observe(self, report: TokenReport, stage: tuple[str, str]) -> None:
         """`stage`: the (pipeline, stage) the stream belongs to."""
