@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from grpc.aio import EOF
 
 from sitsmesh.tokens.framing import MAX_CHUNK_BYTES
 from sitsmesh.tokens.stream import TokenReport
@@ -79,16 +78,6 @@ def _messages(clock: _Clock, chunks: list[tuple[float, bytes, bool]],
     return messages()
 
 
-def _reader(messages: Any) -> Any:
-    """context.read over an async iterator of messages: aio.EOF after the last."""
-    async def read() -> Any:
-        try:
-            return await anext(messages)
-        except StopAsyncIteration:
-            return EOF
-    return read
-
-
 def _serve(chunks: list[tuple[float, bytes, bool]], closes_after: float = 30.0
            ) -> list[TokenReport]:
     clock = _Clock()
@@ -97,7 +86,7 @@ def _serve(chunks: list[tuple[float, bytes, bool]], closes_after: float = 30.0
                                          clock=clock)
 
     async def serve() -> None:
-        await servicer._serve(_reader(_messages(clock, chunks, closes_after)), None)  # type: ignore[arg-type]
+        await servicer._serve(_messages(clock, chunks, closes_after).__anext__, None)  # type: ignore[arg-type]
 
     asyncio.run(serve())
     return reports
@@ -138,7 +127,10 @@ class _Feed:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
 
     async def read(self) -> Any:
-        return await self.queue.get()
+        message = await self.queue.get()
+        if message is None:
+            raise StopAsyncIteration
+        return message
 
     def open(self, content_type: str = "text/event-stream") -> _Feed:
         headers = pb.ProcessingRequest(observability_mode=True)
@@ -154,7 +146,7 @@ class _Feed:
             observability_mode=True, response_body=pb.HttpBody(body=body, end_of_stream=end)))
 
     def close(self) -> None:
-        self.queue.put_nowait(EOF)
+        self.queue.put_nowait(None)
 
 
 async def _settle() -> None:
