@@ -27,6 +27,7 @@ class TokenStage:
     tokens: int = 16
     aborted: int = 0
     served: int = 0
+    sent: int = 0  # content tokens written, over all requests
     _server: ThreadingHTTPServer | None = field(default=None, repr=False)
 
     @property
@@ -99,6 +100,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if i:
                     time.sleep(itl + (stall if i == stall_after else 0.0))
                 self._send(_chunk({"content": f" t{i}"}))
+                stage.sent += 1
             self._send(_chunk({}, "length"))
             if usage:
                 self._send(b"data: " + json.dumps({
