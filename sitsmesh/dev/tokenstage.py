@@ -41,7 +41,7 @@ class TokenStage:
         class Handler(_Handler):
             owner = stage
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
@@ -50,6 +50,13 @@ class TokenStage:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    # socketserver's listen backlog is 5: a burst of new upstream connections from
+    # Envoy (100 streams, STREAMED ext_proc releasing requests in a bunch) overflowed
+    # it, and Envoy's connects timed out into 503s.
+    request_queue_size = 256
 
 
 def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
