@@ -11,10 +11,10 @@ no answer, so none is sent; otherwise every message is answered CONTINUE, unchan
 Why observability mode, measured (bench/token_streams.py --streamed, 100 streams x 256
 tokens at 20 ms a token, bench/RESULTS.md): with STREAMED bodies answered CONTINUE at
 once, each chunk waits for a round trip through this event loop, and TTFT grew by
-2.0-3.4 ms at p50 and 8.9-21 ms at p99 over no filter, against 0.8-0.9 and 2.4-4.1 ms
+2.0-3.4 ms at p50 and 8.9-21 ms at p99 over no filter, against 0.7-0.9 and 1.6-4.1 ms
 in observability mode; ITL p99 by 1.3-2.8 ms against 0.6-0.9; Envoy's CPU per 1 000
-tokens was 72-73 ms against 56 (33-34 with no filter) and sitsmesh's 129-131 against
-97-101. FULL_DUPLEX_STREAMED would make sitsmesh send every chunk back: more work
+tokens was 72-75 ms against 56-59 (33-34 with no filter) and sitsmesh's 129-131
+against 97-102. FULL_DUPLEX_STREAMED would make sitsmesh send every chunk back: more work
 still, and the client's stream would depend on sitsmesh.
 
 Bounds: MAX_STREAMS parsed at once and MAX_HELD_BYTES of unfinished events over all of
