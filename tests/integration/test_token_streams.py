@@ -183,6 +183,7 @@ def test_a_stall_is_counted_a_hang_up_is_a_cut_and_sitsmesh_away_changes_nothing
 def test_a_client_that_does_not_read_holds_the_stage_back_and_the_stream_is_reported(
         tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh],
         stage: TokenStage) -> None:
+    import http.client
     import socket
 
     node = start_sitsmesh()
@@ -214,6 +215,14 @@ def test_a_client_that_does_not_read_holds_the_stage_back_and_the_stream_is_repo
         counted = harness.metric_value(node.metrics(), "sitsmesh_output_tokens_total",
                                        format="openai")
         assert 0 < counted <= stage.sent  # what passed Envoy, never more
+        # A response that is not a token stream is passed by unparsed, and counted.
+        plain = http.client.HTTPConnection("127.0.0.1", envoy.listen_port, timeout=10)
+        plain.request("GET", "/v1/models")
+        plain.getresponse().read()
+        plain.close()
+        harness.wait_until(lambda: harness.metric_value(
+            node.metrics(), "sitsmesh_token_streams_untracked_total",
+            reason="not_streaming") == 1, 10, "the untracked response counted")
     finally:
         client.close()
         envoy.kill()
