@@ -14,7 +14,15 @@ whole run:
 - **ext_proc**: Envoy with the ext_proc fragment, in front of the same stage, copying
   each response chunk to sitsmesh;
 - with `--direct` also a **direct** configuration: the client straight to the stage (no
-  Envoy), to see what the stage and the client sustain on their own.
+  Envoy), to see what the stage and the client sustain on their own;
+- with `--streamed` also a **streamed** configuration: Envoy with the same fragment but
+  `observability_mode: false` and response bodies STREAMED, so Envoy waits for
+  sitsmesh's answer (an immediate CONTINUE) to the request headers, the response
+  headers and every chunk: the mode the fragment does not use, measured beside it.
+
+`--nice N` renices every sitsmesh thread; `--isolate` pins sitsmesh to CPU 1 and the
+Envoys, the stage and this client to CPU 0, to see what is left of the added TTFT when
+sitsmesh's CPU does not compete with the path a token takes.
 
 Load: one round is `--streams` concurrent streams, each a POST /v1/chat/completions
 with `stream: true` asking (per-request stage headers) for `--tokens` tokens, the first
@@ -52,8 +60,8 @@ and time per output token (histogram sum/count) are shown beside the client's. A
 the run, Envoy's ext_proc stats and any warning or error lines of sitsmesh's and the
 Envoys' logs are printed as notes.
 
-No pinning: every process may run on either core; the machine's 1-minute load is
-printed at the start and the end.
+No pinning unless `--isolate`: every process may run on either core; the machine's
+1-minute load is printed at the start and the end.
 """
 
 from __future__ import annotations
@@ -89,6 +97,10 @@ BODY = (b'{"model": "stage", "messages": [{"role": "user", "content": "hi"}], '
 TOKEN_MARK = b'"content": " t'
 
 
+# The configurations whose Envoy copies each chunk to sitsmesh.
+OBSERVED = ("ext_proc", "streamed")
+
+
 class BenchError(Exception):
     pass
 
@@ -102,6 +114,46 @@ def group_cpu(pgid: int) -> float:
             if int(fields[2]) == pgid:
                 total += (int(fields[11]) + int(fields[12])) / _CLK_TCK
     return total
+
+
+def group_tasks(pgid: int) -> list[int]:
+    """Every thread of every live process in a process group."""
+    tids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                tids += [int(t.name) for t in (stat.parent / "task").iterdir()]
+    return tids
+
+
+def place(pgid: int, cpus: set[int] | None, nice: int | None) -> None:
+    """Pin (and renice) every thread of a process group: both are per thread on Linux,
+    and threads started later inherit them from the thread that starts them."""
+    for tid in group_tasks(pgid):
+        with contextlib.suppress(OSError):
+            if cpus is not None:
+                os.sched_setaffinity(tid, cpus)
+            if nice is not None:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
+def streamed_envoy(work: Path, data_addr: str, upstream_port: int) -> harness.Envoy:
+    """Envoy with the ext_proc fragment switched from observability mode to STREAMED
+    response bodies that wait for sitsmesh's answer (CONTINUE, at once) to each chunk,
+    and to the request headers."""
+    from sitsmesh.dev import envoyconf
+
+    listen, admin = harness.free_port(), harness.free_port()
+    bootstrap = harness.REPO / "filters" / "local" / "bootstrap.yaml"
+    rendered = envoyconf.render(bootstrap, harness.envoy_values(data_addr, upstream_port,
+                                                                listen, admin),
+                                ["ext_proc"])
+    hcm = envoyconf.http_connection_manager(rendered, bootstrap)
+    [ext_proc] = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    ext_proc["typed_config"]["observability_mode"] = False
+    ext_proc["typed_config"]["processing_mode"]["response_body_mode"] = "STREAMED"
+    config = envoyconf.write(rendered, work / "envoy.yaml")
+    return harness.launch_envoy(config, listen, admin, work / "envoy.log")
 
 
 def pct(values: Sequence[float], p: float) -> float:
@@ -255,7 +307,7 @@ def run_round(config: Config, index: int, args: argparse.Namespace, streams: int
     rng = random.Random(args.seed + index)
     nominal = args.ttft_ms / 1000 + tokens * args.itl_ms / 1000
     bound = 4 * nominal + 10
-    observed = config.name == "ext_proc"
+    observed = config.name in OBSERVED
     before = sitsmesh_counters(node) if observed else {}
     cpu_before = {role: group_cpu(pgid) for role, pgid in pgids.items()}
     client_before = time.process_time()
@@ -313,10 +365,10 @@ def round_line(r: Round) -> str:
     own = (f"{s['ttft_sum'] / s['ttft_count'] * 1000:.2f} / "
            f"{s['tpot_sum'] / s['tpot_count'] * 1000:.2f}"
            if s.get("ttft_count") and s.get("tpot_count") else "-")
-    sitsmesh = f"{r.per_1k('sitsmesh') * 1000:.1f}" if r.config == "ext_proc" else (
+    sitsmesh = f"{r.per_1k('sitsmesh') * 1000:.1f}" if r.config in OBSERVED else (
         f"({r.per_1k('sitsmesh') * 1000:.1f} idle)")
     envoy = f"{r.per_1k(r.config) * 1000:.1f}" if r.config in r.cpu else "-"
-    settle = f"{r.settle_s * 1000:.0f}" if r.config == "ext_proc" else "-"
+    settle = f"{r.settle_s * 1000:.0f}" if r.config in OBSERVED else "-"
     return (f"| {r.index} | {r.config} | {ms(pct(ttfts, 50))} | {ms(pct(ttfts, 99))} | "
             f"{ms(pct(gaps, 50))} | {ms(pct(gaps, 99))} | {ms(max(gaps))} | "
             f"{r.tokens / r.wall_s:.0f} | {envoy} | {sitsmesh} | "
@@ -358,26 +410,34 @@ def print_tables(rounds: list[Round], configs: list[str], args: argparse.Namespa
               f"{spread([pct(r.gaps(), 50) for r in mine])} | "
               f"{spread([pct(r.gaps(), 99) for r in mine])} | "
               f"{spread([r.tokens / r.wall_s for r in mine], lambda v: f'{v:.0f}')} | "
-              f"{envoy} | {sits if name == 'ext_proc' else f'({sits} idle)'} | "
+              f"{envoy} | {sits if name in OBSERVED else f'({sits} idle)'} | "
               f"{spread([r.per_1k('stage') for r in mine], cpu_fmt)} | "
               f"{spread([r.per_1k('client') for r in mine], cpu_fmt)} |")
     plain = {r.index: r for r in rounds if r.config == "plain"}
-    observed = {r.index: r for r in rounds if r.config == "ext_proc"}
-    print("\nAdded TTFT (ext_proc - plain), ms:\n")
-    print("| | p50 | p99 |")
-    print("|---|---:|---:|")
+    for name in [c for c in configs if c in OBSERVED]:
+        print_added(plain, {r.index: r for r in rounds if r.config == name}, name)
+
+
+def print_added(plain: dict[int, Round], observed: dict[int, Round], name: str) -> None:
+    """What `name` adds to TTFT and ITL over plain, round by round (same round)."""
+    print(f"\nAdded by {name} ({name} - plain), ms:\n")
+    print("| | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |")
+    print("|---|---:|---:|---:|---:|")
+    rows: list[list[float]] = []
     for i in sorted(plain):
-        a, b = plain[i].ttfts(), observed[i].ttfts()
-        print(f"| round {i} | {ms(pct(b, 50) - pct(a, 50))} | {ms(pct(b, 99) - pct(a, 99))} |")
-    d50 = [pct(observed[i].ttfts(), 50) - pct(plain[i].ttfts(), 50) for i in plain]
-    d99 = [pct(observed[i].ttfts(), 99) - pct(plain[i].ttfts(), 99) for i in plain]
-    print(f"| median over rounds (range) | {spread(d50)} | {spread(d99)} |")
+        a, b = plain[i], observed[i]
+        row = [pct(b.ttfts(), 50) - pct(a.ttfts(), 50), pct(b.ttfts(), 99) - pct(a.ttfts(), 99),
+               pct(b.gaps(), 50) - pct(a.gaps(), 50), pct(b.gaps(), 99) - pct(a.gaps(), 99)]
+        rows.append(row)
+        print(f"| round {i} | " + " | ".join(ms(v) for v in row) + " |")
+    print("| median over rounds (range) | "
+          + " | ".join(spread([row[k] for row in rows]) for k in range(4)) + " |")
     pooled_a = [t for r in plain.values() for t in r.ttfts()]
     pooled_b = [t for r in observed.values() for t in r.ttfts()]
     print(f"| all rounds pooled | {ms(pct(pooled_b, 50) - pct(pooled_a, 50))} | "
-          f"{ms(pct(pooled_b, 99) - pct(pooled_a, 99))} |")
-    verdict = "met" if statistics.median(d99) <= 0.001 else "missed"
-    print(f"\nTarget (added TTFT p99 <= 1 ms, median over rounds): {verdict}")
+          f"{ms(pct(pooled_b, 99) - pct(pooled_a, 99))} | | |")
+    verdict = "met" if statistics.median(row[1] for row in rows) <= 0.001 else "missed"
+    print(f"\nTarget for {name} (added TTFT p99 <= 1 ms, median over rounds): {verdict}")
 
 
 BENIGN = ("There is no configured limit to the number of allowed active downstream",)
@@ -418,9 +478,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="rounds of every configuration")
     p.add_argument("--direct", action="store_true",
                    help="also a configuration straight to the stage (no Envoy)")
+    p.add_argument("--streamed", action="store_true",
+                   help="also Envoy with the fragment in STREAMED mode instead of "
+                        "observability mode: each chunk waits for sitsmesh's CONTINUE")
+    p.add_argument("--nice", type=int, default=None,
+                   help="renice every sitsmesh thread to this (e.g. 19)")
+    p.add_argument("--isolate", action="store_true",
+                   help="sitsmesh alone on CPU 1; Envoys, stage and client on CPU 0")
+    p.add_argument("--max-streams-per-connection", type=int, default=None,
+                   help="sitsmesh's setting (default 16). At 16, a burst of new streams "
+                        "over fresh connections has some refused (reset): in STREAMED "
+                        "mode the client then gets a 503; run --streamed with 1000")
     p.add_argument("--seed", type=int, default=27)
     args = p.parse_args(argv)
-    configs = ["plain", "ext_proc"]
+    configs = ["plain", "ext_proc"] + (["streamed"] if args.streamed else [])
     start_load = load1()
     print(f"start {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, 1-min load "
           f"{start_load:.2f}", file=sys.stderr)
@@ -444,7 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             harness.wait_until(stage_port, 20, "the stage's port")
             stage_port_n = int(port_line[0])
-            node = harness.start_sitsmesh(work)
+            node = harness.start_sitsmesh(work, *(
+                ["--max-streams-per-connection", str(args.max_streams_per_connection)]
+                if args.max_streams_per_connection else []))
             stack.callback(node.kill)
             envoys = {}
             for name, fragments in (("plain", []), ("ext_proc", ["ext_proc"])):
@@ -452,6 +525,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 envoys[name] = harness.start_envoy(work / name, node.data_addr, stage_port_n,
                                                    fragments=fragments)
                 stack.callback(envoys[name].kill)
+            if args.streamed:
+                (work / "streamed").mkdir()
+                envoys["streamed"] = streamed_envoy(work / "streamed", node.data_addr,
+                                                    stage_port_n)
+                stack.callback(envoys["streamed"].kill)
             by_name = {name: Config(name, e.listen_port, e.proc.pid)
                        for name, e in envoys.items()}
             if args.direct:
@@ -459,6 +537,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 by_name["direct"] = Config("direct", stage_port_n, None)
             pgids = {"sitsmesh": node.proc.pid, "stage": stage.proc.pid,
                      **{n: e.proc.pid for n, e in envoys.items()}}
+            if args.isolate:
+                for pgid in [stage.proc.pid, *(e.proc.pid for e in envoys.values())]:
+                    place(pgid, {0}, None)
+                os.sched_setaffinity(0, {0})
+            if args.isolate or args.nice is not None:
+                place(node.proc.pid, {1} if args.isolate else None, args.nice)
             for name in configs:  # warm-up, not reported
                 run_round(by_name[name], -1, args, min(args.streams, 20),
                           min(args.tokens, 32), pgids, node)
@@ -472,10 +556,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             # In observability mode Envoy closes its side of each ext_proc stream only
             # after deferred_close_timeout (5 s by default): read the stats after that.
             time.sleep(6)
-            stats = envoys["ext_proc"].admin_get("/stats").splitlines()
-            ext = [line for line in stats if "ext_proc" in line and not line.endswith(": 0")]
-            notes.append("ext_proc Envoy's nonzero ext_proc stats (6 s after the last "
-                         "round): " + "; ".join(ext))
+            for name in [c for c in configs if c in OBSERVED]:
+                stats = envoys[name].admin_get("/stats").splitlines()
+                ext = [line for line in stats
+                       if "ext_proc" in line and not line.endswith(": 0")]
+                notes.append(f"{name} Envoy's nonzero ext_proc stats (6 s after the last "
+                             "round): " + "; ".join(ext))
             for name in configs:
                 stalls = sum(1 for r in rounds if r.config == name
                              for g in r.gaps() if g > 1.0)
@@ -485,6 +571,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             notes += log_notes({"sitsmesh": node, "stage": stage, **envoys})
         except (BenchError, TimeoutError, RuntimeError, OSError) as exc:
             print(f"FAILED: {exc}", file=sys.stderr)
+            with contextlib.suppress(NameError):  # what the logs say, where they exist
+                for note in log_notes({"sitsmesh": node, **envoys}):
+                    print(f"- {note}", file=sys.stderr)
+                for name, envoy in envoys.items():
+                    bad = [line for line in envoy.admin_get("/stats").splitlines()
+                           if any(w in line for w in ("fail", "overflow", "reset", "5xx",
+                                                      "timeout", "refused"))
+                           and not line.endswith(": 0")]
+                    print(f"- {name} Envoy's nonzero failure stats: {'; '.join(bad)}",
+                          file=sys.stderr)
             return 1
     end_load = load1()
     print(f"end {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, 1-min load "

@@ -82,7 +82,8 @@ class TokensComponent:
         if self._metrics is None:
             return []
         servicer = ExtProcMux(ExternalProcessorServicer(
-            self._report, streams, stall_s=STALL_S, stall_of=self._stalls.stall_of), checks)
+            self._report, streams, stall_s=STALL_S, stall_of=self._stalls.stall_of,
+            untracked=self._metrics.untracked), checks)
         return [DataService(SERVICE_NAME, lambda server: add_to_server(servicer, server))]
 
     async def start(self) -> None:

@@ -27,6 +27,7 @@ class TokenStage:
     tokens: int = 16
     aborted: int = 0
     served: int = 0
+    sent: int = 0  # content tokens written, over all requests
     _server: ThreadingHTTPServer | None = field(default=None, repr=False)
 
     @property
@@ -40,7 +41,7 @@ class TokenStage:
         class Handler(_Handler):
             owner = stage
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
@@ -49,6 +50,13 @@ class TokenStage:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    # socketserver's listen backlog is 5: a burst of new upstream connections from
+    # Envoy (100 streams, STREAMED ext_proc releasing requests in a bunch) overflowed
+    # it, and Envoy's connects timed out into 503s.
+    request_queue_size = 256
 
 
 def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
@@ -99,6 +107,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if i:
                     time.sleep(itl + (stall if i == stall_after else 0.0))
                 self._send(_chunk({"content": f" t{i}"}))
+                stage.sent += 1
             self._send(_chunk({}, "length"))
             if usage:
                 self._send(b"data: " + json.dumps({

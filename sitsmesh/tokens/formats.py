@@ -35,7 +35,17 @@ class Piece:
 
 
 NOTHING = Piece()
+ONE = Piece(1)
 DONE = Piece(done=True)
+_decode = json.JSONDecoder().decode
+
+
+def _loads(data: bytes) -> Any:
+    """json.loads(data), without its encoding sniffing where the bytes are plainly UTF-8:
+    an ASCII first byte (no BOM) and no NUL in the first two (UTF-16/32 JSON has one)."""
+    if len(data) > 1 and 0 < data[0] < 0x80 and data[1]:
+        return _decode(data.decode("utf-8", "surrogatepass"))
+    return json.loads(data)
 
 
 def _object(data: bytes, what: str = "an event", sender: str = "") -> dict[str, Any] | Piece:
@@ -43,7 +53,7 @@ def _object(data: bytes, what: str = "an event", sender: str = "") -> dict[str, 
     an object, or (where `sender` names who sends them) an `error` object, which ends
     the stream."""
     try:
-        body = json.loads(data)
+        body = _loads(data)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return Piece(error=f"not JSON: {data[:40]!r}")
     if not isinstance(body, dict):
@@ -91,9 +101,15 @@ def openai(data: bytes) -> Piece:
     if isinstance(body, Piece):
         return body
     choices = body.get("choices")
-    tokens = sum(1 for c in choices if isinstance(c, dict) and _has_text(c)) \
-        if isinstance(choices, list) else 0
-    return Piece(tokens, usage=_openai_usage(body.get("usage")))
+    tokens = 0
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict) and _has_text(choice):
+                tokens += 1
+    usage = body.get("usage")
+    if usage is None and tokens < 2:  # the usual event: a shared Piece, none built
+        return ONE if tokens else NOTHING
+    return Piece(tokens, usage=_openai_usage(usage))
 
 
 def triton(data: bytes) -> Piece:

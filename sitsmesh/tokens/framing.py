@@ -12,6 +12,9 @@ from a socket or an iterator of their own, not from chunks handed in one at a ti
 from __future__ import annotations
 
 MAX_EVENT_BYTES = 64 << 10
+# Parsing is Python work on the event loop's thread: one chunk is parsed only up to this
+# (4 ms or so of work at the usual event sizes); a bigger one is skipped and counted.
+MAX_CHUNK_BYTES = 256 << 10
 
 
 class SseSplitter:
@@ -31,7 +34,56 @@ class SseSplitter:
         self._cr = False  # the last chunk ended in CR: a LF first in the next is its pair
         self._oversized = False
 
+    @property
+    def held(self) -> int:
+        """Bytes kept of the unfinished event."""
+        return len(self._line) + self._held
+
+    def skip(self, chunk: bytes) -> None:
+        """A chunk over the per-chunk bound, not parsed: the event it ends in is dropped
+        and counted as an oversized one (as is the rest of the line it ends in, where it
+        ends mid-line), and parsing resumes after that."""
+        self._line.clear()
+        self._data.clear()
+        self._held = 0
+        self._cr = False
+        if chunk.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+            self._oversized = False
+            self.skipped += 1
+        else:
+            self._oversized = True
+
     def feed(self, chunk: bytes) -> list[bytes]:
+        if self._cr or b"\r" in chunk:
+            return self._feed_cr(chunk)
+        # The usual chunk, LF line ends only: split at C speed, and handle each line
+        # inline unless an earlier chunk left a line open or an event is being dropped.
+        lines = chunk.split(b"\n")
+        tail = lines.pop()
+        events: list[bytes] = []
+        data = self._data
+        for line in lines:
+            if self._line or self._oversized or \
+                    len(line) + self._held > self.max_event_bytes:
+                self._keep(line)
+                self._line_done(events)
+            elif not line:
+                if data:
+                    events.append(b"\n".join(data))
+                    data.clear()
+                    self._held = 0
+            elif line.startswith(b"data:"):
+                value = line[6:] if line[5:6] == b" " else line[5:]
+                data.append(value)
+                self._held += len(value) + 1
+            elif line == b"data":
+                data.append(b"")
+                self._held += 1
+        if tail:
+            self._keep(tail)
+        return events
+
+    def _feed_cr(self, chunk: bytes) -> list[bytes]:
         events: list[bytes] = []
         start = 0
         if self._cr and chunk[:1] == b"\n":
@@ -102,6 +154,21 @@ class LineSplitter:
         self._line = bytearray()
         self._oversized = False
 
+    @property
+    def held(self) -> int:
+        return len(self._line)
+
+    def skip(self, chunk: bytes) -> None:
+        """A chunk over the per-chunk bound, not parsed: the line it is part of is dropped
+        and counted; the stream resumes at the next line that starts after it."""
+        if chunk.endswith(b"\n"):
+            self._line.clear()
+            self._oversized = False
+            self.skipped += 1
+        else:
+            self._oversized = True
+            self._line.clear()
+
     def feed(self, chunk: bytes) -> list[bytes]:
         lines: list[bytes] = []
         start = 0
@@ -147,7 +214,20 @@ class GrpcSplitter:
         self._buffer = bytearray()
         self._skip = 0  # bytes of a skipped message still to come
 
+    @property
+    def held(self) -> int:
+        return len(self._buffer)
+
+    def skip(self, chunk: bytes) -> None:
+        """A chunk over the per-chunk bound, not parsed: the message framing is lost with
+        it, so nothing more of the stream is parsed (counted once)."""
+        self.skipped += 1
+        self._buffer.clear()
+        self._skip = -1
+
     def feed(self, chunk: bytes) -> list[bytes]:
+        if self._skip < 0:  # framing lost to a skipped chunk
+            return []
         if self._skip:
             taken = min(self._skip, len(chunk))
             self._skip -= taken

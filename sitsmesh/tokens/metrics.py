@@ -12,6 +12,7 @@ from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.tokens.timing import End
 
 LABELS = ("pipeline", "stage", "format")
+UNTRACKED = ("not_streaming", "streams", "bytes")
 # The GenAI conventions' advisory buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0)
@@ -22,7 +23,7 @@ class TokenMetrics:
     """`observe` takes each finished stream's report."""
 
     __slots__ = ("_bad", "_chain_itl", "_chain_ttft", "_ends", "_parts", "_stalls",
-                 "_tokens", "_tpot", "_ttft", "_unjoined")
+                 "_tokens", "_tpot", "_ttft", "_unjoined", "_untracked")
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self._ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
@@ -66,8 +67,19 @@ class TokenMetrics:
             "pushed out by the bound on waiting reports.", ["reason"], registry=registry)
         for reason in ("expired", "max_pending"):
             self._unjoined.labels(reason)
+        self._untracked = Counter("sitsmesh_token_streams_untracked_total",
+                                  "Responses seen by the ext_proc filter and not timed: "
+                                  "not a token stream (not_streaming), or past the bound "
+                                  "on streams parsed at once (streams) or on the bytes "
+                                  "their unfinished events keep (bytes).", ["reason"],
+                                  registry=registry)
         for end in End:  # every series exists from the start, at 0
             self._ends.labels(*UNKNOWN, "openai", end.value)
+        for reason in UNTRACKED:
+            self._untracked.labels(reason)
+
+    def untracked(self, reason: str) -> None:
+        self._untracked.labels(reason).inc()
 
     def observe(self, report: TokenReport, stage: tuple[str, str]) -> None:
         """`stage`: the (pipeline, stage) the stream belongs to."""

@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sitsmesh.tokens.formats import FORMATS, Usage
-from sitsmesh.tokens.framing import MAX_EVENT_BYTES, GrpcSplitter, LineSplitter, SseSplitter
+from sitsmesh.tokens.framing import (
+    MAX_CHUNK_BYTES,
+    MAX_EVENT_BYTES,
+    GrpcSplitter,
+    LineSplitter,
+    SseSplitter,
+)
 from sitsmesh.tokens.timing import End, StreamClock, StreamSummary
 
 
@@ -44,12 +50,14 @@ class TokenReport:
 
 class TokenStream:
     __slots__ = ("_clock", "_parse", "_splitter", "bad_events", "done", "error", "format",
-                 "usage")
+                 "max_chunk_bytes", "usage")
     _splitter: SseSplitter | LineSplitter | GrpcSplitter
 
     def __init__(self, fmt: str, started: float, stall_s: float,
-                 max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+                 max_event_bytes: int = MAX_EVENT_BYTES,
+                 max_chunk_bytes: int = MAX_CHUNK_BYTES) -> None:
         self.format = fmt
+        self.max_chunk_bytes = max_chunk_bytes
         self._parse = FORMATS[fmt]
         self._splitter = _SPLITTERS.get(fmt, SseSplitter)(max_event_bytes)
         self._clock = StreamClock(started, stall_s)
@@ -59,7 +67,11 @@ class TokenStream:
         self.bad_events = 0
 
     def chunk(self, data: bytes, at: float) -> None:
-        """A piece of the body, seen at `at`."""
+        """A piece of the body, seen at `at`; one over max_chunk_bytes is not parsed (the
+        event it ends in counts as oversized)."""
+        if len(data) > self.max_chunk_bytes:
+            self._splitter.skip(data)
+            return
         for event in self._splitter.feed(data):
             piece = self._parse(event)
             if piece.error:
@@ -81,3 +93,8 @@ class TokenStream:
     @property
     def oversized(self) -> int:
         return self._splitter.skipped
+
+    @property
+    def held(self) -> int:
+        """Bytes kept of an unfinished event."""
+        return self._splitter.held

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from time import perf_counter
 from typing import Any
 
 import grpc
+from grpc.aio import EOF
 
 from sitsmesh.transport.budget import (
     FIRST_HOLD_S,
@@ -173,12 +174,17 @@ class _Metered:
     charged READ_AHEAD times its length (gRPC reads the next meanwhile) until the handler
     asks for the next. A message that does not fit ends the stream at once."""
 
-    __slots__ = ("_budget", "_context", "_first", "_held", "_inner", "_large",
-                 "_loop_share", "_parse", "_started")
+    __slots__ = ("_budget", "_context", "_first", "_held", "_large", "_loop_share",
+                 "_parse", "_read", "_started")
 
     def __init__(self, inner: AsyncIterator[bytes], parse: Callable[[bytes], Any],
                  budget: ByteBudget, context: Any, first: int, *, loop_share: bool) -> None:
-        self._inner = inner
+        # The call's own read() where there is one: gRPC's request iterator is an async
+        # generator around it, a layer more on every message (~5 us of the ~60 a
+        # message costs in gRPC aio, measured on the ext_proc path).
+        read = getattr(context, "read", None)
+        self._read: Callable[[], Awaitable[Any]] = read if read is not None \
+            else inner.__anext__
         self._loop_share = loop_share
         self._parse = parse
         self._budget = budget
@@ -209,23 +215,28 @@ class _Metered:
             budget.give(self._held)
             self._held = 0
         if self._started:
-            message = self._charge(await self._inner.__anext__())
+            data: Any = await self._read()
+            if data is EOF:
+                raise StopAsyncIteration
+            message = self._charge(data)
         else:
             self._started = True
             if not await budget.hold(self._first, FIRST_WAIT_S):
                 message = _REFUSED
             else:
                 data = await self._first_message()
+                if data is EOF:
+                    raise StopAsyncIteration
                 message = self._charge(data)
                 del data
         if message is _REFUSED:
             refuse(self._context, grpc.StatusCode.RESOURCE_EXHAUSTED, _over(budget))
         return message
 
-    async def _first_message(self) -> bytes:
-        """The first message, holding the room taken for it until it is in or for
-        FIRST_HOLD_S, whichever comes first."""
-        read = asyncio.ensure_future(self._inner.__anext__())
+    async def _first_message(self) -> Any:
+        """The first message (bytes, or EOF), holding the room taken for it until it is
+        in or for FIRST_HOLD_S, whichever comes first."""
+        read = asyncio.ensure_future(self._read())
         try:
             try:
                 await asyncio.wait((read,), timeout=FIRST_HOLD_S)

@@ -180,6 +180,54 @@ def test_a_stall_is_counted_a_hang_up_is_a_cut_and_sitsmesh_away_changes_nothing
         envoy.kill()
 
 
+def test_a_client_that_does_not_read_holds_the_stage_back_and_the_stream_is_reported(
+        tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh],
+        stage: TokenStage) -> None:
+    import http.client
+    import socket
+
+    node = start_sitsmesh()
+    envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port, fragments=["ext_proc"])
+    client = socket.socket()
+    try:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", envoy.listen_port))
+        body = b'{"stream": true}'
+        # A million tokens as fast as the stage can write them, and never a byte read.
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: stage\r\n"
+                       b"content-type: application/json\r\nx-stage-tokens: 1000000\r\n"
+                       b"x-stage-ttft-ms: 0\r\nx-stage-itl-ms: 0\r\n"
+                       b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        samples = [-1]
+
+        def stopped() -> bool:
+            before, samples[0] = samples[0], stage.sent
+            return before == samples[0] > 0
+
+        # Envoy's buffer limits stop the stage (and with it the copies to sitsmesh).
+        harness.wait_until(stopped, 30, "the stage to be held back", interval=0.5)
+        assert stage.sent < 1_000_000
+        client.close()  # the client gives up: a cut stream, reported; the stage stops
+        harness.wait_until(lambda: harness.metric_value(
+            node.metrics(), "sitsmesh_token_streams_total", format="openai", end="cut") == 1,
+            10, "the cut stream reported")
+        harness.wait_until(lambda: stage.aborted == 1, 10, "the stage to stop generating")
+        counted = harness.metric_value(node.metrics(), "sitsmesh_output_tokens_total",
+                                       format="openai")
+        assert 0 < counted <= stage.sent  # what passed Envoy, never more
+        # A response that is not a token stream is passed by unparsed, and counted.
+        plain = http.client.HTTPConnection("127.0.0.1", envoy.listen_port, timeout=10)
+        plain.request("GET", "/v1/models")
+        plain.getresponse().read()
+        plain.close()
+        harness.wait_until(lambda: harness.metric_value(
+            node.metrics(), "sitsmesh_token_streams_untracked_total",
+            reason="not_streaming") == 1, 10, "the untracked response counted")
+    finally:
+        client.close()
+        envoy.kill()
+
+
 def test_a_stage_behind_no_envoy_reports_its_token_figures(
         tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh]) -> None:
     import grpc

@@ -36,6 +36,13 @@ def test_bad_openai_events_say_why(data: bytes) -> None:
     assert piece.error and piece.tokens == 0 and not piece.done
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16-le", "utf-16-be", "utf-32"])
+def test_json_in_other_encodings_reads_as_json_loads_reads_it(encoding: str) -> None:
+    # Events are parsed without json.loads's encoding sniffing where they are plain
+    # UTF-8; the others still read as json.loads reads them.
+    assert openai(_chat({"content": "Hel"}).decode().encode(encoding)) == Piece(1)
+
+
 def test_an_engine_error_event_ends_the_stream() -> None:
     piece = openai(b'{"error": {"message": "KV cache full", "code": 503}}')
     assert piece.done and "KV cache full" in piece.error

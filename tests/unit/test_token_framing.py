@@ -97,3 +97,42 @@ def test_oversized_and_compressed_grpc_messages_are_skipped_by_length(cuts: list
     splitter = GrpcSplitter(max_event_bytes=100)
     assert _all(splitter, _cut(body, cuts)) == [b"a", b"b"]
     assert splitter.skipped == 2
+
+
+_SSE_LINES = st.sampled_from([b"data: a", b"data:b", b"data", b"data: " + b"x" * 40, b"",
+                              b": comment", b"event: ping", b"id: 7", b"dat", b"data:  c"])
+
+
+@given(st.lists(_SSE_LINES, max_size=30), st.lists(st.integers(min_value=0), max_size=20),
+       st.integers(min_value=20, max_value=200))
+def test_the_fast_path_for_lf_bodies_gives_what_the_general_path_does(
+        lines: list[bytes], cuts: list[int], bound: int) -> None:
+    # Chunks without a CR take the split-based path; the char-by-char one is the
+    # reference, also for events over the bound (dropped and counted alike).
+    body = b"\n".join(lines) + b"\n"
+    fast, general = SseSplitter(max_event_bytes=bound), SseSplitter(max_event_bytes=bound)
+    chunks = _cut(body, cuts)
+    assert [e for c in chunks for e in fast.feed(c)] == \
+        [e for c in chunks for e in general._feed_cr(c)]
+    assert (fast.skipped, fast.held) == (general.skipped, general.held)
+
+
+def test_a_chunk_over_the_chunk_bound_is_skipped_counted_and_parsing_goes_on() -> None:
+    sse = SseSplitter()
+    assert sse.feed(b"data: half") == []
+    sse.skip(b"data: " + b"x" * 100 + b"\n\n")  # ends at an event's end
+    assert (sse.skipped, sse.held) == (1, 0)
+    assert sse.feed(b"data: next\n\n") == [b"next"]
+    sse.skip(b"data: " + b"x" * 100)  # ends mid-event: the rest of its line goes too
+    assert sse.feed(b"xx\n\ndata: after\n\n") == [b"after"]
+    assert sse.skipped == 2
+
+    lines = LineSplitter()
+    lines.skip(b'{"a": 1}\n{"b": ')
+    assert lines.feed(b'2}\n{"c": 3}\n') == [b'{"c": 3}']
+    assert lines.skipped == 1
+
+    grpc = GrpcSplitter()
+    grpc.skip(_frame(b"x" * 100))
+    # The framing is lost with the skipped bytes: nothing more is parsed, counted once.
+    assert grpc.feed(_frame(b"one")) == [] and (grpc.skipped, grpc.held) == (1, 0)
