@@ -15,6 +15,9 @@ whole run:
   each response chunk to sitsmesh;
 - with `--direct` also a **direct** configuration: the client straight to the stage (no
   Envoy), to see what the stage and the client sustain on their own;
+- with `--twin` also a **twin**: a second Envoy with no fragment, measured like the
+  others; what it "adds" over plain (an A/A comparison) is the resolution of the added
+  TTFT on this machine;
 - with `--streamed` also a **streamed** configuration: Envoy with the same fragment but
   `observability_mode: false` and response bodies STREAMED, so Envoy waits for
   sitsmesh's answer (an immediate CONTINUE) to the request headers, the response
@@ -416,6 +419,10 @@ def print_tables(rounds: list[Round], configs: list[str], args: argparse.Namespa
     plain = {r.index: r for r in rounds if r.config == "plain"}
     for name in [c for c in configs if c in OBSERVED]:
         print_added(plain, {r.index: r for r in rounds if r.config == name}, name)
+    if "twin" in configs:
+        # A/A: a second Envoy configured as plain, measured the same way. What it
+        # "adds" is the bench's own resolution on this machine.
+        print_added(plain, {r.index: r for r in rounds if r.config == "twin"}, "twin")
 
 
 def print_added(plain: dict[int, Round], observed: dict[int, Round], name: str) -> None:
@@ -436,6 +443,8 @@ def print_added(plain: dict[int, Round], observed: dict[int, Round], name: str) 
     pooled_b = [t for r in observed.values() for t in r.ttfts()]
     print(f"| all rounds pooled | {ms(pct(pooled_b, 50) - pct(pooled_a, 50))} | "
           f"{ms(pct(pooled_b, 99) - pct(pooled_a, 99))} | | |")
+    if name == "twin":
+        return  # A/A: no target, only the resolution
     verdict = "met" if statistics.median(row[1] for row in rows) <= 0.001 else "missed"
     print(f"\nTarget for {name} (added TTFT p99 <= 1 ms, median over rounds): {verdict}")
 
@@ -489,9 +498,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="sitsmesh's setting (default 16). At 16, a burst of new streams "
                         "over fresh connections has some refused (reset): in STREAMED "
                         "mode the client then gets a 503; run --streamed with 1000")
+    p.add_argument("--twin", action="store_true",
+                   help="also a second Envoy without the fragment (A/A): what it 'adds' "
+                        "over plain is the bench's resolution")
     p.add_argument("--seed", type=int, default=27)
     args = p.parse_args(argv)
-    configs = ["plain", "ext_proc"] + (["streamed"] if args.streamed else [])
+    configs = ["plain", "ext_proc"] + (["streamed"] if args.streamed else []) + (
+        ["twin"] if args.twin else [])
     start_load = load1()
     print(f"start {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, 1-min load "
           f"{start_load:.2f}", file=sys.stderr)
@@ -525,6 +538,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 envoys[name] = harness.start_envoy(work / name, node.data_addr, stage_port_n,
                                                    fragments=fragments)
                 stack.callback(envoys[name].kill)
+            if args.twin:
+                (work / "twin").mkdir()
+                envoys["twin"] = harness.start_envoy(work / "twin", node.data_addr,
+                                                     stage_port_n, fragments=[])
+                stack.callback(envoys["twin"].kill)
             if args.streamed:
                 (work / "streamed").mkdir()
                 envoys["streamed"] = streamed_envoy(work / "streamed", node.data_addr,

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
+from google.rpc import code_pb2
 
 from sitsmesh.authz.check import MODEL_STREAM_INFER, Authorizer, CheckInput, Denied
 from sitsmesh.authz.extract import string_field
@@ -32,15 +32,16 @@ from sitsmesh.keyvalues import split_pairs
 # in each of their messages (ModelInferRequest.model_name).
 DEFAULT_METHODS: Mapping[str, int] = {MODEL_STREAM_INFER: 1}
 PREFIX = 5  # a gRPC message: compressed flag (1 byte), length (4 bytes, big-endian)
-_STATUS = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED}
+_STATUS = {401: code_pb2.UNAUTHENTICATED, 403: code_pb2.PERMISSION_DENIED}
 
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """Why a stream ends: a gRPC status code, a machine-readable code (as Check's deny
-    codes) and a message for the caller."""
+    """Why a stream ends: a gRPC status code (google.rpc.Code: gRPC itself is not
+    imported where settings are read, see tlsversion.py), a machine-readable code (as
+    Check's deny codes) and a message for the caller."""
 
-    status: grpc.StatusCode
+    status: int
     code: str
     message: str
 
@@ -97,7 +98,7 @@ def parse_deadline(raw: Any) -> float:
 
 
 def refusal_of(denied: Denied) -> Refusal:
-    return Refusal(_STATUS.get(denied.status, grpc.StatusCode.PERMISSION_DENIED),
+    return Refusal(_STATUS.get(denied.status, code_pb2.PERMISSION_DENIED),
                    denied.code, denied.message)
 
 
@@ -135,7 +136,7 @@ class MessageGate:
             return self._refuse(refusal_of(found))
         self._tenant = found
         if self.model and not found.allows(self.model):
-            return self._refuse(Refusal(grpc.StatusCode.PERMISSION_DENIED, "model_not_allowed",
+            return self._refuse(Refusal(code_pb2.PERMISSION_DENIED, "model_not_allowed",
                                         f"tenant {found.name} may no longer call model "
                                         f"{self.model}"))
         return None
@@ -157,12 +158,12 @@ class MessageGate:
         while len(buffer) - pos >= PREFIX:
             size = int.from_bytes(buffer[pos + 1:pos + PREFIX], "big")
             if buffer[pos] != 0:
-                self._refuse(Refusal(grpc.StatusCode.INVALID_ARGUMENT, "message_compressed",
+                self._refuse(Refusal(code_pb2.INVALID_ARGUMENT, "message_compressed",
                                      f"message {self.messages + 1} is compressed and cannot "
                                      "be checked: send this stream's messages uncompressed"))
                 break
             if size > self._settings.max_message_bytes:
-                self._refuse(Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "message_too_large",
+                self._refuse(Refusal(code_pb2.RESOURCE_EXHAUSTED, "message_too_large",
                                      f"message {self.messages + 1} is {size} bytes, over the "
                                      f"{self._settings.max_message_bytes}-byte bound"))
                 break
@@ -186,7 +187,7 @@ class MessageGate:
 
     def busy(self) -> None:
         """Every stream together holds too much: this one ends."""
-        self._refuse(Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "server_busy",
+        self._refuse(Refusal(code_pb2.RESOURCE_EXHAUSTED, "server_busy",
                              "sitsmesh holds too many incomplete messages; send whole "
                              "messages, or retry later"))
         self.release()
@@ -202,7 +203,7 @@ class MessageGate:
             return b""
         self.pending_since = None
         if not self._settings.fail_open:
-            self._refuse(Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "check_deadline",
+            self._refuse(Refusal(code_pb2.DEADLINE_EXCEEDED, "check_deadline",
                                  f"message {self.messages + 1} did not arrive whole within "
                                  f"the {self._settings.deadline_s:g} s check deadline"))
             self._buffer.clear()
@@ -224,19 +225,19 @@ class MessageGate:
             return refused
         model = string_field(message, 0, len(message), self._field)
         if not model:
-            return self._refuse(Refusal(grpc.StatusCode.PERMISSION_DENIED, "model_unknown",
+            return self._refuse(Refusal(code_pb2.PERMISSION_DENIED, "model_unknown",
                                         f"message {number} names no model"))
         if not self.model:
             tenant = self._tenant
             assert tenant is not None  # identify() passed just now
             if not tenant.allows(model):
                 return self._refuse(Refusal(
-                    grpc.StatusCode.PERMISSION_DENIED, "model_not_allowed",
+                    code_pb2.PERMISSION_DENIED, "model_not_allowed",
                     f"tenant {tenant.name} may not call model {model}"))
             self.model = model
         elif model != self.model:
             return self._refuse(Refusal(
-                grpc.StatusCode.PERMISSION_DENIED, "model_mixed",
+                code_pb2.PERMISSION_DENIED, "model_mixed",
                 f"message {number} names model {model}; this stream's model is {self.model}"))
         self.messages = number
         return None

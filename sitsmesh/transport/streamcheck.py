@@ -22,9 +22,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.rpc import code_pb2
 from grpc import aio
 from prometheus_client import CollectorRegistry, Counter
 
@@ -55,7 +55,7 @@ def _status_headers(refusal: Refusal) -> Any:
     """grpc-status and grpc-message (percent-encoded, as gRPC sends it) of a refusal."""
     return pb.HeaderMutation(set_headers=[
         base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(
-            key="grpc-status", raw_value=str(refusal.status.value[0]).encode())),
+            key="grpc-status", raw_value=str(refusal.status).encode())),
         base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(
             key="grpc-message", raw_value=grpc_message(
                 f"{refusal.code}: {refusal.message}").encode()))])
@@ -63,7 +63,7 @@ def _status_headers(refusal: Refusal) -> Any:
 
 def _immediate(refusal: Refusal) -> Any:
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        grpc_status=pb.GrpcStatus(status=refusal.status.value[0]),
+        grpc_status=pb.GrpcStatus(status=refusal.status),
         details=f"stream_check_{refusal.code}", body=f"{refusal.code}: {refusal.message}".encode()))
 
 
@@ -257,7 +257,7 @@ class StreamCheckServicer:
         field = self.settings.field_of(path)
         gate = MessageGate(self._authorizer, self.settings, caller, field)
         refusal = gate.identify() if field else Refusal(
-            grpc.StatusCode.PERMISSION_DENIED, "method_not_checked",
+            code_pb2.PERMISSION_DENIED, "method_not_checked",
             f"{path[:128]} is not a method sitsmesh checks message by message")
         if refusal is not None:
             self.metrics.refusals.labels(refusal.code).inc()

@@ -185,7 +185,7 @@ def _serve_one(stall_of: Any, gap_s: float) -> tuple[TokenReport, list[tuple[str
             yield pb.ProcessingRequest(observability_mode=True, response_body=pb.HttpBody(
                 body=TOKEN, end_of_stream=end))
 
-    asyncio.run(servicer._serve(messages(), None))  # type: ignore[arg-type]
+    asyncio.run(servicer._serve(messages().__anext__, None))  # type: ignore[arg-type]
     [report] = reports
     return report, asked
 
