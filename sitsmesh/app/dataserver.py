@@ -93,6 +93,11 @@ def server_options(settings: Settings, reuseport: bool) -> dict[str, Any]:
                         # 517-524 MB (20 s) without this cap, 364 MB with 32. Envoy opens
                         # another connection when one is full.
                         ("grpc.max_concurrent_streams", settings.max_streams_per_connection),
+                        # Envoy pings each connection every second (the bootstrap's
+                        # connection_keepalive) to notice a frozen sitsmesh; gRPC's
+                        # default answers pings that often with GOAWAY.
+                        ("grpc.http2.min_ping_interval_without_data_ms", 500),
+                        ("grpc.keepalive_permit_without_calls", 1),
                         *HTTP2_WINDOWS],
             "maximum_concurrent_rpcs": settings.max_concurrent_rpcs}
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -277,6 +279,30 @@ def test_sitsmesh_gone_mid_stream_fails_the_stream_without_a_hang(stack: Stack) 
         while not isinstance(answer := client.answers.get(timeout=10), Exception):
             answers.append(answer)
         assert answers == []
+        assert _error(answer)[0] in ("StatusCode.INTERNAL", "StatusCode.UNAVAILABLE")
+    finally:
+        client.close()
+
+
+def test_a_frozen_sitsmesh_fails_the_stream_within_seconds(stack: Stack) -> None:
+    """Envoy has no per-message timer for these streams; its keepalive pings (the
+    bootstrap's connection_keepalive) close the connection to a sitsmesh that stopped
+    answering, and the stream fails closed instead of waiting for it."""
+    client = Client(stack.envoy, stack.key)
+    try:
+        client.send()
+        assert len(client.take(TOKENS)) == TOKENS
+        os.kill(stack.node.proc.pid, signal.SIGSTOP)
+        try:
+            frozen = time.monotonic()
+            with contextlib.suppress(InferenceServerException):
+                client.send()
+            answer = client.answers.get(timeout=15)
+            waited = time.monotonic() - frozen
+        finally:
+            os.kill(stack.node.proc.pid, signal.SIGCONT)
+        print(f"\nstream failed {waited:.2f} s after sitsmesh froze")
+        assert isinstance(answer, InferenceServerException), answer
         assert _error(answer)[0] in ("StatusCode.INTERNAL", "StatusCode.UNAVAILABLE")
     finally:
         client.close()
