@@ -199,6 +199,8 @@ def _bootstrap(filters_dir: Path, ports: DevPorts, admission: str, rlqs_addr: st
     envoyconf.add_route(bootstrap, name=TOKENS_CLUSTER, prefix="/v1/chat/",
                         host="127.0.0.1", port=tokens_port, timeout="0s")
     envoyconf.ext_proc_only_on(bootstrap, [TOKENS_CLUSTER])
+    # ...and there only for `"stream": true` calls: a plain completion is not copied.
+    envoyconf.ext_proc_streaming_only(bootstrap)
     return bootstrap
 
 

@@ -204,6 +204,29 @@ def ext_proc_only_on(bootstrap: dict[str, Any], route_names: Sequence[str]) -> N
                              ".ExtProcPerRoute", "disabled": True}
 
 
+def ext_proc_streaming_only(bootstrap: dict[str, Any]) -> None:
+    """Run the ext_proc filter only for requests Check classed as streaming
+    (`x-sits-request-class: stream`: OpenAI `"stream": true`, Triton `generate_stream`),
+    so a `"stream": false` call on a streaming route is never copied to sitsmesh. For a
+    hop behind ext_authz on the same Envoy: elsewhere the header may be absent."""
+    filters = http_connection_manager(bootstrap)["http_filters"]
+    at = next(i for i, f in enumerate(filters) if f["name"] == EXT_PROC)
+    filters[at] = {"name": EXT_PROC, "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.common.matching.v3"
+                 ".ExtensionWithMatcher",
+        "extension_config": filters[at],
+        "xds_matcher": {"matcher_list": {"matchers": [{
+            "predicate": {"not_matcher": {"single_predicate": {
+                "input": {"name": "request-class", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.type.matcher.v3"
+                             ".HttpRequestHeaderMatchInput",
+                    "header_name": "x-sits-request-class"}},
+                "value_match": {"exact": "stream"}}}},
+            "on_match": {"action": {"name": "skip", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.common.matcher"
+                         ".action.v3.SkipFilter"}}}}]}}}}
+
+
 STREAM_CHECK = "sitsmesh.grpc_stream_check"
 EXT_AUTHZ = "envoy.filters.http.ext_authz"
 

@@ -269,3 +269,55 @@ def test_a_stage_behind_no_envoy_reports_its_token_figures(
     assert abs(llm["tokens"]["tpot_p50_ms"] - 25) <= 1.5
     assert harness.metric_value(node.metrics(), "sitsmesh_output_tokens_total",
                                 pipeline="rag", stage="llm", format="reported") == 256
+
+
+def test_only_requests_check_classed_as_streaming_are_copied_when_asked(
+        tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh],
+        stage: TokenStage) -> None:
+    """envoyconf.ext_proc_streaming_only: behind ext_authz, a `"stream": false` call on a
+    streaming route never reaches sitsmesh's ExternalProcessor (the stage here streams
+    either way: only the request's class decides)."""
+    import http.client
+
+    from sitsmesh.dev import envoyconf
+
+    node = start_sitsmesh()
+    assert node.cli("tenants", "create", "acme", "--models", "stage").returncode == 0
+    made = node.cli("apikeys", "create", "--tenant", "acme", "--output", "json")
+    key = json.loads(made.stdout)["key"]
+    values = harness.envoy_values(node.data_addr, stage.port, harness.free_port(),
+                                  harness.free_port())
+    bootstrap = envoyconf.render(harness.REPO / "filters" / "local" / "bootstrap.yaml",
+                                 values, ["ext_authz", "ext_proc"])
+    envoyconf.ext_proc_streaming_only(bootstrap)
+    config = envoyconf.write(bootstrap, tmp_path / "envoy.yaml")
+    envoy = harness.launch_envoy(config, int(str(values["listen_port"])),
+                                 int(str(values["envoy_admin_port"])), tmp_path / "envoy.log")
+    try:
+        def post(streaming: bool) -> int:
+            conn = http.client.HTTPConnection("127.0.0.1", envoy.listen_port, timeout=10)
+            conn.request("POST", "/v1/chat/completions", headers={
+                "content-type": "application/json", "x-api-key": key,
+                "x-stage-tokens": "5"}, body=json.dumps(
+                    {"model": "stage", "stream": streaming, "messages": []}).encode())
+            reply = conn.getresponse()
+            reply.read()
+            conn.close()
+            return reply.status
+
+        def seen(end: str = "complete") -> float:
+            return harness.metric_value(node.metrics(), "sitsmesh_token_streams_total",
+                                        format="openai", end=end)
+
+        assert post(True) == 200
+        harness.wait_until(lambda: seen() == 1, 5, "the streaming call's report")
+        assert post(False) == 200
+        assert post(True) == 200
+        harness.wait_until(lambda: seen() == 2, 5, "the second streaming call's report")
+        # The non-streaming call was never copied: not even counted as not streaming.
+        assert harness.metric_value(node.metrics(), "sitsmesh_token_streams_untracked_total",
+                                    reason="not_streaming") == 0
+        assert harness.metric_value(node.metrics(), "sitsmesh_output_tokens_total",
+                                    format="openai") == 10
+    finally:
+        envoy.kill()
