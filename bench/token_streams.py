@@ -15,6 +15,9 @@ whole run:
   each response chunk to sitsmesh;
 - with `--direct` also a **direct** configuration: the client straight to the stage (no
   Envoy), to see what the stage and the client sustain on their own;
+- with `--lua` also a **lua** configuration: Envoy with no fragment but a Lua filter
+  (a prototype, not shipped) that times each chunk inside Envoy and counts the tokens,
+  to size timing in Envoy against a copy of every chunk to sitsmesh;
 - with `--twin` also a **twin**: a second Envoy with no fragment, measured like the
   others; what it "adds" over plain (an A/A comparison) is the resolution of the added
   TTFT on this machine;
@@ -155,6 +158,56 @@ def streamed_envoy(work: Path, data_addr: str, upstream_port: int) -> harness.En
     [ext_proc] = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
     ext_proc["typed_config"]["observability_mode"] = False
     ext_proc["typed_config"]["processing_mode"]["response_body_mode"] = "STREAMED"
+    config = envoyconf.write(rendered, work / "envoy.yaml")
+    return harness.launch_envoy(config, listen, admin, work / "envoy.log")
+
+
+# A prototype (--lua), not shipped: each chunk of an SSE response timed inside Envoy
+# (microseconds), OpenAI content tokens counted, a summary set as dynamic metadata, which
+# an access-log entry could carry to sitsmesh: no message per chunk.
+LUA = """
+function envoy_on_response(handle)
+  local ct = handle:headers():get("content-type")
+  if ct == nil or string.find(ct, "text/event-stream", 1, true) == nil then return end
+  local first, last, n, maxgap, sum = nil, nil, 0, 0, 0
+  for chunk in handle:bodyChunks() do
+    local now = tonumber(handle:timestampString(EnvoyTimestampResolution.MICROSECOND))
+    local len = chunk:length()
+    if len > 0 then
+      local data = chunk:getBytes(0, len)
+      local _, k = string.gsub(data, '"content": "[^"]', "")
+      if k > 0 then
+        if first == nil then first = now else
+          local gap = now - last
+          sum = sum + gap
+          if gap > maxgap then maxgap = gap end
+        end
+        last = now
+        n = n + k
+      end
+    end
+  end
+  local meta = handle:streamInfo():dynamicMetadata()
+  meta:set("sitsmesh.tokens", "tokens", n)
+  meta:set("sitsmesh.tokens", "first_us", first or 0)
+  meta:set("sitsmesh.tokens", "gap_max_us", maxgap)
+end
+"""
+
+
+def lua_envoy(work: Path, data_addr: str, upstream_port: int) -> harness.Envoy:
+    """Envoy with no fragment but the LUA prototype: the design ext_proc could give way
+    to (time the tokens inside Envoy, send one summary per stream), sized here."""
+    from sitsmesh.dev import envoyconf
+
+    listen, admin = harness.free_port(), harness.free_port()
+    bootstrap = harness.REPO / "filters" / "local" / "bootstrap.yaml"
+    rendered = envoyconf.render(bootstrap, harness.envoy_values(data_addr, upstream_port,
+                                                                listen, admin), [])
+    hcm = envoyconf.http_connection_manager(rendered, bootstrap)
+    hcm["http_filters"].insert(0, {"name": "envoy.filters.http.lua", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+        "default_source_code": {"inline_string": LUA}}})
     config = envoyconf.write(rendered, work / "envoy.yaml")
     return harness.launch_envoy(config, listen, admin, work / "envoy.log")
 
@@ -419,6 +472,8 @@ def print_tables(rounds: list[Round], configs: list[str], args: argparse.Namespa
     plain = {r.index: r for r in rounds if r.config == "plain"}
     for name in [c for c in configs if c in OBSERVED]:
         print_added(plain, {r.index: r for r in rounds if r.config == name}, name)
+    if "lua" in configs:
+        print_added(plain, {r.index: r for r in rounds if r.config == "lua"}, "lua")
     if "twin" in configs:
         # A/A: a second Envoy configured as plain, measured the same way. What it
         # "adds" is the bench's own resolution on this machine.
@@ -498,13 +553,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="sitsmesh's setting (default 16). At 16, a burst of new streams "
                         "over fresh connections has some refused (reset): in STREAMED "
                         "mode the client then gets a 503; run --streamed with 1000")
+    p.add_argument("--lua", action="store_true",
+                   help="also Envoy with the Lua prototype that times tokens inside Envoy")
     p.add_argument("--twin", action="store_true",
                    help="also a second Envoy without the fragment (A/A): what it 'adds' "
                         "over plain is the bench's resolution")
     p.add_argument("--seed", type=int, default=27)
     args = p.parse_args(argv)
     configs = ["plain", "ext_proc"] + (["streamed"] if args.streamed else []) + (
-        ["twin"] if args.twin else [])
+        ["twin"] if args.twin else []) + (["lua"] if args.lua else [])
     start_load = load1()
     print(f"start {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, 1-min load "
           f"{start_load:.2f}", file=sys.stderr)
@@ -538,6 +595,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 envoys[name] = harness.start_envoy(work / name, node.data_addr, stage_port_n,
                                                    fragments=fragments)
                 stack.callback(envoys[name].kill)
+            if args.lua:
+                (work / "lua").mkdir()
+                envoys["lua"] = lua_envoy(work / "lua", node.data_addr, stage_port_n)
+                stack.callback(envoys["lua"].kill)
             if args.twin:
                 (work / "twin").mkdir()
                 envoys["twin"] = harness.start_envoy(work / "twin", node.data_addr,
