@@ -195,13 +195,23 @@ EXT_PROC = "envoy.filters.http.ext_proc"
 def ext_proc_only_on(bootstrap: dict[str, Any], route_names: Sequence[str]) -> None:
     """Turn the ext_proc filter off on every route but `route_names`: only streaming
     routes should copy their bodies to sitsmesh (the fragment's advice)."""
-    manager = http_connection_manager(bootstrap)
-    for host in manager["route_config"]["virtual_hosts"]:
+    _ext_proc_only_on(bootstrap, EXT_PROC, route_names)
+
+
+def _ext_proc_only_on(bootstrap: dict[str, Any], filter_name: str,
+                      route_names: Sequence[str]) -> list[dict[str, Any]]:
+    """ExtProcPerRoute `disabled` for ext_proc filter `filter_name` on every route but
+    `route_names`; those routes."""
+    kept = []
+    for host in http_connection_manager(bootstrap)["route_config"]["virtual_hosts"]:
         for route in host["routes"]:
-            if route.get("name") not in route_names:
-                route.setdefault("typed_per_filter_config", {})[EXT_PROC] = {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3"
-                             ".ExtProcPerRoute", "disabled": True}
+            if route.get("name") in route_names:
+                kept.append(route)
+                continue
+            route.setdefault("typed_per_filter_config", {})[filter_name] = {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3"
+                         ".ExtProcPerRoute", "disabled": True}
+    return kept
 
 
 def ext_proc_streaming_only(bootstrap: dict[str, Any]) -> None:
@@ -235,21 +245,13 @@ def stream_checks_on(bootstrap: dict[str, Any], route_names: Sequence[str]) -> N
     """Check the messages of the gRPC streams on `route_names` one by one (the
     grpc_stream_check fragment): ext_authz there checks the headers only, and tells
     Check so; every other route skips the filter."""
-    manager = http_connection_manager(bootstrap)
-    for host in manager["route_config"]["virtual_hosts"]:
-        for route in host["routes"]:
-            per_filter = route.setdefault("typed_per_filter_config", {})
-            if route.get("name") not in route_names:
-                per_filter[STREAM_CHECK] = {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3"
-                             ".ExtProcPerRoute", "disabled": True}
-                continue
-            per_filter[EXT_AUTHZ] = {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3"
-                         ".ExtAuthzPerRoute",
-                "check_settings": {"disable_request_body_buffering": True,
-                                   "context_extensions": {
-                                       "sitsmesh_stream_check": "per_message"}}}
+    for route in _ext_proc_only_on(bootstrap, STREAM_CHECK, route_names):
+        route.setdefault("typed_per_filter_config", {})[EXT_AUTHZ] = {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3"
+                     ".ExtAuthzPerRoute",
+            "check_settings": {"disable_request_body_buffering": True,
+                               "context_extensions": {
+                                   "sitsmesh_stream_check": "per_message"}}}
 
 
 def write(bootstrap: dict[str, Any], out: Path) -> Path:

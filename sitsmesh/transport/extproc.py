@@ -78,12 +78,13 @@ def _header(headers: Any, name: str) -> str:
     return ""
 
 
-def _attribute(request: Any, name: str) -> str:
-    """An attribute Envoy sent with the message (`response_attributes` in the fragment)."""
+def attribute(request: Any, name: str, limit: int = MAX_HEADER_VALUE) -> str:
+    """A string attribute Envoy sent with the message (the fragment's
+    `request_attributes` / `response_attributes`), at most `limit` characters."""
     for struct in request.attributes.values():
         value = struct.fields.get(name)
         if value is not None and value.WhichOneof("kind") == "string_value":
-            return str(value.string_value[:MAX_HEADER_VALUE])
+            return str(value.string_value[:limit])
     return ""
 
 
@@ -185,8 +186,8 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
         if len(self.open) >= self.max_streams:
             self._untracked("streams")
             return None
-        cluster = _attribute(request, "xds.cluster_name")
-        route = _attribute(request, "xds.route_name")
+        cluster = attribute(request, "xds.cluster_name")
+        route = attribute(request, "xds.route_name")
         stall_s = self._stall_s if self._stall_of is None else self._stall_of(cluster, route)
         tracked = _Open(TokenStream(fmt, started, stall_s), now, (*seen, cluster, route))
         self.open.add(tracked)
@@ -236,7 +237,7 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
         clock: the unawaited copy of the headers reaches sitsmesh some ms later, and
         TTFT counted from there came out 4 % short. Received time where the attribute
         is missing, or the two clocks disagree by more than MAX_LAG_S."""
-        raw = _attribute(request, "request.time")
+        raw = attribute(request, "request.time")
         if not raw:
             return received
         try:

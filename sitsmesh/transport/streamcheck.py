@@ -29,9 +29,10 @@ from grpc import aio
 from prometheus_client import CollectorRegistry, Counter
 
 from sitsmesh import logs
-from sitsmesh.authz.check import Authorizer, CheckInput
+from sitsmesh.authz.check import MAX_HEADER_VALUE, Authorizer, CheckInput
 from sitsmesh.authz.streamcheck import MessageGate, Refusal, StreamCheckSettings
 from sitsmesh.transport.authz import grpc_message, verified_claim
+from sitsmesh.transport.extproc import attribute
 
 _log = logs.get("sitsmesh.streamcheck")
 # How long a refused stream's response may go on before it is cut: enough for a server
@@ -244,11 +245,7 @@ class StreamCheckServicer:
             headers[header.key] = header.value or header.raw_value.decode("utf-8", "replace")
         path = headers.get(":path", "")
         settings = self._authorizer.settings
-        principal = ""
-        for struct in request.attributes.values():
-            value = struct.fields.get("source.principal")
-            if value is not None:
-                principal = value.string_value
+        principal = attribute(request, "source.principal", MAX_HEADER_VALUE)
         jwt_tenant = verified_claim(request.metadata_context, settings.jwt_metadata_key,
                                     settings.jwt_tenant_claim) \
             if settings.jwt_metadata_key else ""

@@ -16,7 +16,7 @@ from sitsmesh.tokens.timing import End
 from sitsmesh.transport.extproc import (
     CLOSE_DELAY_S,
     ExternalProcessorServicer,
-    _attribute,
+    attribute,
 )
 from sitsmesh.transport.streams import OpenStreams
 
@@ -45,9 +45,9 @@ def test_the_clock_starts_when_envoy_had_the_request(raw: str, started: float) -
 
 def test_attributes_are_read_as_strings_and_bounded() -> None:
     request = _request(**{"xds.cluster_name": "llm", "xds.route_name": "r" * 1000})
-    assert _attribute(request, "xds.cluster_name") == "llm"
-    assert len(_attribute(request, "xds.route_name")) == 256
-    assert _attribute(request, "absent") == ""
+    assert attribute(request, "xds.cluster_name") == "llm"
+    assert len(attribute(request, "xds.route_name")) == 256
+    assert attribute(request, "absent") == ""
 
 
 class _Clock:

@@ -18,7 +18,7 @@ from sitsmesh.chains.tokenjoin import TokenJoin
 from sitsmesh.chains.trace import trace_id
 from sitsmesh.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from sitsmesh.tokens.timing import End, StreamSummary
-from sitsmesh.tokens.window import TokenStageReport, TokenWindows
+from sitsmesh.tokens.window import TokenWindows
 from sitsmesh.transport.admin import tokenreply
 from sitsmesh.transport.admin.common import read_yaml, yaml_text
 from sitsmesh.transport.admin.paging import (
@@ -145,7 +145,7 @@ class ChainAdmin:
                 entry.queue_p99_ms = stage.queue_p99_ms
             streamed = token_stages.get(stage.name)
             if streamed is not None:
-                _add_tokens(entry, streamed)
+                tokenreply.stage(entry, streamed)
         for chain in report.slowest:
             slow = reply.slowest.add(
                 request_id=chain.request_id, trace_id=chain.trace_id, e2e_ms=chain.e2e_ms,
@@ -215,16 +215,6 @@ def _streamed(report: admin_pb2.ReportStageLatencyRequest, start: float,
     return StreamSummary(first - start if first is not None else None, tpot, tpot, tokens,
                          (tokens - 1) / span if span > 0 and tokens > 1 else 0.0, (),
                          stalls, End.COMPLETE)
-
-
-def _add_tokens(entry: admin_pb2.StageLatencyReport, streamed: TokenStageReport) -> None:
-    entry.token_streams = streamed.streams
-    entry.output_tokens = streamed.tokens
-    entry.stalls = streamed.stalls
-    for name in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
-        value = getattr(streamed, name)
-        if value is not None:
-            setattr(entry, name, value)
 
 
 def _judge(who: Credential, doc: dict[str, Any], source: str,

@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.chains.tokenjoin import TokenChainReport
 from sitsmesh.chains.ttft import RequestTokens, StageStream, owner
+from sitsmesh.tokens.window import TokenStageReport
+
+
+def _copy_known(target: Any, source: Any, names: tuple[str, ...]) -> None:
+    """The figures `source` has (not None); an unset proto field reads as unknown."""
+    for name in names:
+        value = getattr(source, name)
+        if value is not None:
+            setattr(target, name, value)
+
+
+def stage(entry: admin_pb2.StageLatencyReport, streamed: TokenStageReport) -> None:
+    """A stage's token streams over the report's window."""
+    entry.token_streams = streamed.streams
+    entry.output_tokens = streamed.tokens
+    entry.stalls = streamed.stalls
+    _copy_known(entry, streamed, ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"))
 
 
 def chain(reply: admin_pb2.LatencyChain, joined: TokenChainReport) -> None:
@@ -12,10 +31,7 @@ def chain(reply: admin_pb2.LatencyChain, joined: TokenChainReport) -> None:
     reply.token_chains = joined.chains
     reply.token_reports_dropped = joined.dropped
     reply.ttft_owner = joined.ttft_owner
-    for name in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
-        value = getattr(joined, name)
-        if value is not None:
-            setattr(reply, name, value)
+    _copy_known(reply, joined, ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"))
     for stage in reply.stages:
         stage.ttft_attributed_ms = joined.attributed_ms.get(stage.name, 0.0)
         stage.ttft_share = joined.share.get(stage.name, 0.0)
