@@ -19,6 +19,7 @@ from sitsmesh.transport.extproc import (
     attribute,
 )
 from sitsmesh.transport.streams import OpenStreams
+from tests.observed import TOKEN, sse_exchange
 
 WALL = datetime(2026, 12, 5, 6, 16, 15, 723213, tzinfo=UTC).timestamp()
 
@@ -63,17 +64,10 @@ def _messages(clock: _Clock, chunks: list[tuple[float, bytes, bool]],
     """Request headers at 100 s, SSE response headers, then each (at, body, end) chunk;
     the generator's end is the Process stream's end, at the clock's time then."""
     async def messages() -> Any:
-        headers = pb.ProcessingRequest(observability_mode=True)
-        headers.request_headers.headers.headers.add(key=":path", value="/v1/chat/completions")
-        yield headers
-        response = pb.ProcessingRequest(observability_mode=True)
-        response.response_headers.headers.headers.add(key="content-type",
-                                                       value="text/event-stream")
-        yield response
-        for at, body, end in chunks:
+        def set_now(at: float) -> None:
             clock.now = at
-            yield pb.ProcessingRequest(observability_mode=True, response_body=pb.HttpBody(
-                body=body, end_of_stream=end))
+        async for message in sse_exchange(chunks, set_now):
+            yield message
         clock.now += closes_after  # when the Process stream ends
     return messages()
 
@@ -92,7 +86,6 @@ def _serve(chunks: list[tuple[float, bytes, bool]], closes_after: float = 30.0
     return reports
 
 
-TOKEN = b'data: {"choices": [{"delta": {"content": " t"}}]}\n\n'
 
 
 def test_the_formats_end_finishes_the_stream_before_envoy_closes_it() -> None:

@@ -8,7 +8,6 @@ import asyncio
 from typing import Any
 
 import pytest
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from sitsmesh.chains.pipeline import InvalidPipeline, pipeline_from
 from sitsmesh.declarative.models import PipelineSpec
@@ -26,6 +25,7 @@ from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.tokens.timing import End, StreamSummary
 from sitsmesh.transport.extproc import ExternalProcessorServicer
 from sitsmesh.transport.streams import OpenStreams
+from tests.observed import TOKEN, sse_exchange
 
 
 def _pipelines(**stall_ms: object) -> dict[str, Any]:
@@ -153,7 +153,6 @@ def test_unknown_and_removed_stages_are_not_kept() -> None:
 
 # --- the servicer asks when the response headers name the stage ---------------------------
 
-TOKEN = b'data: {"choices": [{"delta": {"content": " t"}}]}\n\n'
 
 
 def _serve_one(stall_of: Any, gap_s: float) -> tuple[TokenReport, list[tuple[str, str]]]:
@@ -170,22 +169,12 @@ def _serve_one(stall_of: Any, gap_s: float) -> tuple[TokenReport, list[tuple[str
                                          clock=lambda: now[0],
                                          stall_of=ask if stall_of is not None else None)
 
-    async def messages() -> Any:
-        headers = pb.ProcessingRequest(observability_mode=True)
-        headers.request_headers.headers.headers.add(key=":path", value="/v1/chat/completions")
-        yield headers
-        response = pb.ProcessingRequest(observability_mode=True)
-        response.response_headers.headers.headers.add(key="content-type",
-                                                       value="text/event-stream")
-        response.attributes["envoy.filters.http.ext_proc"].update(
-            {"xds.cluster_name": "guard", "xds.route_name": "r"})
-        yield response
-        for at, end in ((100.1, False), (100.1 + gap_s, True)):
-            now[0] = at
-            yield pb.ProcessingRequest(observability_mode=True, response_body=pb.HttpBody(
-                body=TOKEN, end_of_stream=end))
+    def set_now(at: float) -> None:
+        now[0] = at
 
-    asyncio.run(servicer._serve(messages().__anext__, None))  # type: ignore[arg-type]
+    messages = sse_exchange([(100.1, TOKEN, False), (100.1 + gap_s, TOKEN, True)], set_now,
+                            {"xds.cluster_name": "guard", "xds.route_name": "r"})
+    asyncio.run(servicer._serve(messages.__anext__, None))  # type: ignore[arg-type]
     [report] = reports
     return report, asked
 
