@@ -20,7 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -254,10 +254,12 @@ def start_envoy(tmp: Path, sitsmesh_addr: str, upstream_port: int,
                 bootstrap: Path = REPO / "filters" / "local" / "bootstrap.yaml",
                 fragments: list[str] | None = None, *,
                 access_log_flush: str = "0.02s", replicas: Sequence[str] = (),
-                rlqs_addr: str = "") -> Envoy:
+                rlqs_addr: str = "",
+                edit: Callable[[dict[str, Any]], None] | None = None) -> Envoy:
     """`replicas`: the data addresses of every sitsmesh replica, all endpoints of the
     sitsmesh_data cluster (default: sitsmesh_addr alone); `rlqs_addr`: sitsmesh's RLQS
-    process, where the rate_limit_quota fragment then streams."""
+    process, where the rate_limit_quota fragment then streams; `edit`: changes to the
+    rendered bootstrap (envoyconf's route helpers) before Envoy starts."""
     listen, admin = free_port(), free_port()
     values = envoy_values(sitsmesh_addr, upstream_port, listen, admin, access_log_flush)
     rendered = envoyconf.render(bootstrap, values, fragments)
@@ -265,6 +267,8 @@ def start_envoy(tmp: Path, sitsmesh_addr: str, upstream_port: int,
         envoyconf.set_endpoints(rendered, "sitsmesh_data", replicas)
     if rlqs_addr:
         envoyconf.use_rlqs_addr(rendered, rlqs_addr)
+    if edit is not None:
+        edit(rendered)
     config = envoyconf.write(rendered, tmp / "envoy.yaml")
     return launch_envoy(config, listen, admin, tmp / "envoy.log")
 

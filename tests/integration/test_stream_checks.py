@@ -54,17 +54,15 @@ def _stack(tmp: Path, node: harness.Sitsmesh, triton: TritonServer) -> Stack:
     made = node.cli("apikeys", "create", "--tenant", "acme", "--output", "json")
     assert made.returncode == 0, made.stderr
     doc = json.loads(made.stdout)
-    values = harness.envoy_values(node.data_addr, triton.http_port, harness.free_port(),
-                                  harness.free_port())
-    bootstrap = envoyconf.render(harness.REPO / "filters" / "local" / "bootstrap.yaml",
-                                 values, ["ext_authz", "grpc_stream_check"])
-    envoyconf.add_route(bootstrap, name="triton_grpc", prefix="/inference.",
-                        host="127.0.0.1", port=triton.grpc_port, timeout="0s", http2=True)
-    envoyconf.stream_checks_on(bootstrap, ["triton_grpc"])
-    config = envoyconf.write(bootstrap, tmp / "envoy.yaml")
-    envoy = harness.launch_envoy(config, int(values["listen_port"]),  # type: ignore[call-overload]
-                                 int(values["envoy_admin_port"]),  # type: ignore[call-overload]
-                                 tmp / "envoy.log")
+
+    def checked(bootstrap: dict[str, Any]) -> None:
+        envoyconf.add_route(bootstrap, name="triton_grpc", prefix="/inference.",
+                            host="127.0.0.1", port=triton.grpc_port, timeout="0s",
+                            http2=True)
+        envoyconf.stream_checks_on(bootstrap, ["triton_grpc"])
+
+    envoy = harness.start_envoy(tmp, node.data_addr, triton.http_port,
+                                fragments=["ext_authz", "grpc_stream_check"], edit=checked)
     return Stack(node, envoy, doc["key"], doc["id"])
 
 

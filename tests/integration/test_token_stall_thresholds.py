@@ -67,23 +67,18 @@ def test_a_configured_300_ms_threshold_counts_a_gap_the_default_does_not(
 
     # One Envoy, two routes to the same engine: /v1/ to cluster tight, the rest to the
     # template's upstream.
-    values = harness.envoy_values(node.data_addr, stage.port, harness.free_port(),
-                                  harness.free_port())
-    bootstrap = envoyconf.render(harness.REPO / "filters" / "local" / "bootstrap.yaml",
-                                 values, ["ext_proc"])
-    envoyconf.add_route(bootstrap, name="tight", prefix="/v1/", host="127.0.0.1",
-                        port=stage.port, timeout="0s")
-    config = envoyconf.write(bootstrap, tmp_path / "envoy.yaml")
-    listen = int(values["listen_port"])  # type: ignore[call-overload]
-    envoy = harness.launch_envoy(config, listen, int(values["envoy_admin_port"]),  # type: ignore[call-overload]
-                                 tmp_path / "envoy.log")
+    envoy = harness.start_envoy(
+        tmp_path, node.data_addr, stage.port, fragments=["ext_proc"],
+        edit=lambda bootstrap: envoyconf.add_route(
+            bootstrap, name="tight", prefix="/v1/", host="127.0.0.1", port=stage.port,
+            timeout="0s"))
     try:
         def metric(name: str, pipeline: str) -> float:
             return harness.metric_value(node.metrics(), name, pipeline=pipeline,
                                         stage="llm", format="openai")
 
-        assert _stream(listen, "/v1/chat/completions") == TOKENS
-        assert _stream(listen, "/v2/chat/completions") == TOKENS
+        assert _stream(envoy.listen_port, "/v1/chat/completions") == TOKENS
+        assert _stream(envoy.listen_port, "/v2/chat/completions") == TOKENS
         for pipeline in ("tight", "loose"):
             harness.wait_until(
                 lambda p=pipeline: metric("sitsmesh_token_streams_total", p) == 1,

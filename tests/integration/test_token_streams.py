@@ -285,14 +285,9 @@ def test_only_requests_check_classed_as_streaming_are_copied_when_asked(
     assert node.cli("tenants", "create", "acme", "--models", "stage").returncode == 0
     made = node.cli("apikeys", "create", "--tenant", "acme", "--output", "json")
     key = json.loads(made.stdout)["key"]
-    values = harness.envoy_values(node.data_addr, stage.port, harness.free_port(),
-                                  harness.free_port())
-    bootstrap = envoyconf.render(harness.REPO / "filters" / "local" / "bootstrap.yaml",
-                                 values, ["ext_authz", "ext_proc"])
-    envoyconf.ext_proc_streaming_only(bootstrap)
-    config = envoyconf.write(bootstrap, tmp_path / "envoy.yaml")
-    envoy = harness.launch_envoy(config, int(str(values["listen_port"])),
-                                 int(str(values["envoy_admin_port"])), tmp_path / "envoy.log")
+    envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port,
+                                fragments=["ext_authz", "ext_proc"],
+                                edit=envoyconf.ext_proc_streaming_only)
     try:
         def post(streaming: bool) -> int:
             conn = http.client.HTTPConnection("127.0.0.1", envoy.listen_port, timeout=10)

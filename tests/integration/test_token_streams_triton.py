@@ -88,16 +88,12 @@ def test_triton_grpc_model_stream_infer_tokens_are_counted(
     from sitsmesh.dev import envoyconf
 
     node = start_sitsmesh()
-    values = harness.envoy_values(node.data_addr, triton.http_port, harness.free_port(),
-                                  harness.free_port())
-    bootstrap = envoyconf.render(harness.REPO / "filters" / "local" / "bootstrap.yaml",
-                                 values, ["ext_proc"])
-    envoyconf.add_route(bootstrap, name="triton_grpc", prefix="/inference.",
-                        host="127.0.0.1", port=triton.grpc_port, timeout="0s", http2=True)
-    config = envoyconf.write(bootstrap, tmp_path / "envoy.yaml")
-    listen = int(values["listen_port"])  # type: ignore[call-overload]
-    envoy = harness.launch_envoy(config, listen, int(values["envoy_admin_port"]),  # type: ignore[call-overload]
-                                 tmp_path / "envoy.log")
+    envoy = harness.start_envoy(
+        tmp_path, node.data_addr, triton.http_port, fragments=["ext_proc"],
+        edit=lambda bootstrap: envoyconf.add_route(
+            bootstrap, name="triton_grpc", prefix="/inference.", host="127.0.0.1",
+            port=triton.grpc_port, timeout="0s", http2=True))
+    listen = envoy.listen_port
     answers: queue.Queue[tuple[float, object]] = queue.Queue()
     client = triton_grpc.InferenceServerClient(f"127.0.0.1:{listen}")
     try:
