@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from sitsmesh.dev import envoyconf, harness
 from sitsmesh.dev.tokenstage import TokenStage
@@ -28,18 +29,14 @@ def burst(capped: bool, streams: int, work: Path) -> tuple[int, float, int]:
     node = harness.start_sitsmesh(work)
     envoy = None
     try:
-        values = harness.envoy_values(node.data_addr, stage.port, harness.free_port(),
-                                      harness.free_port())
-        bootstrap = envoyconf.render(harness.REPO / "filters" / "local" / "bootstrap.yaml",
-                                     values, ["ext_proc"])
-        if not capped:
+        def uncapped(bootstrap: dict[str, Any]) -> None:
             [data] = [c for c in bootstrap["static_resources"]["clusters"]
                       if c["name"] == "sitsmesh_data"]
             data["typed_extension_protocol_options"][envoyconf.HTTP_OPTIONS][
                 "explicit_http_config"]["http2_protocol_options"].pop("max_concurrent_streams")
-        config = envoyconf.write(bootstrap, work / "envoy.yaml")
-        envoy = harness.launch_envoy(config, int(str(values["listen_port"])),
-                                     int(str(values["envoy_admin_port"])), work / "envoy.log")
+
+        envoy = harness.start_envoy(work, node.data_addr, stage.port, fragments=["ext_proc"],
+                                    edit=None if capped else uncapped)
         answered: list[bool] = []
 
         def one() -> None:
