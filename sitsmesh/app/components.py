@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from prometheus_client import CollectorRegistry
@@ -343,7 +344,9 @@ class ChainsComponent:
         sink = self.bus or self.assembler
         return sink.add if sink is not None else None
 
-    def services(self, streams: OpenStreams) -> list[DataService]:
+    def services(self, streams: OpenStreams,
+                 tokens: Callable[[Any, Any], None] | None = None) -> list[DataService]:
+        """`tokens`: where entries that carry Envoy-timed token streams go."""
         if self.assembler is None:
             return []
         sink: HopSink = self.bus if self.bus is not None else self.assembler
@@ -351,7 +354,8 @@ class ChainsComponent:
         servicer = AccessLogServicer(
             sink, release, max_request_id=self._settings.request_id_max_length,
             on_drop=self._metrics.dropped if self._metrics is not None else None,
-            pace=self.bus.room if self.bus is not None else None, streams=streams)
+            pace=self.bus.room if self.bus is not None else None, streams=streams,
+            tokens=tokens)
         return [DataService(ACCESSLOG_SERVICE, lambda server: (
             als_pb2_grpc.add_AccessLogServiceServicer_to_server(servicer, server)))]
 

@@ -91,7 +91,7 @@ class Graph:
         """The Envoy-facing services this process serves (none in a supervisor)."""
         pressure = self.pressure.services(self.streams) if self.pressure is not None else []
         return [*self.authz.services(), *self.ratelimit.services(),
-                *self.chains.services(self.streams), *pressure,
+                *self.chains.services(self.streams, self.tokens.timed_in_envoy), *pressure,
                 *self.quota.services(self.streams),
                 *self.tokens.services(self.streams, self.checks.servicer)]
 

@@ -3,12 +3,16 @@ streaming responses Envoy shows sitsmesh, where the data plane runs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client import CollectorRegistry
 
 from sitsmesh import logs
 from sitsmesh.app.background import DataService
 from sitsmesh.app.components import ChainsComponent
 from sitsmesh.chains.tokenjoin import TokenJoin
+from sitsmesh.tokens import envoytimed
 from sitsmesh.tokens.metrics import TokenMetrics
 from sitsmesh.tokens.stages import UNKNOWN, StageIndex
 from sitsmesh.tokens.stalls import DEFAULT_S, StallThresholds
@@ -54,6 +58,23 @@ class TokensComponent:
                    format=report.format, ttft_s=summary.ttft_s, itl_p50_s=summary.itl_p50_s,
                    itl_p99_s=summary.itl_p99_s, tokens=summary.tokens,
                    stalls=summary.stall_count, end=summary.end.value)
+
+    @property
+    def timed_in_envoy(self) -> Callable[[Any, Any], None] | None:
+        """Where access-log entries of streams Envoy's token-timing filter timed go
+        (filters/fragments/token_timing.yaml); None where nothing is recorded."""
+        return self._timed_in_envoy if self._metrics is not None else None
+
+    def _timed_in_envoy(self, entry: Any, fields: Any) -> None:
+        assert self._metrics is not None
+        try:
+            report = envoytimed.report(entry, fields, self._stalls.stall_of)
+        except (envoytimed.Unreadable, ValueError) as exc:
+            self._metrics.untracked("unreadable")
+            _log.debug("token timing unreadable", request_id=entry.request.request_id,
+                       error=str(exc))
+            return
+        self._report(report)
 
     def reported(self, pipeline: str, stage: str, summary: StreamSummary,
                  request_id: str = "") -> bool:

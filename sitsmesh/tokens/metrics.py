@@ -12,7 +12,7 @@ from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.tokens.timing import End
 
 LABELS = ("pipeline", "stage", "format")
-UNTRACKED = ("not_streaming", "streams", "bytes")
+UNTRACKED = ("not_streaming", "streams", "bytes", "unreadable")
 # The GenAI conventions' advisory buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0)
@@ -71,7 +71,9 @@ class TokenMetrics:
                                   "Responses seen by the ext_proc filter and not timed: "
                                   "not a token stream (not_streaming), or past the bound "
                                   "on streams parsed at once (streams) or on the bytes "
-                                  "their unfinished events keep (bytes).", ["reason"],
+                                  "their unfinished events keep (bytes); and access-log "
+                                  "entries whose token timing from Envoy's filter could "
+                                  "not be read (unreadable).", ["reason"],
                                   registry=registry)
         for end in End:  # every series exists from the start, at 0
             self._ends.labels(*UNKNOWN, "openai", end.value)

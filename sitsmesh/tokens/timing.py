@@ -84,6 +84,16 @@ class StreamClock:
         self.tokens_seen += count
         return stall
 
+    def untimed(self, count: int, at: float) -> None:
+        """`count` more tokens had come by `at`, at times not known: counted, with no gap
+        kept and no stall looked for (Envoy's timing filter past what it wrote down)."""
+        if count <= 0:
+            return
+        if self._first is None:
+            self._first = at
+        self._last = max(self._last, at)
+        self.tokens_seen += count
+
     def _stall(self, gap: float) -> Stall | None:
         if gap <= self.stall_s:
             return None

@@ -17,6 +17,7 @@ from sitsmesh.chains.assembler import Hop
 from sitsmesh.chains.trace import HEADER as TRACEPARENT
 from sitsmesh.chains.trace import trace_id
 from sitsmesh.errors import InvalidArgumentError
+from sitsmesh.tokens.envoytimed import timed
 from sitsmesh.transport.errors import abort
 from sitsmesh.transport.streams import OpenStreams
 
@@ -79,8 +80,12 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                  max_request_id: int = DEFAULT_MAX_REQUEST_ID,
                  on_drop: Callable[[str], None] | None = None,
                  pace: Callable[[], Awaitable[None]] | None = None,
-                 streams: OpenStreams | None = None) -> None:
+                 streams: OpenStreams | None = None,
+                 tokens: Callable[[Any, Any], None] | None = None) -> None:
+        """`tokens(entry, fields)`: an entry whose stream Envoy's token-timing filter
+        timed (fields: its `sitsmesh.tokens` metadata, sitsmesh/tokens/envoytimed.py)."""
         self._assembler = assembler
+        self._tokens = tokens
         self._streams = streams or OpenStreams()
         self._release = release
         self._max_request_id = max_request_id
@@ -107,7 +112,7 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
     async def _consume(self, request_iterator: AsyncIterator[Any], add: Callable[[Hop], None],
                        release: Callable[[str, float | None], bool],
                        max_request_id: int) -> None:
-        pace = self._pace
+        pace, tokens = self._pace, self._tokens
         cancelled = False
         entry: Any = None
         async for message in request_iterator:
@@ -138,6 +143,10 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                     release(request_id, hop.end if hop is not None else None)
                 if hop is not None:
                     add(hop)
+                if tokens is not None:
+                    fields = timed(entry)
+                    if fields is not None:
+                        tokens(entry, fields)
             # Not kept while the next message is awaited: parsed, it is ~4x its bytes, and
             # upb keeps a message's whole arena alive while any part of it is referenced,
             # so the last `entry` held the batch too (50 streams idling on their next

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.integration
 STREAMS = 6
 TTFT_MS, ITL_MS, TOKENS = 150, 20, 20
 CHAT = {"pipeline": "chat", "stage": "llm", "format": "openai"}
+# The two ways Envoy shows sitsmesh a token stream: each chunk copied to sitsmesh's
+# ExternalProcessor, or timed in Envoy and summed up on the access-log entry.
+OBSERVERS = {"ext_proc": ["ext_proc"], "envoy": ["access_log", "token_timing"]}
 
 
 @pytest.fixture
@@ -52,9 +55,12 @@ def _stream(envoy: harness.Envoy, **extra: object) -> tuple[list[str], float, li
     return tokens, stamps[0] - sent[0], gaps
 
 
+@pytest.mark.parametrize("observer", sorted(OBSERVERS))
 def test_sitsmesh_times_the_tokens_the_openai_client_gets(
         tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh],
-        stage: TokenStage) -> None:
+        stage: TokenStage, observer: str) -> None:
+    """Through each way of timing the tokens: sitsmesh's ExternalProcessor, and Envoy's
+    own timing filter reporting through the access log."""
     node = start_sitsmesh()
     # The stage the streams belong to: the harness's Envoy calls its upstream "upstream".
     (tmp_path / "chat.yaml").write_text(
@@ -66,7 +72,7 @@ def test_sitsmesh_times_the_tokens_the_openai_client_gets(
     (tmp_path / "observed").mkdir()
     plain = harness.start_envoy(tmp_path / "plain", node.data_addr, stage.port, fragments=[])
     observed = harness.start_envoy(tmp_path / "observed", node.data_addr, stage.port,
-                                   fragments=["ext_proc"])
+                                   fragments=OBSERVERS[observer])
     try:
         expected = [f" t{i}" for i in range(TOKENS)]
         assert _stream(plain)[0] == expected
