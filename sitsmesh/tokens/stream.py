@@ -63,7 +63,7 @@ class TokenStream:
         self._clock = StreamClock(started, stall_s)
         self.usage: Usage | None = None
         self.done = False   # the format's own end came ([DONE], done: true, an error)
-        self.error = ""
+        self.error = ""  # the error event that ended the stream
         self.bad_events = 0
 
     def chunk(self, data: bytes, at: float) -> None:
@@ -76,7 +76,8 @@ class TokenStream:
             piece = self._parse(event)
             if piece.error:
                 self.bad_events += 1
-                self.error = piece.error
+                if piece.done:  # the engine's own error event, not one unreadable
+                    self.error = piece.error
             if piece.tokens:
                 self._clock.tokens(piece.tokens, at)
             if piece.usage is not None:
