@@ -6,6 +6,7 @@ fields the filter does not write."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import pytest
@@ -53,7 +54,7 @@ def test_a_whole_stream_gives_the_clock_s_figures_for_the_same_token_times() -> 
     # First token at 0.15 s, then gaps of 20 ms, one event of 3 tokens, a 1.5 s stall.
     times = [0.15, 0.17, 0.19, 0.21, 1.71, 1.73]
     counts = [1, 1, 3, 1, 1, 1]
-    gaps = [round((b - a) * 1e6) for a, b in zip(times, times[1:], strict=False)]
+    gaps = [round((b - a) * 1e6) for a, b in itertools.pairwise(times)]
     g = ",".join(str(gap) if k == 1 else f"{gap}*{k}"
                  for gap, k in zip(gaps, counts[1:], strict=True))
     report = _read(_entry({"f": "openai", "t0": _us(0.15), "k0": 1, "g": g,
