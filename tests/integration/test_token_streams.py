@@ -25,6 +25,8 @@ CHAT = {"pipeline": "chat", "stage": "llm", "format": "openai"}
 # The two ways Envoy shows sitsmesh a token stream: each chunk copied to sitsmesh's
 # ExternalProcessor, or timed in Envoy and summed up on the access-log entry.
 OBSERVERS = {"ext_proc": ["ext_proc"], "envoy": ["access_log", "token_timing"]}
+# How a stream the client hung up on is reported by each.
+CUT_END = {"ext_proc": "cut", "envoy": "client_abort"}
 
 
 @pytest.fixture
@@ -150,11 +152,13 @@ def _raw_stream(envoy: harness.Envoy, headers: dict[str, str], read_events: int 
     return read
 
 
+@pytest.mark.parametrize("observer", sorted(OBSERVERS))
 def test_a_stall_is_counted_a_hang_up_is_a_cut_and_sitsmesh_away_changes_nothing(
         tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh],
-        stage: TokenStage) -> None:
+        stage: TokenStage, observer: str) -> None:
     node = start_sitsmesh()
-    envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port, fragments=["ext_proc"])
+    envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port,
+                                fragments=OBSERVERS[observer])
     try:
         def metric(name: str, **labels: str) -> float:
             return harness.metric_value(node.metrics(), name, format="openai", **labels)
@@ -164,9 +168,12 @@ def test_a_stall_is_counted_a_hang_up_is_a_cut_and_sitsmesh_away_changes_nothing
                                    "x-stage-stall-ms": "1500"}) == 8
         harness.wait_until(lambda: metric("sitsmesh_token_stalls_total") == 1, 5,
                            "the stall counted")
-        # The client hangs up after 3 tokens of 200: the stage stops, sitsmesh says cut.
+        # The client hangs up after 3 tokens of 200: the stage stops, sitsmesh says cut
+        # (ext_proc sees only that the body stopped; the access-log entry says the
+        # downstream went away).
         assert _raw_stream(envoy, {"x-stage-tokens": "200"}, read_events=3) == 3
-        harness.wait_until(lambda: metric("sitsmesh_token_streams_total", end="cut") == 1, 10,
+        harness.wait_until(lambda: metric("sitsmesh_token_streams_total",
+                                          end=CUT_END[observer]) == 1, 10,
                            "the cut stream reported")
         harness.wait_until(lambda: stage.aborted == 1, 10, "the stage to stop generating")
 
@@ -186,14 +193,16 @@ def test_a_stall_is_counted_a_hang_up_is_a_cut_and_sitsmesh_away_changes_nothing
         envoy.kill()
 
 
+@pytest.mark.parametrize("observer", sorted(OBSERVERS))
 def test_a_client_that_does_not_read_holds_the_stage_back_and_the_stream_is_reported(
         tmp_path: Path, start_sitsmesh: Callable[..., harness.Sitsmesh],
-        stage: TokenStage) -> None:
+        stage: TokenStage, observer: str) -> None:
     import http.client
     import socket
 
     node = start_sitsmesh()
-    envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port, fragments=["ext_proc"])
+    envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port,
+                                fragments=OBSERVERS[observer])
     client = socket.socket()
     try:
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -215,20 +224,22 @@ def test_a_client_that_does_not_read_holds_the_stage_back_and_the_stream_is_repo
         assert stage.sent < 1_000_000
         client.close()  # the client gives up: a cut stream, reported; the stage stops
         harness.wait_until(lambda: harness.metric_value(
-            node.metrics(), "sitsmesh_token_streams_total", format="openai", end="cut") == 1,
-            10, "the cut stream reported")
+            node.metrics(), "sitsmesh_token_streams_total", format="openai",
+            end=CUT_END[observer]) == 1, 10, "the cut stream reported")
         harness.wait_until(lambda: stage.aborted == 1, 10, "the stage to stop generating")
         counted = harness.metric_value(node.metrics(), "sitsmesh_output_tokens_total",
                                        format="openai")
         assert 0 < counted <= stage.sent  # what passed Envoy, never more
-        # A response that is not a token stream is passed by unparsed, and counted.
-        plain = http.client.HTTPConnection("127.0.0.1", envoy.listen_port, timeout=10)
-        plain.request("GET", "/v1/models")
-        plain.getresponse().read()
-        plain.close()
-        harness.wait_until(lambda: harness.metric_value(
-            node.metrics(), "sitsmesh_token_streams_untracked_total",
-            reason="not_streaming") == 1, 10, "the untracked response counted")
+        if observer == "ext_proc":
+            # A response that is not a token stream is passed by unparsed, and counted
+            # (Envoy's own filter never reports one).
+            plain = http.client.HTTPConnection("127.0.0.1", envoy.listen_port, timeout=10)
+            plain.request("GET", "/v1/models")
+            plain.getresponse().read()
+            plain.close()
+            harness.wait_until(lambda: harness.metric_value(
+                node.metrics(), "sitsmesh_token_streams_untracked_total",
+                reason="not_streaming") == 1, 10, "the untracked response counted")
     finally:
         client.close()
         envoy.kill()
