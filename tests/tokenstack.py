@@ -1,5 +1,5 @@
 """A two-hop token pipeline for token-chain tests: a guard stage before an LLM stage,
-each behind its own Envoy with the access_log and ext_proc fragments.
+each behind its own Envoy with the access_log fragment and one that times tokens.
 
     client -> Envoy A --(cluster guard)--> G -> Envoy B --(cluster llm)--> TokenStage
 
@@ -72,13 +72,14 @@ class _Guard(BaseHTTPRequestHandler):
 
 
 def bootstrap(sitsmesh_addr: str, listen: int, admin: int, cluster: str,
-              upstream: int) -> dict[str, Any]:
-    """filters/local/bootstrap.yaml with access_log and ext_proc, its requests routed to
-    `cluster` at `upstream`, and the caller's x-request-id kept."""
+              upstream: int, timing: str = "ext_proc") -> dict[str, Any]:
+    """filters/local/bootstrap.yaml with access_log and `timing` (the fragment that times
+    tokens: ext_proc or token_timing), its requests routed to `cluster` at `upstream`,
+    and the caller's x-request-id kept."""
     config = envoyconf.render(
         harness.REPO / "filters" / "local" / "bootstrap.yaml",
         harness.envoy_values(sitsmesh_addr, upstream, listen, admin),
-        ["access_log", "ext_proc"])
+        ["access_log", timing])
     envoyconf.add_route(config, name=cluster, prefix="/v1", host="127.0.0.1", port=upstream)
     envoyconf.http_connection_manager(config)["preserve_external_request_id"] = True
     return config
@@ -92,7 +93,7 @@ class TokenStack:
 
 @contextlib.contextmanager
 def token_stack(tmp: Path, sitsmesh_addr: str, *, ttft_s: float, itl_s: float,
-                tokens: int) -> Iterator[TokenStack]:
+                tokens: int, timing: str = "ext_proc") -> Iterator[TokenStack]:
     """The stage, both Envoys and the guard; all torn down on exit."""
     with contextlib.ExitStack() as stack:
         stage = TokenStage(ttft_s=ttft_s, itl_s=itl_s, tokens=tokens).start()
@@ -100,8 +101,8 @@ def token_stack(tmp: Path, sitsmesh_addr: str, *, ttft_s: float, itl_s: float,
         listen_b, admin_b = harness.free_port(), harness.free_port()
         (tmp / "b").mkdir()
         envoy_b = harness.launch_envoy(
-            envoyconf.write(bootstrap(sitsmesh_addr, listen_b, admin_b, "llm", stage.port),
-                            tmp / "b" / "envoy.yaml"), listen_b, admin_b, tmp / "b" / "log")
+            envoyconf.write(bootstrap(sitsmesh_addr, listen_b, admin_b, "llm", stage.port,
+                                      timing), tmp / "b" / "envoy.yaml"), listen_b, admin_b, tmp / "b" / "log")
         stack.callback(envoy_b.kill)
         guard = _Server(("127.0.0.1", 0), _Guard)
         guard.next_port = listen_b
@@ -109,7 +110,7 @@ def token_stack(tmp: Path, sitsmesh_addr: str, *, ttft_s: float, itl_s: float,
         listen_a, admin_a = harness.free_port(), harness.free_port()
         (tmp / "a").mkdir()
         envoy_a = harness.launch_envoy(
-            envoyconf.write(bootstrap(sitsmesh_addr, listen_a, admin_a, "guard", guard_port),
-                            tmp / "a" / "envoy.yaml"), listen_a, admin_a, tmp / "a" / "log")
+            envoyconf.write(bootstrap(sitsmesh_addr, listen_a, admin_a, "guard", guard_port,
+                                      timing), tmp / "a" / "envoy.yaml"), listen_a, admin_a, tmp / "a" / "log")
         stack.callback(envoy_a.kill)
         yield TokenStack(envoy_a, stage)

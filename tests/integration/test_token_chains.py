@@ -24,6 +24,8 @@ from tests import tokenstack
 pytestmark = pytest.mark.integration
 Start = Callable[..., harness.Sitsmesh]
 TTFT_MS, ITL_MS, TOKENS = 150, 20, 20
+# The two fragments that time tokens: each chunk copied to sitsmesh, or timed in Envoy.
+TIMING = ("ext_proc", "token_timing")
 
 
 def _node(start_sitsmesh: Start, tmp_path: Path) -> harness.Sitsmesh:
@@ -60,11 +62,12 @@ def _raw(envoy: harness.Envoy, rid: str, headers: dict[str, str]) -> int:
     return read
 
 
+@pytest.mark.parametrize("timing", TIMING)
 def test_ttft_and_itl_through_two_envoy_hops_agree_with_the_client(
-        tmp_path: Path, start_sitsmesh: Start) -> None:
+        tmp_path: Path, start_sitsmesh: Start, timing: str) -> None:
     node = _node(start_sitsmesh, tmp_path)
     with tokenstack.token_stack(tmp_path, node.data_addr, ttft_s=TTFT_MS / 1000,
-                                itl_s=ITL_MS / 1000, tokens=TOKENS) as stack:
+                                itl_s=ITL_MS / 1000, tokens=TOKENS, timing=timing) as stack:
         measured: dict[str, tuple[float, float]] = {}
         sent: list[float] = []  # the client's TTFT counts from the httpx2 request hook
         client = openai.OpenAI(
@@ -112,7 +115,7 @@ def test_a_slow_guard_before_the_llm_owns_ttft_in_the_slowest_one_percent(
         tmp_path: Path, start_sitsmesh: Start) -> None:
     node = _node(start_sitsmesh, tmp_path)
     with tokenstack.token_stack(tmp_path, node.data_addr, ttft_s=TTFT_MS / 1000,
-                                itl_s=0.005, tokens=4) as stack:
+                                itl_s=0.005, tokens=4, timing="token_timing") as stack:
         # 30 requests: one of them held 600 ms by the guard; the slowest 1 % is that one.
         for i in range(30):
             guard_ms = "600" if i == 11 else "5"
@@ -138,15 +141,16 @@ def test_a_slow_guard_before_the_llm_owns_ttft_in_the_slowest_one_percent(
         stage="guard") >= 0.6 + 29 * 0.005
 
 
+@pytest.mark.parametrize("timing", TIMING)
 def test_a_stage_that_stalls_is_named_with_the_stalls_length(
-        tmp_path: Path, start_sitsmesh: Start) -> None:
+        tmp_path: Path, start_sitsmesh: Start, timing: str) -> None:
     import grpc
 
     from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 
     node = _node(start_sitsmesh, tmp_path)
     with tokenstack.token_stack(tmp_path, node.data_addr, ttft_s=0.05, itl_s=0.01,
-                                tokens=10) as stack:
+                                tokens=10, timing=timing) as stack:
         assert _raw(stack.entry, "smooth", {}) == 10
         assert _raw(stack.entry, "stalled", {"x-stage-stall-after": "5",
                                              "x-stage-stall-ms": "2000"}) == 10
