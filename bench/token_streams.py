@@ -1,8 +1,10 @@
-"""Token streams through Envoy with and without the ext_proc fragment (issue 27).
+"""Token streams through Envoy with and without sitsmesh's token timing (issue 27).
 
-What it measures: what sitsmesh's token timing (Envoy's ext_proc filter in observability
-mode, response bodies STREAMED to sitsmesh's data port, `filters/fragments/ext_proc.yaml`)
-costs the client of a streaming LLM, and what it costs in CPU.
+What it measures: what each way of timing tokens costs the client of a streaming LLM,
+and what it costs in CPU: Envoy's ext_proc filter in observability mode, response
+bodies STREAMED to sitsmesh's data port (`filters/fragments/ext_proc.yaml`), and
+Envoy's own timing filter, whose summary reaches sitsmesh on the access log
+(`filters/fragments/token_timing.yaml` with `access_log.yaml`).
 
 Setup, all on 127.0.0.1 free ports, started and stopped by this script, alive for the
 whole run:
@@ -13,11 +15,11 @@ whole run:
 - **plain**: Envoy with no fragment, in front of the stage;
 - **ext_proc**: Envoy with the ext_proc fragment, in front of the same stage, copying
   each response chunk to sitsmesh;
+- **timing**: Envoy with the token_timing and access_log fragments, in front of the same
+  stage: each chunk timed inside Envoy, one access-log entry per stream to sitsmesh
+  (plain has no access log, so what timing adds includes the access log's own cost);
 - with `--direct` also a **direct** configuration: the client straight to the stage (no
   Envoy), to see what the stage and the client sustain on their own;
-- with `--lua` also a **lua** configuration: Envoy with no fragment but a Lua filter
-  (a prototype, not shipped) that times each chunk inside Envoy and counts the tokens,
-  to size timing in Envoy against a copy of every chunk to sitsmesh;
 - with `--twin` also a **twin**: a second Envoy with no fragment, measured like the
   others; what it "adds" over plain (an A/A comparison) is the resolution of the added
   TTFT on this machine;
@@ -43,19 +45,19 @@ time + 10 s); otherwise the run fails (exit 1).
 
 Rounds: after a small warm-up round per configuration (not reported), `--rounds`
 rounds; each runs every configuration once, one after the other, in alternating order
-(plain, ext_proc in even rounds, ext_proc, plain in odd ones; direct first/last), so
+(plain, ext_proc, timing in even rounds, the reverse in odd ones; direct first/last), so
 slow drift of this noisy 2-core VM hits both alike. Per configuration the tables give
 the median over rounds and the range of: client TTFT p50/p99, ITL p50/p99, tokens/s
 (all tokens of the round / round wall time, from the first request to the last stream's
 end; the nominal figure is in the header), and CPU per 1 000 tokens from
 /proc/<pid>/stat utime+stime of every process in each server's process group:
 the configuration's Envoy (each Envoy only over its own rounds), sitsmesh (over the
-ext_proc rounds, until it has reported every stream; its idle CPU over the plain rounds
+ext_proc and timing rounds, until it has reported every stream; its idle CPU over the plain rounds
 is shown for comparison), the stage and this client.
 
-Added TTFT = ext_proc - plain, per round (same round, adjacent in time), at p50 and
-p99: the median and range over rounds, and over all rounds pooled. The issue's target
-is <= 1 ms at p99. With 100 streams a round's TTFT p99 (nearest rank) is its
+Added TTFT = ext_proc - plain (and timing - plain), per round (same round, adjacent in
+time), at p50 and p99: the median and range over rounds, and over all rounds pooled.
+The issue's target is <= 1 ms at p99. With 100 streams a round's TTFT p99 (nearest rank) is its
 second-largest TTFT, so one round's p99 is the luck of two streams; hence the median
 over rounds, and the pooled row (all rounds' streams together).
 
@@ -104,7 +106,7 @@ TOKEN_MARK = b'"content": " t'
 
 
 # The configurations whose Envoy copies each chunk to sitsmesh.
-OBSERVED = ("ext_proc", "streamed")
+OBSERVED = ("ext_proc", "streamed", "timing")  # sitsmesh reports these rounds' streams
 
 
 class BenchError(Exception):
@@ -158,56 +160,6 @@ def streamed_envoy(work: Path, data_addr: str, upstream_port: int) -> harness.En
     [ext_proc] = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
     ext_proc["typed_config"]["observability_mode"] = False
     ext_proc["typed_config"]["processing_mode"]["response_body_mode"] = "STREAMED"
-    config = envoyconf.write(rendered, work / "envoy.yaml")
-    return harness.launch_envoy(config, listen, admin, work / "envoy.log")
-
-
-# A prototype (--lua), not shipped: each chunk of an SSE response timed inside Envoy
-# (microseconds), OpenAI content tokens counted, a summary set as dynamic metadata, which
-# an access-log entry could carry to sitsmesh: no message per chunk.
-LUA = """
-function envoy_on_response(handle)
-  local ct = handle:headers():get("content-type")
-  if ct == nil or string.find(ct, "text/event-stream", 1, true) == nil then return end
-  local first, last, n, maxgap, sum = nil, nil, 0, 0, 0
-  for chunk in handle:bodyChunks() do
-    local now = tonumber(handle:timestampString(EnvoyTimestampResolution.MICROSECOND))
-    local len = chunk:length()
-    if len > 0 then
-      local data = chunk:getBytes(0, len)
-      local _, k = string.gsub(data, '"content": "[^"]', "")
-      if k > 0 then
-        if first == nil then first = now else
-          local gap = now - last
-          sum = sum + gap
-          if gap > maxgap then maxgap = gap end
-        end
-        last = now
-        n = n + k
-      end
-    end
-  end
-  local meta = handle:streamInfo():dynamicMetadata()
-  meta:set("sitsmesh.tokens", "tokens", n)
-  meta:set("sitsmesh.tokens", "first_us", first or 0)
-  meta:set("sitsmesh.tokens", "gap_max_us", maxgap)
-end
-"""
-
-
-def lua_envoy(work: Path, data_addr: str, upstream_port: int) -> harness.Envoy:
-    """Envoy with no fragment but the LUA prototype: the design ext_proc could give way
-    to (time the tokens inside Envoy, send one summary per stream), sized here."""
-    from sitsmesh.dev import envoyconf
-
-    listen, admin = harness.free_port(), harness.free_port()
-    bootstrap = harness.REPO / "filters" / "local" / "bootstrap.yaml"
-    rendered = envoyconf.render(bootstrap, harness.envoy_values(data_addr, upstream_port,
-                                                                listen, admin), [])
-    hcm = envoyconf.http_connection_manager(rendered, bootstrap)
-    hcm["http_filters"].insert(0, {"name": "envoy.filters.http.lua", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
-        "default_source_code": {"inline_string": LUA}}})
     config = envoyconf.write(rendered, work / "envoy.yaml")
     return harness.launch_envoy(config, listen, admin, work / "envoy.log")
 
@@ -393,10 +345,10 @@ def run_round(config: Config, index: int, args: argparse.Namespace, streams: int
         result.settle_s = time.monotonic() - ended
         result.sitsmesh = {k: after[k] - before[k] for k in SITSMESH_METRICS}
         if result.sitsmesh["streams"] != streams:
-            raise BenchError(f"ext_proc round {index}: sitsmesh reported "
+            raise BenchError(f"{config.name} round {index}: sitsmesh reported "
                              f"{result.sitsmesh['streams']:g} streams of {streams}")
         if result.sitsmesh["tokens"] != result.tokens:
-            raise BenchError(f"ext_proc round {index}: sitsmesh counted "
+            raise BenchError(f"{config.name} round {index}: sitsmesh counted "
                              f"{result.sitsmesh['tokens']:g} tokens, the client got "
                              f"{result.tokens}")
     result.cpu = {role: group_cpu(pgid) - cpu_before[role] for role, pgid in pgids.items()}
@@ -472,8 +424,6 @@ def print_tables(rounds: list[Round], configs: list[str], args: argparse.Namespa
     plain = {r.index: r for r in rounds if r.config == "plain"}
     for name in [c for c in configs if c in OBSERVED]:
         print_added(plain, {r.index: r for r in rounds if r.config == name}, name)
-    if "lua" in configs:
-        print_added(plain, {r.index: r for r in rounds if r.config == "lua"}, "lua")
     if "twin" in configs:
         # A/A: a second Envoy configured as plain, measured the same way. What it
         # "adds" is the bench's own resolution on this machine.
@@ -553,15 +503,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="sitsmesh's setting (default 16). At 16, a burst of new streams "
                         "over fresh connections has some refused (reset): in STREAMED "
                         "mode the client then gets a 503; run --streamed with 1000")
-    p.add_argument("--lua", action="store_true",
-                   help="also Envoy with the Lua prototype that times tokens inside Envoy")
     p.add_argument("--twin", action="store_true",
                    help="also a second Envoy without the fragment (A/A): what it 'adds' "
                         "over plain is the bench's resolution")
     p.add_argument("--seed", type=int, default=27)
     args = p.parse_args(argv)
-    configs = ["plain", "ext_proc"] + (["streamed"] if args.streamed else []) + (
-        ["twin"] if args.twin else []) + (["lua"] if args.lua else [])
+    configs = ["plain", "ext_proc", "timing"] + (["streamed"] if args.streamed else []) + (
+        ["twin"] if args.twin else [])
     start_load = load1()
     print(f"start {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, 1-min load "
           f"{start_load:.2f}", file=sys.stderr)
@@ -590,15 +538,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.max_streams_per_connection else []))
             stack.callback(node.kill)
             envoys = {}
-            for name, fragments in (("plain", []), ("ext_proc", ["ext_proc"])):
+            for name, fragments in (("plain", []), ("ext_proc", ["ext_proc"]),
+                                    ("timing", ["access_log", "token_timing"])):
                 (work / name).mkdir()
                 envoys[name] = harness.start_envoy(work / name, node.data_addr, stage_port_n,
                                                    fragments=fragments)
                 stack.callback(envoys[name].kill)
-            if args.lua:
-                (work / "lua").mkdir()
-                envoys["lua"] = lua_envoy(work / "lua", node.data_addr, stage_port_n)
-                stack.callback(envoys["lua"].kill)
             if args.twin:
                 (work / "twin").mkdir()
                 envoys["twin"] = harness.start_envoy(work / "twin", node.data_addr,
@@ -635,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # In observability mode Envoy closes its side of each ext_proc stream only
             # after deferred_close_timeout (5 s by default): read the stats after that.
             time.sleep(6)
-            for name in [c for c in configs if c in OBSERVED]:
+            for name in [c for c in configs if c in ("ext_proc", "streamed")]:
                 stats = envoys[name].admin_get("/stats").splitlines()
                 ext = [line for line in stats
                        if "ext_proc" in line and not line.endswith(": 0")]
@@ -645,8 +590,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stalls = sum(1 for r in rounds if r.config == name
                              for g in r.gaps() if g > 1.0)
                 notes.append(f"{name}: client gaps over 1 s: {stalls}")
-            notes.append("sitsmesh stalls counted over the ext_proc rounds: "
-                         f"{sum(r.sitsmesh['stalls'] for r in rounds if r.sitsmesh):g}")
+            for name in [c for c in configs if c in OBSERVED]:
+                counted = sum(r.sitsmesh["stalls"] for r in rounds if r.config == name)
+                notes.append(f"sitsmesh stalls counted over the {name} rounds: {counted:g}")
             notes += log_notes({"sitsmesh": node, "stage": stage, **envoys})
         except (BenchError, TimeoutError, RuntimeError, OSError) as exc:
             print(f"FAILED: {exc}", file=sys.stderr)
@@ -672,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = sum(r.tokens for r in rounds)
     print(f"- every stream got all its tokens: {len(rounds) * args.streams} streams, "
           f"{total} tokens; sitsmesh's token count matched the client's in every ext_proc "
-          "round")
+          "and timing round")
     return 0
 
 
