@@ -191,16 +191,13 @@ def _bootstrap(filters_dir: Path, ports: DevPorts, admission: str, rlqs_addr: st
                                     listen_port=ports.listen, envoy_admin_port=ports.envoy_admin)
     limits = "rate_limit_quota" if admission == "rlqs" else "ratelimit"
     bootstrap = envoyconf.render(filters_dir / "local" / "bootstrap.yaml", values,
-                                 fragments=["ext_authz", limits, "ext_proc", "access_log",
-                                            "metrics_service"])
+                                 fragments=["ext_authz", limits, "token_timing",
+                                            "access_log", "metrics_service"])
     if rlqs_addr:
         envoyconf.use_rlqs_addr(bootstrap, rlqs_addr)
     # No route timeout on a streaming route: it would bound the whole generation.
     envoyconf.add_route(bootstrap, name=TOKENS_CLUSTER, prefix="/v1/chat/",
                         host="127.0.0.1", port=tokens_port, timeout="0s")
-    envoyconf.ext_proc_only_on(bootstrap, [TOKENS_CLUSTER])
-    # ...and there only for `"stream": true` calls: a plain completion is not copied.
-    envoyconf.ext_proc_streaming_only(bootstrap)
     return bootstrap
 
 
@@ -217,7 +214,8 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
     serve_args = ["--admission", admission, *serve_args]
     if rlqs_addr:
         serve_args += ["--rlqs-addr", rlqs_addr]
-    # A streaming LLM stage: its tokens through Envoy, timed by sitsmesh (ext_proc).
+    # A streaming LLM stage: its tokens timed in Envoy (token_timing), reported to
+    # sitsmesh on the access log.
     tokens = TokenStage(ttft_s=0.3, itl_s=0.05, tokens=24).start()
     bootstrap = _bootstrap(filters_dir, ports, admission, rlqs_addr, tokens.port)
     triton = _start_triton(run_dir, ports)
@@ -276,7 +274,7 @@ def main(run_dir: Path, filters_dir: Path, ports: DevPorts, serve_args: list[str
             (f"curl -N -H 'x-api-key: {key}' -d '{{\"model\":\"tiny\",\"stream\":true,"
              f"\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}]}}' "
              f"http://127.0.0.1:{ports.listen}/v1/chat/completions",
-             "a token stream through Envoy, timed by sitsmesh (ext_proc)"),
+             "a token stream through Envoy, timed in Envoy, reported to sitsmesh"),
             (".venv/bin/sitsmesh chain show chat",
              "TTFT and time per token of the chat pipeline's llm stage"),
             ("curl -s http://127.0.0.1:9464/metrics | grep -E 'gen_ai_server|token'",
