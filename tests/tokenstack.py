@@ -100,17 +100,19 @@ def token_stack(tmp: Path, sitsmesh_addr: str, *, ttft_s: float, itl_s: float,
         stack.callback(stage.stop)
         listen_b, admin_b = harness.free_port(), harness.free_port()
         (tmp / "b").mkdir()
+        config_b = bootstrap(sitsmesh_addr, listen_b, admin_b, "llm", stage.port, timing)
         envoy_b = harness.launch_envoy(
-            envoyconf.write(bootstrap(sitsmesh_addr, listen_b, admin_b, "llm", stage.port,
-                                      timing), tmp / "b" / "envoy.yaml"), listen_b, admin_b, tmp / "b" / "log")
+            envoyconf.write(config_b, tmp / "b" / "envoy.yaml"), listen_b, admin_b,
+            tmp / "b" / "log")
         stack.callback(envoy_b.kill)
         guard = _Server(("127.0.0.1", 0), _Guard)
         guard.next_port = listen_b
         guard_port = stack.enter_context(harness.serving(guard))
         listen_a, admin_a = harness.free_port(), harness.free_port()
         (tmp / "a").mkdir()
+        config_a = bootstrap(sitsmesh_addr, listen_a, admin_a, "guard", guard_port, timing)
         envoy_a = harness.launch_envoy(
-            envoyconf.write(bootstrap(sitsmesh_addr, listen_a, admin_a, "guard", guard_port,
-                                      timing), tmp / "a" / "envoy.yaml"), listen_a, admin_a, tmp / "a" / "log")
+            envoyconf.write(config_a, tmp / "a" / "envoy.yaml"), listen_a, admin_a,
+            tmp / "a" / "log")
         stack.callback(envoy_a.kill)
         yield TokenStack(envoy_a, stage)

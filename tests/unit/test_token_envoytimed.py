@@ -118,6 +118,10 @@ def test_a_stream_with_no_token_has_no_ttft() -> None:
     ({"f": "openai", "t0": _us(0.1), "k0": 1, "g": "-5"}, "gap"),
     ({"f": "openai", "t0": _us(0.1), "k0": 1, "g": "5*0"}, "gap"),
     ({"f": "openai", "t0": _us(0.1), "k0": 1, "g": "5,x"}, "gap"),
+    ({"f": "openai", "t0": _us(0.1), "k0": 1, "g": "5*x"}, "gap"),
+    # A sender's huge numbers are refused by length, before int() is asked to read them.
+    ({"f": "openai", "t0": _us(0.1), "k0": 1, "g": "9" * 4000}, "gap"),
+    ({"f": "openai", "t0": _us(0.1), "k0": 1, "g": "5*" + "9" * 4000}, "gap"),
     ({"f": "openai", "t0": _us(0.1), "k0": 1, "g": "9" * (envoytimed.MAX_GAPS_TEXT + 1)},
      "g is not a string"),
     ({"f": "openai", "n": "many"}, "n is not a count"),
