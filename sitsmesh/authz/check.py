@@ -84,6 +84,9 @@ class Allowed:
     request_class: str
     set_headers: tuple[tuple[str, str], ...]
     remove_headers: tuple[str, ...]
+    # The API key's id when a key identified the caller (its token budget may count per
+    # key). Not part of the answer, so not of equality: replies stay cached per answer.
+    key_id: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,10 @@ class Denied:
     # answer, so not of equality either: replies stay cached per answer.
     tenant: str = field(default="", compare=False)
     allow: str = ""  # a 405's `allow` header: the methods the route accepts
+    # More headers of the answer (a token budget's x-ratelimit-*-tokens), and the budget
+    # a 429 names in its JSON body.
+    headers: tuple[tuple[str, str], ...] = ()
+    budget: str = ""
 
 
 _REFUSED = {
@@ -156,13 +163,15 @@ class Authorizer:
 
     def check(self, request: CheckInput) -> Allowed | Denied:
         snapshot = self.snapshot
-        tenant_or_denial = self._identify(request, snapshot)
+        tenant_or_denial, key_id = self._identify(request, snapshot)
         if isinstance(tenant_or_denial, Denied):
             return tenant_or_denial
         tenant = tenant_or_denial
         decision = self._authorize(request, tenant)
         if type(decision) is Denied and not decision.tenant:
             return dataclasses.replace(decision, tenant=tenant.name)
+        if key_id and type(decision) is Allowed:
+            return dataclasses.replace(decision, key_id=key_id)
         return decision
 
     def _authorize(self, request: CheckInput, tenant: Tenant) -> Allowed | Denied:
@@ -227,9 +236,11 @@ class Authorizer:
 
     def identify(self, request: CheckInput) -> Tenant | Denied:
         """Who the caller is on the directory as it is now (a stream's later messages)."""
-        return self._identify(request, self.snapshot)
+        return self._identify(request, self.snapshot)[0]
 
-    def _identify(self, request: CheckInput, snapshot: AuthzSnapshot) -> Tenant | Denied:
+    def _identify(self, request: CheckInput, snapshot: AuthzSnapshot
+                  ) -> tuple[Tenant | Denied, str]:
+        """The caller, and the id of the API key that named it ("" for other ways)."""
         headers = request.headers
         for name in self._settings.api_key_headers:
             value = headers.get(name)
@@ -241,9 +252,14 @@ class Authorizer:
                 if scheme.lower() != "bearer":
                     continue
                 presented = credential.strip()
-                if key_id_of(presented) is None:
-                    continue  # some other bearer token (a user's JWT): not ours to judge
-            return self._by_key(presented, snapshot)
+            key_id = key_id_of(presented)
+            if key_id is None and name == "authorization":
+                continue  # some other bearer token (a user's JWT): not ours to judge
+            return self._by_key(presented, key_id, snapshot), key_id or ""
+        return self._identify_peer(request, snapshot), ""
+
+    def _identify_peer(self, request: CheckInput, snapshot: AuthzSnapshot) -> Tenant | Denied:
+        headers = request.headers
         if request.principal:
             mapped = self._settings.peer_tenants.get(request.principal)
             if mapped is not None:
@@ -263,8 +279,8 @@ class Authorizer:
         return _deny_401("no credentials: send an API key in x-api-key or "
                          "'authorization: Bearer <key>'")
 
-    def _by_key(self, presented: str, snapshot: AuthzSnapshot) -> Tenant | Denied:
-        key_id = key_id_of(presented)
+    def _by_key(self, presented: str, key_id: str | None, snapshot: AuthzSnapshot
+                ) -> Tenant | Denied:
         key = snapshot.keys.get(key_id) if key_id else None
         if key is None or not matches(key, presented):
             return _deny_401("invalid API key")

@@ -23,6 +23,8 @@ from sitsmesh import globs
 from sitsmesh.authz.model import InvalidObject
 
 BUDGET_KIND = "token-budget"
+# What Check tells the request's later hops: the input tokens its budget reserved for.
+ESTIMATE_HEADER = "x-sits-token-estimate"
 WINDOWS = {"minute": 60, "hour": 3600, "day": 86400}
 EACH = ("tenant", "api_key", "model")
 MAX_LIMITS = 16

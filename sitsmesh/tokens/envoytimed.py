@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from sitsmesh.budgets.model import ESTIMATE_HEADER
 from sitsmesh.tokens.formats import FORMATS, Usage
 from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.tokens.timing import End, StreamClock
@@ -93,8 +94,12 @@ def report(entry: Any, fields: Any, stall_of: Callable[[str, str], float]) -> To
     summary = clock.summary(end, max(ended, 0.0),
                             usage.completion_tokens if usage is not None else None)
     request = entry.request
+    logged = request.request_headers  # access_log.yaml logs these two
+    estimate = logged.get(ESTIMATE_HEADER, "")
     return TokenReport(request.request_id, request.path[:256], fmt, summary, usage,
-                       _count(fields, "bad"), cluster, route)
+                       _count(fields, "bad"), cluster, route,
+                       logged.get("x-sits-tenant", "")[:64],
+                       int(estimate) if estimate.isdigit() and len(estimate) <= 12 else 0)
 
 
 def _end(fields: Any, flags: Any) -> End:

@@ -46,6 +46,10 @@ class TokenReport:
     bad_events: int      # events its format could not read, and oversized ones
     cluster: str = ""    # Envoy's upstream cluster and route: the stage it belongs to
     route: str = ""
+    # From the request's headers that Check set: its tenant, and the input tokens its
+    # token budget reserved for (x-sits-token-estimate; 0 without), to settle with.
+    tenant: str = ""
+    input_estimate: int = 0
 
 
 class TokenStream:

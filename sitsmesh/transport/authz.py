@@ -16,6 +16,8 @@ from google.rpc import code_pb2, status_pb2
 from grpc import aio
 
 from sitsmesh.authz.check import Allowed, Authorizer, CheckInput, Denied
+from sitsmesh.budgets.gate import BudgetGate
+from sitsmesh.budgets.model import TokenBudget
 from sitsmesh.telemetry.decisions import Telemetry
 from sitsmesh.transport.checklimits import CheckLimits
 
@@ -43,7 +45,10 @@ def grpc_message(text: str) -> str:
 
 def _denied(decision: Denied) -> Any:
     body: dict[str, Any] = {"code": decision.code, "message": decision.message}
-    headers = [_header("content-type", "application/json")]
+    if decision.budget:
+        body["budget"] = decision.budget
+    headers = [_header("content-type", "application/json"),
+               *(_header(k, v) for k, v in decision.headers)]
     if decision.status == 401:
         headers.append(_header("www-authenticate", 'Bearer realm="sitsmesh"'))
     if decision.allow:
@@ -77,14 +82,14 @@ def verified_claim(context: Any, key: str, claim: str) -> str:
     return value.string_value if value is not None else ""
 
 
-def _allowed(decision: Allowed) -> Any:
+def _allowed(decision: Allowed, more: tuple[tuple[str, str], ...] = ()) -> Any:
     metadata = Struct()
     metadata.update({"tenant": decision.tenant, "priority": decision.priority,
                      "model": decision.model, "request_class": decision.request_class})
     return external_auth_pb2.CheckResponse(
         status=_OK_STATUS,
         ok_response=external_auth_pb2.OkHttpResponse(
-            headers=[_header(k, v) for k, v in decision.set_headers],
+            headers=[_header(k, v) for k, v in (*decision.set_headers, *more)],
             headers_to_remove=list(decision.remove_headers)),
         dynamic_metadata=metadata)
 
@@ -94,9 +99,13 @@ MAX_CACHED_REPLIES = 10_000
 
 class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # type: ignore[misc]
     def __init__(self, authorizer: Authorizer, limits: CheckLimits | None = None,
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None, budgets: BudgetGate | None = None
+                 ) -> None:
+        """`budgets`: token budgets, reserved for each LLM request of a tenant that has
+        one (sitsmesh/budgets/gate.py); the only Check that waits on I/O."""
         self._authorizer = authorizer
         self._telemetry = telemetry
+        self._budgets = budgets
         self._jwt_key = authorizer.settings.jwt_metadata_key
         self._jwt_claim = authorizer.settings.jwt_tenant_claim
         self.limits = limits or CheckLimits()
@@ -135,9 +144,26 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
                              http.method or headers.get(":method", ""),
                              attributes.context_extensions.get(STREAM_CHECK) == PER_MESSAGE)
         decision = self._authorizer.check(checked)
+        if self._budgets is not None and type(decision) is Allowed:
+            budget = self._budgets.governs(decision)
+            if budget is not None:
+                return await self._reserve(budget, decision, checked, started, context)
         if self._telemetry is not None:
             self._telemetry.check(checked, decision, started, context)
         return self._reply(decision)
+
+    async def _reserve(self, budget: TokenBudget, decision: Allowed, checked: CheckInput,
+                       started: float, context: aio.ServicerContext[Any, Any]) -> Any:
+        """A request its tenant's token budget governs: its answer carries its own
+        figures, so it is built for it, not cached."""
+        assert self._budgets is not None
+        spent = await self._budgets.reserve(budget, decision, checked)
+        final: Allowed | Denied = spent if isinstance(spent, Denied) else decision
+        if self._telemetry is not None:
+            self._telemetry.check(checked, final, started, context)
+        if isinstance(spent, Denied):
+            return _denied(spent)
+        return _allowed(decision, spent.headers if spent is not None else ())
 
 
 def add_to_server(servicer: AuthorizationServicer, server: aio.Server) -> None:

@@ -36,6 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
+from sitsmesh.budgets.model import ESTIMATE_HEADER
 from sitsmesh.errors import InvalidArgumentError
 from sitsmesh.tokens.stream import TokenReport, TokenStream, format_for
 from sitsmesh.tokens.timing import End
@@ -78,6 +79,11 @@ def _header(headers: Any, name: str) -> str:
     return ""
 
 
+def _estimate(value: str) -> int:
+    """x-sits-token-estimate as Check set it; 0 where absent or not a small count."""
+    return int(value) if value.isdigit() and len(value) <= 12 else 0
+
+
 def attribute(request: Any, name: str, limit: int = MAX_HEADER_VALUE) -> str:
     """A string attribute Envoy sent with the message (the fragment's
     `request_attributes` / `response_attributes`), at most `limit` characters."""
@@ -93,12 +99,13 @@ class _Open:
 
     __slots__ = ("held", "last", "seen", "stream")
 
-    def __init__(self, stream: TokenStream, last: float, seen: tuple[str, str, str, str]
-                 ) -> None:
+    def __init__(self, stream: TokenStream, last: float,
+                 seen: tuple[str, str, str, str, str, str]) -> None:
         self.stream: TokenStream | None = stream  # None once finished or dropped
         self.last = last  # when its last chunk came, for the idle bound
         self.held = 0     # bytes its splitter keeps of an unfinished event
-        self.seen = seen  # request id, path, upstream cluster, route name
+        # request id, path, tenant, token estimate, upstream cluster, route name
+        self.seen = seen
 
 
 class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -146,7 +153,7 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
         """`read`: the next ProcessingRequest; StopAsyncIteration at the stream's end."""
         clock = self._clock
         started = clock()
-        request_id = path = ""
+        request_id = path = tenant = estimate = ""
         tracked: _Open | None = None
         try:
             while True:
@@ -161,10 +168,14 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
                         self._chunk(tracked, tracked.stream, request.response_body, now)
                 elif kind == "request_headers":
                     started = self._started(request, now)
-                    request_id = _header(request.request_headers, "x-request-id")
-                    path = _header(request.request_headers, ":path")
+                    headers = request.request_headers
+                    request_id = _header(headers, "x-request-id")
+                    path = _header(headers, ":path")
+                    tenant = _header(headers, "x-sits-tenant")
+                    estimate = _header(headers, ESTIMATE_HEADER)
                 elif kind == "response_headers" and tracked is None:
-                    tracked = self._track(request, started, (request_id, path), now)
+                    tracked = self._track(request, started,
+                                          (request_id, path, tenant, estimate), now)
                 if not request.observability_mode and kind in _CONTINUE:
                     await context.write(_CONTINUE[kind])
         finally:
@@ -175,8 +186,8 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
                 # measured to.
                 self._finish(tracked, End.CUT, max(tracked.last, clock() - CLOSE_DELAY_S))
 
-    def _track(self, request: Any, started: float, seen: tuple[str, str], now: float
-               ) -> _Open | None:
+    def _track(self, request: Any, started: float, seen: tuple[str, str, str, str],
+               now: float) -> _Open | None:
         """The response headers: a tracked stream, or None where it is not parsed."""
         fmt = format_for(_header(request.response_headers, "content-type"), seen[1])
         if not fmt:
@@ -250,10 +261,11 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
         stream = tracked.stream
         assert stream is not None
         self._drop(tracked)
-        request_id, path, cluster, route = tracked.seen
+        request_id, path, tenant, estimate, cluster, route = tracked.seen
         summary = stream.finish(end, at)
         self._report(TokenReport(request_id, path, stream.format, summary, stream.usage,
-                                 stream.bad_events + stream.oversized, cluster, route))
+                                 stream.bad_events + stream.oversized, cluster, route,
+                                 tenant, _estimate(estimate)))
 
 
 def add_to_server(servicer: pb_grpc.ExternalProcessorServicer, server: aio.Server) -> None:

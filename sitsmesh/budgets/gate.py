@@ -1,0 +1,179 @@
+"""Token budgets at Check and at the stream's end: reserve the estimate, or refuse with
+429 and OpenAI's x-ratelimit-*-tokens headers; settle with what the stream produced.
+
+Check asks `reserve` for every request a tenant with a budget makes on an LLM route. The
+estimate goes upstream in `x-sits-token-estimate` (its input tokens), so whichever
+replica sees the stream's end (its access-log entry or ext_proc report, which log that
+header and x-sits-tenant) can price what was produced without the reserving replica's
+memory. `settle` charges: prompt from the stream's usage where it reported one, else
+the estimate's; completion from the usage, else the tokens counted (a client abort or
+upstream reset is charged what was produced); weighed as the budget says.
+
+A ledger that fails (Redis away) is the rate limiter's outage setting: `allow` admits the
+request without a reservation (counted), `deny` answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from sitsmesh import logs
+from sitsmesh.authz.check import Allowed, CheckInput, Denied
+from sitsmesh.budgets.estimate import BadRequest, Estimate, estimate
+from sitsmesh.budgets.ledger import BudgetLedger
+from sitsmesh.budgets.model import ESTIMATE_HEADER, TokenBudget
+from sitsmesh.tokens.stream import TokenReport
+
+# A reservation whose stream's end never comes is forgotten after this, charged at its
+# estimate: longer than a generation runs (Envoy's stream_idle_timeout, 60 s, bounds its
+# gaps, not its length; 10 min covers tens of thousands of tokens at reading pace).
+HOLD_S = 600.0
+MAX_PENDING_SETTLES = 10_000
+_log = logs.get("sitsmesh.budgets")
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """A reservation made: the headers it adds to the allowed request."""
+
+    estimate: Estimate
+
+    @property
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        return ((ESTIMATE_HEADER, str(self.estimate.prompt)),)
+
+
+def reset_text(seconds: float) -> str:
+    """OpenAI's x-ratelimit-reset-tokens form: 6m0s, 1s, 250ms."""
+    if seconds < 1:
+        return f"{max(1, round(seconds * 1000))}ms"
+    whole = round(seconds)
+    minutes, rest = divmod(whole, 60)
+    return f"{minutes}m{rest}s" if minutes else f"{rest}s"
+
+
+class BudgetGate:
+    """`budgets()`: the tenants' budgets as they are now (the directory's view).
+    `observe(outcome, tenant, tokens)`: the metrics' hook."""
+
+    def __init__(self, ledger: BudgetLedger, budgets: Callable[[], Mapping[str, TokenBudget]],
+                 *, fail_open: bool = True, hold_s: float = HOLD_S,
+                 clock: Callable[[], float] = time.time,
+                 observe: Callable[[str, str, int], None] = lambda o, t, n: None) -> None:
+        self._ledger = ledger
+        self._budgets = budgets
+        self._fail_open = fail_open
+        self._hold_s = hold_s
+        self._clock = clock
+        self._observe = observe
+        self._settling: set[asyncio.Task[int | None]] = set()
+
+    @property
+    def ledger(self) -> BudgetLedger:
+        return self._ledger
+
+    def governs(self, allowed: Allowed) -> TokenBudget | None:
+        """The budget a request spends from: its tenant's, on an LLM route; else None
+        (and Check goes on as before, with no I/O)."""
+        if allowed.request_class not in ("openai", "stream") or not allowed.model:
+            return None
+        return self._budgets().get(allowed.tenant)
+
+    async def reserve(self, budget: TokenBudget, allowed: Allowed, request: CheckInput
+                      ) -> Reserved | Denied | None:
+        """Reserved, a Denied (400 unestimable, 429 over a budget, 503 ledger away and
+        fail-closed), or None: admitted without a reservation (no counter applies, or
+        the ledger failed and the setting is fail-open)."""
+        tenant, key_id, request_id = allowed.tenant, allowed.key_id, request.request_id
+        try:
+            guess = estimate(request.path, request.body, budget)
+        except BadRequest as exc:
+            self._observe("bad_request", tenant, 0)
+            return Denied(400, "token_budget_bad_request", str(exc), tenant=tenant)
+        counters = budget.counters(key_id, allowed.model)
+        if not counters or not request_id:
+            return None
+        try:
+            spent = await self._ledger.reserve(request_id, counters, guess.cost,
+                                               self._clock(), self._hold_s)
+        except ValueError:
+            # The request id holds a reservation already: a retry of the same request
+            # through the entry again. Its first reservation stands for it.
+            return None
+        except Exception as exc:  # any ledger failure is an outage
+            _log.warning("token budget ledger failed", error=str(exc)[:200])
+            if self._fail_open:
+                self._observe("store_error_allowed", tenant, 0)
+                return None
+            self._observe("store_error_denied", tenant, 0)
+            return Denied(503, "token_budget_unavailable",
+                          "the token budget store is unavailable", 1.0, tenant=tenant)
+        headers = (("x-ratelimit-limit-tokens", str(spent.limit)),
+                   ("x-ratelimit-remaining-tokens", str(spent.remaining)),
+                   ("x-ratelimit-reset-tokens", reset_text(spent.reset_s)))
+        if not spent.ok:
+            self._observe("refused", tenant, 0)
+            what = budget.describe(counters[spent.index].index, key_id, allowed.model)
+            return Denied(429, "token_budget_exceeded",
+                          f"token budget exceeded: {what}; this request needs about "
+                          f"{guess.cost} tokens, {spent.remaining} are left",
+                          spent.reset_s, tenant=tenant, headers=headers,
+                          budget=what)
+        self._observe("reserved", tenant, guess.cost)
+        return Reserved(guess)
+
+    def settle_later(self, report: TokenReport) -> None:
+        """Settle a finished stream's reservation, off the caller's path."""
+        if not report.tenant or not report.request_id or \
+                report.tenant not in self._budgets():
+            return
+        if len(self._settling) >= MAX_PENDING_SETTLES:
+            self._observe("settle_dropped", report.tenant, 0)
+            return
+        task = asyncio.get_running_loop().create_task(self.settle(report))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def settle(self, report: TokenReport) -> int | None:
+        """Charge what the stream produced; the reservation it replaced, or None."""
+        budget = self._budgets().get(report.tenant)
+        if budget is None:
+            return None
+        usage = report.usage
+        prompt = usage.prompt_tokens if usage is not None else report.input_estimate
+        cached = usage.cached_tokens if usage is not None else 0
+        actual = budget.weights.cost(prompt, report.summary.tokens, cached)
+        try:
+            reserved = await self._ledger.settle(report.request_id, actual, self._clock())
+        except Exception as exc:  # the hold releases it later
+            _log.warning("token budget settle failed", error=str(exc)[:200])
+            self._observe("settle_failed", report.tenant, 0)
+            return None
+        if reserved is None:
+            # Another hop of the same request settled it, or it was never reserved
+            # (no budget then, or the ledger was away).
+            self._observe("unmatched", report.tenant, 0)
+            return None
+        self._observe("settled", report.tenant, actual)
+        if actual > reserved:
+            self._observe("overrun", report.tenant, actual - reserved)
+        return reserved
+
+    async def expire(self) -> int:
+        """Forget reservations past their hold (charged at their estimate)."""
+        try:
+            lost = await self._ledger.expire(self._clock())
+        except Exception as exc:  # tried again next time
+            _log.warning("token budget expiry failed", error=str(exc)[:200])
+            return 0
+        if lost:
+            self._observe("expired", "", lost)
+        return lost
+
+    async def close(self) -> None:
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+        await self._ledger.close()
