@@ -24,6 +24,7 @@ from sitsmesh import logs
 from sitsmesh.authz.check import Allowed, CheckInput, Denied
 from sitsmesh.budgets.estimate import BadRequest, Estimate, estimate
 from sitsmesh.budgets.ledger import BudgetLedger
+from sitsmesh.budgets.metrics import BudgetMetrics
 from sitsmesh.budgets.model import ESTIMATE_HEADER, TokenBudget
 from sitsmesh.tokens.stream import TokenReport
 
@@ -56,19 +57,18 @@ def reset_text(seconds: float) -> str:
 
 
 class BudgetGate:
-    """`budgets()`: the tenants' budgets as they are now (the directory's view).
-    `observe(outcome, tenant, tokens)`: the metrics' hook."""
+    """`budgets()`: the tenants' budgets as they are now (the directory's view)."""
 
     def __init__(self, ledger: BudgetLedger, budgets: Callable[[], Mapping[str, TokenBudget]],
                  *, fail_open: bool = True, hold_s: float = HOLD_S,
                  clock: Callable[[], float] = time.time,
-                 observe: Callable[[str, str, int], None] = lambda o, t, n: None) -> None:
+                 metrics: BudgetMetrics | None = None) -> None:
         self._ledger = ledger
         self._budgets = budgets
         self._fail_open = fail_open
         self._hold_s = hold_s
         self._clock = clock
-        self._observe = observe
+        self._metrics = metrics or BudgetMetrics(None)
         self._settling: set[asyncio.Task[int | None]] = set()
 
     @property
@@ -91,7 +91,7 @@ class BudgetGate:
         try:
             guess = estimate(request.path, request.body, budget)
         except BadRequest as exc:
-            self._observe("bad_request", tenant, 0)
+            self._metrics.decided("bad_request")
             return Denied(400, "token_budget_bad_request", str(exc), tenant=tenant)
         counters = budget.counters(key_id, allowed.model)
         if not counters or not request_id:
@@ -106,23 +106,23 @@ class BudgetGate:
         except Exception as exc:  # any ledger failure is an outage
             _log.warning("token budget ledger failed", error=str(exc)[:200])
             if self._fail_open:
-                self._observe("store_error_allowed", tenant, 0)
+                self._metrics.decided("store_error_allowed")
                 return None
-            self._observe("store_error_denied", tenant, 0)
+            self._metrics.decided("store_error_denied")
             return Denied(503, "token_budget_unavailable",
                           "the token budget store is unavailable", 1.0, tenant=tenant)
         headers = (("x-ratelimit-limit-tokens", str(spent.limit)),
                    ("x-ratelimit-remaining-tokens", str(spent.remaining)),
                    ("x-ratelimit-reset-tokens", reset_text(spent.reset_s)))
         if not spent.ok:
-            self._observe("refused", tenant, 0)
+            self._metrics.decided("refused")
             what = budget.describe(counters[spent.index].index, key_id, allowed.model)
             return Denied(429, "token_budget_exceeded",
                           f"token budget exceeded: {what}; this request needs about "
                           f"{guess.cost} tokens, {spent.remaining} are left",
                           spent.reset_s, tenant=tenant, headers=headers,
                           budget=what)
-        self._observe("reserved", tenant, guess.cost)
+        self._metrics.decided("reserved")
         return Reserved(guess)
 
     def settle_later(self, report: TokenReport) -> None:
@@ -131,7 +131,7 @@ class BudgetGate:
                 report.tenant not in self._budgets():
             return
         if len(self._settling) >= MAX_PENDING_SETTLES:
-            self._observe("settle_dropped", report.tenant, 0)
+            self._metrics.settled("settle_dropped")
             return
         task = asyncio.get_running_loop().create_task(self.settle(report))
         self._settling.add(task)
@@ -150,16 +150,16 @@ class BudgetGate:
             reserved = await self._ledger.settle(report.request_id, actual, self._clock())
         except Exception as exc:  # the hold releases it later
             _log.warning("token budget settle failed", error=str(exc)[:200])
-            self._observe("settle_failed", report.tenant, 0)
+            self._metrics.settled("settle_failed")
             return None
         if reserved is None:
             # Another hop of the same request settled it, or it was never reserved
             # (no budget then, or the ledger was away).
-            self._observe("unmatched", report.tenant, 0)
+            self._metrics.settled("unmatched")
             return None
-        self._observe("settled", report.tenant, actual)
-        if actual > reserved:
-            self._observe("overrun", report.tenant, actual - reserved)
+        self._metrics.settled("settled")
+        self._metrics.charged(report.tenant, report.model,
+                              (prompt, report.summary.tokens, cached), actual - reserved)
         return reserved
 
     async def expire(self) -> int:
@@ -170,7 +170,7 @@ class BudgetGate:
             _log.warning("token budget expiry failed", error=str(exc)[:200])
             return 0
         if lost:
-            self._observe("expired", "", lost)
+            self._metrics.settled("expired", lost)
         return lost
 
     async def close(self) -> None:

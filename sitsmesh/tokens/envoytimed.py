@@ -94,12 +94,13 @@ def report(entry: Any, fields: Any, stall_of: Callable[[str, str], float]) -> To
     summary = clock.summary(end, max(ended, 0.0),
                             usage.completion_tokens if usage is not None else None)
     request = entry.request
-    logged = request.request_headers  # access_log.yaml logs these two
+    logged = request.request_headers  # access_log.yaml logs these
     estimate = logged.get(ESTIMATE_HEADER, "")
     return TokenReport(request.request_id, request.path[:256], fmt, summary, usage,
                        _count(fields, "bad"), cluster, route,
                        logged.get("x-sits-tenant", "")[:64],
-                       int(estimate) if estimate.isdigit() and len(estimate) <= 12 else 0)
+                       int(estimate) if estimate.isdigit() and len(estimate) <= 12 else 0,
+                       logged.get("x-sits-model", "")[:256])
 
 
 def _end(fields: Any, flags: Any) -> End:

@@ -50,6 +50,7 @@ class TokenReport:
     # token budget reserved for (x-sits-token-estimate; 0 without), to settle with.
     tenant: str = ""
     input_estimate: int = 0
+    model: str = ""  # x-sits-model: the model Check read from the request
 
 
 class TokenStream:

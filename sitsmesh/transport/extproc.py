@@ -100,11 +100,11 @@ class _Open:
     __slots__ = ("held", "last", "seen", "stream")
 
     def __init__(self, stream: TokenStream, last: float,
-                 seen: tuple[str, str, str, str, str, str]) -> None:
+                 seen: tuple[str, str, str, str, str, str, str]) -> None:
         self.stream: TokenStream | None = stream  # None once finished or dropped
         self.last = last  # when its last chunk came, for the idle bound
         self.held = 0     # bytes its splitter keeps of an unfinished event
-        # request id, path, tenant, token estimate, upstream cluster, route name
+        # request id, path, tenant, token estimate, model, upstream cluster, route name
         self.seen = seen
 
 
@@ -153,7 +153,7 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
         """`read`: the next ProcessingRequest; StopAsyncIteration at the stream's end."""
         clock = self._clock
         started = clock()
-        request_id = path = tenant = estimate = ""
+        request_id = path = tenant = estimate = model = ""
         tracked: _Open | None = None
         try:
             while True:
@@ -173,9 +173,10 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
                     path = _header(headers, ":path")
                     tenant = _header(headers, "x-sits-tenant")
                     estimate = _header(headers, ESTIMATE_HEADER)
+                    model = _header(headers, "x-sits-model")
                 elif kind == "response_headers" and tracked is None:
                     tracked = self._track(request, started,
-                                          (request_id, path, tenant, estimate), now)
+                                          (request_id, path, tenant, estimate, model), now)
                 if not request.observability_mode and kind in _CONTINUE:
                     await context.write(_CONTINUE[kind])
         finally:
@@ -186,7 +187,7 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
                 # measured to.
                 self._finish(tracked, End.CUT, max(tracked.last, clock() - CLOSE_DELAY_S))
 
-    def _track(self, request: Any, started: float, seen: tuple[str, str, str, str],
+    def _track(self, request: Any, started: float, seen: tuple[str, str, str, str, str],
                now: float) -> _Open | None:
         """The response headers: a tracked stream, or None where it is not parsed."""
         fmt = format_for(_header(request.response_headers, "content-type"), seen[1])
@@ -261,11 +262,11 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
         stream = tracked.stream
         assert stream is not None
         self._drop(tracked)
-        request_id, path, tenant, estimate, cluster, route = tracked.seen
+        request_id, path, tenant, estimate, model, cluster, route = tracked.seen
         summary = stream.finish(end, at)
         self._report(TokenReport(request_id, path, stream.format, summary, stream.usage,
                                  stream.bad_events + stream.oversized, cluster, route,
-                                 tenant, _estimate(estimate)))
+                                 tenant, _estimate(estimate), model))
 
 
 def add_to_server(servicer: pb_grpc.ExternalProcessorServicer, server: aio.Server) -> None:
