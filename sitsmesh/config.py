@@ -91,6 +91,13 @@ class Settings:
     authz_jwt_tenant_claim: str = "tenant"
     authz_priority_header: str = "x-priority"
     admission_hold_seconds: float = 60.0
+    # A token-budget reservation whose stream's end never came is released (charged at
+    # its estimate) after this (sitsmesh/budgets/gate.py).
+    token_budget_hold_seconds: float = 600.0
+    # reserve: Check reserves the estimate (the default); charge_after: Check only looks
+    # whether the budget is spent, as gateways that charge after the response do (its
+    # overshoot is measured against reserve in bench/token_budgets.py).
+    token_budget_mode: str = "reserve"
     # --- authz request-path policy: README "Request-path policy" ---
     authz_jwt_trusted_principals: tuple[str, ...] = ()
     authz_trust_pipeline_hint: bool = False
@@ -240,6 +247,8 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "authz_jwt_tenant_claim": values.string,
     "authz_priority_header": values.header_name,
     "admission_hold_seconds": values.seconds,
+    "token_budget_hold_seconds": values.seconds,
+    "token_budget_mode": values.choice(("reserve", "charge_after")),
     "stream_check_methods": streamcheck.parse_methods,
     "stream_check_deadline_seconds": streamcheck.parse_deadline,
     "stream_check_fail_mode": values.choice(("closed", "open")),

@@ -23,6 +23,7 @@ from sitsmesh.authz.check import Authorizer, AuthzSettings, AuthzSnapshot
 from sitsmesh.authz.directory import TenantDirectory
 from sitsmesh.authz.gie import GieSettings
 from sitsmesh.batching.service import AUTO_EVERY_S, BatchingService
+from sitsmesh.budgets.gate import BudgetGate
 from sitsmesh.chains.assembler import Assembler, Hop
 from sitsmesh.chains.catalog import PipelineCatalog
 from sitsmesh.chains.metrics import ChainMetrics
@@ -254,6 +255,7 @@ class AuthzComponent:
         self._telemetry = telemetry
         self.directory = TenantDirectory(state)
         self.authorizer: Authorizer | None = None
+        self.budgets: BudgetGate | None = None  # token budgets (app/tokenbudgets.py)
         self.shared: SharedAdmission | None = None
         self._background = Background()
         if serve:
@@ -294,7 +296,7 @@ class AuthzComponent:
             return []
         servicer = AuthorizationServicer(self.authorizer, CheckLimits(
             self._settings.max_check_message_bytes, self._settings.check_max_headers,
-            self._settings.check_max_header_bytes), self._telemetry)
+            self._settings.check_max_header_bytes), self._telemetry, self.budgets)
         return [DataService(AUTHZ_SERVICE, lambda server: add_authz(servicer, server))]
 
     async def start(self) -> None:

@@ -28,6 +28,7 @@ from sitsmesh.app.components import (
 from sitsmesh.app.quota import QuotaComponent
 from sitsmesh.app.streamchecks import StreamChecksComponent
 from sitsmesh.app.telemetry import TelemetryComponent
+from sitsmesh.app.tokenbudgets import TokenBudgetsComponent
 from sitsmesh.app.tokens import TokensComponent
 from sitsmesh.config import Settings
 from sitsmesh.errors import StartupError
@@ -71,6 +72,7 @@ class Graph:
     telemetry: TelemetryComponent
     tokens: TokensComponent
     checks: StreamChecksComponent
+    budgets: TokenBudgetsComponent
     # Envoy's access-log and stats streams, ended when the drain window closes.
     streams: OpenStreams = field(default_factory=OpenStreams)
     # OpenTelemetry, when otlp_endpoint is set: flushed after every part has stopped.
@@ -80,11 +82,11 @@ class Graph:
     def parts(self) -> tuple[RateLimitComponent | AuthzComponent | ChainsComponent
                              | PressureComponent | SwapsComponent | QuotaComponent
                              | TokensComponent | StreamChecksComponent
-                             | TelemetryComponent, ...]:
+                             | TokenBudgetsComponent | TelemetryComponent, ...]:
         # Telemetry last: its final flush follows every decision.
         return tuple(p for p in (self.ratelimit, self.authz, self.chains, self.pressure,
                                  self.swaps, self.quota, self.tokens, self.checks,
-                                 self.telemetry)
+                                 self.budgets, self.telemetry)
                      if p is not None)
 
     def data_services(self) -> list[DataService]:
@@ -153,8 +155,11 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
     tokens.attach(chains)
     if tracing is not None and tokens.joined is not None:
         tokens.joined.listen(tracing.token_streams)
+    # Token budgets: Check reserves, each finished stream settles (before the services
+    # are built from authz and tokens).
+    budgets = TokenBudgetsComponent(settings, authz, tokens, registry, serve=serve)
     return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry, tokens,
-                 StreamChecksComponent(settings, authz, registry), tracing=tracing)
+                 StreamChecksComponent(settings, authz, registry), budgets, tracing=tracing)
 
 
 @dataclass(frozen=True, slots=True)

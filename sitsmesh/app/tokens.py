@@ -39,6 +39,8 @@ class TokensComponent:
         self.windows = TokenWindows() if serve else None
         # Each stream joined to its request's latency chain (set by attach).
         self.joined: TokenJoin | None = None
+        # Each finished stream settles its token-budget reservation (app/tokenbudgets.py).
+        self.settle: Callable[[TokenReport], None] | None = None
 
     def attach(self, chains: ChainsComponent) -> None:
         """Streams are labelled by the pipeline stage their Envoy cluster or route is, and
@@ -50,6 +52,8 @@ class TokensComponent:
             chains.assembler.on_close = self.joined.closed
 
     def _report(self, report: TokenReport) -> None:
+        if self.settle is not None:
+            self.settle(report)
         pipeline, stage = self._stages.stage_of(report.cluster, report.route)
         self._record(report, pipeline, stage)
         summary = report.summary

@@ -61,12 +61,16 @@ class BudgetGate:
 
     def __init__(self, ledger: BudgetLedger, budgets: Callable[[], Mapping[str, TokenBudget]],
                  *, fail_open: bool = True, hold_s: float = HOLD_S,
+                 charge_after: bool = False,
                  clock: Callable[[], float] = time.time,
                  metrics: BudgetMetrics | None = None) -> None:
         self._ledger = ledger
         self._budgets = budgets
         self._fail_open = fail_open
         self._hold_s = hold_s
+        # Charge after: reserve nothing, only refuse once the budget is spent (what
+        # gateways that charge after the response do; kept to measure the difference).
+        self._charge_after = charge_after
         self._clock = clock
         self._metrics = metrics or BudgetMetrics(None)
         self._settling: set[asyncio.Task[int | None]] = set()
@@ -97,7 +101,8 @@ class BudgetGate:
         if not counters or not request_id:
             return None
         try:
-            spent = await self._ledger.reserve(request_id, counters, guess.cost,
+            spent = await self._ledger.reserve(request_id, counters,
+                                               0 if self._charge_after else guess.cost,
                                                self._clock(), self._hold_s)
         except ValueError:
             # The request id holds a reservation already: a retry of the same request

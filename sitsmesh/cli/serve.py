@@ -94,6 +94,10 @@ _FLAG_HELP = {
     "authz_jwt_tenant_claim": "JWT claim that names the tenant",
     "authz_priority_header": "header a caller uses to ask for a priority",
     "admission_hold_seconds": "how long a request counts against a concurrency cap at most",
+    "token_budget_hold_seconds": "how long a token-budget reservation waits for its "
+                                 "stream's end before it is charged at its estimate",
+    "token_budget_mode": "reserve (the estimate at Check) or charge_after (only what "
+                         "streams produced, when they end: overshoots by what is in flight)",
     "authz_jwt_trusted_principals": "mesh principals whose JWT-payload header is read "
                                     "(comma-separated; default none: header ignored)",
     "authz_trust_pipeline_hint": "true: a known x-sits-pipeline-hint picks the pipeline "

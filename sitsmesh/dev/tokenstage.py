@@ -6,6 +6,7 @@ generation once the client has gone (it counts those aborts).
 Per request, headers override the defaults: `x-stage-ttft-ms`, `x-stage-itl-ms`,
 `x-stage-tokens`, `x-stage-stall-after` (tokens) with `x-stage-stall-ms`, and
 `x-stage-bad-bytes`: an event of that many bytes that is not JSON, before the tokens.
+A request's `max_completion_tokens` or `max_tokens` caps the tokens, as an engine's does.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ class _Handler(BaseHTTPRequestHandler):
         tokens = int(self._setting("x-stage-tokens", stage.tokens))
         stall_after = int(self._setting("x-stage-stall-after", -1))
         stall = self._setting("x-stage-stall-ms", 0) / 1000
+        ceiling = request.get("max_completion_tokens") or request.get("max_tokens")
+        if isinstance(ceiling, int) and not isinstance(ceiling, bool) and ceiling > 0:
+            tokens = min(tokens, ceiling)  # as an engine stops at the request's ceiling
         usage = bool((request.get("stream_options") or {}).get("include_usage"))
         bad = min(int(self._setting("x-stage-bad-bytes", 0)), 8 << 20)
         self.send_response(200)

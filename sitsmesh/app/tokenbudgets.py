@@ -1,0 +1,65 @@
+"""Token budgets where Check is served: the ledger (the rate limiter's store: memory, or
+the shared Redis), the gate Check reserves through, and the settling of each finished
+token stream. Its `admin_ledger` is what `tenants usage` reads."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from sitsmesh.app.background import HOUSEKEEPING_S, Background
+from sitsmesh.app.components import AuthzComponent
+from sitsmesh.app.tls import redis_url
+from sitsmesh.app.tokens import TokensComponent
+from sitsmesh.budgets.gate import BudgetGate
+from sitsmesh.budgets.ledger import BudgetLedger
+from sitsmesh.budgets.memory import MemoryLedger
+from sitsmesh.budgets.metrics import BudgetMetrics
+from sitsmesh.config import Settings
+
+
+def ledger_for(settings: Settings) -> BudgetLedger:
+    """The rate limiter's store decides: with the shared Redis every worker and replica
+    spends from the same counters, in memory each process from its own."""
+    if settings.ratelimit_store == "memory":
+        return MemoryLedger()
+    # Imported here: redis-py loads only where the shared store is configured.
+    from sitsmesh.budgets.redis_ledger import RedisLedger
+
+    return RedisLedger.from_url(redis_url(settings),
+                                timeout_s=settings.redis_timeout_ms / 1000)
+
+
+class TokenBudgetsComponent:
+    def __init__(self, settings: Settings, authz: AuthzComponent, tokens: TokensComponent,
+                 registry: CollectorRegistry | None, *, serve: bool) -> None:
+        self.gate: BudgetGate | None = None
+        self._background = Background()
+        if not serve or authz.authorizer is None:
+            return
+        directory = authz.directory
+        self.gate = BudgetGate(ledger_for(settings), lambda: directory.budgets,
+                               fail_open=settings.on_store_error == "allow",
+                               hold_s=settings.token_budget_hold_seconds,
+                               charge_after=settings.token_budget_mode == "charge_after",
+                               metrics=BudgetMetrics(registry, settings.metrics_max_tenants))
+        authz.budgets = self.gate
+        tokens.settle = self.gate.settle_later
+
+    async def start(self) -> None:
+        gate = self.gate
+        if gate is None:
+            return
+
+        async def expire() -> None:
+            while True:
+                await asyncio.sleep(HOUSEKEEPING_S)
+                await gate.expire()
+
+        self._background.spawn(expire())
+
+    async def stop(self) -> None:
+        await self._background.stop()
+        if self.gate is not None:
+            await self.gate.close()
