@@ -1,6 +1,6 @@
 """RedisLedger against a real redis-server: the ledger contract (tests/ledger_contract.py,
-which MemoryLedger passes too), two replicas spending from one budget, the lost script
-cache, and a Redis outage and restart."""
+which MemoryLedger passes too) on a plain server and on a Redis Cluster node, two
+replicas spending from one budget, the lost script cache, and an outage and restart."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from redis.asyncio import Redis
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from sitsmesh.budgets.model import budget_from
 from sitsmesh.budgets.redis_ledger import RECORD_GRACE_S, WINDOW_SLACK_S, RedisLedger
+from sitsmesh.dev import harness
 from sitsmesh.dev import redis as redisproc
 from tests.ledger_contract import HOLD, T0, TWO, LedgerContract
 
@@ -56,6 +58,68 @@ class TestRedisLedger(LedgerContract):
     @pytest.fixture
     async def ledger(self, open_ledger: OpenLedger) -> RedisLedger:
         return await open_ledger()
+
+
+@pytest.fixture(scope="module")
+def cluster_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A one-node Redis Cluster holding every slot: one process, yet Redis refuses any
+    script or command whose keys span slots (CROSSSLOT), as a real cluster does. Shared
+    by the module: a new node takes seconds to call its cluster ok."""
+    port = harness.free_port()
+    workdir = tmp_path_factory.mktemp("cluster")
+    proc = harness.spawn(
+        [redisproc.redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+         "--save", "", "--appendonly", "no", "--dir", str(workdir), "--daemonize", "no",
+         "--logfile", "", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
+        workdir / "redis.log")
+    try:
+        harness.wait_until(lambda: redisproc.ping(port), 10, "redis cluster node")
+        with redis.Redis(host="127.0.0.1", port=port, decode_responses=True) as setup:
+            setup.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            harness.wait_until(lambda: "cluster_state:ok" in str(
+                setup.execute_command("CLUSTER", "INFO")), 10, "cluster state ok")
+        yield port
+    finally:
+        proc.kill()
+
+
+@pytest.fixture
+def cluster_url(cluster_node: int) -> str:
+    with redis.Redis(host="127.0.0.1", port=cluster_node) as setup:
+        setup.flushall()
+    return f"redis://127.0.0.1:{cluster_node}/0"
+
+
+def test_the_cluster_node_refuses_keys_across_slots(cluster_url: str) -> None:
+    # What makes the cluster runs below mean something.
+    with redis.Redis.from_url(cluster_url) as client, pytest.raises(
+            redis.ResponseError, match="same slot"):
+        client.mget("{a}x", "{b}y")
+
+
+class TestRedisClusterLedger(LedgerContract):
+    @pytest.fixture
+    async def ledger(self, cluster_url: str) -> AsyncIterator[RedisLedger]:
+        ledger = RedisLedger.from_url(cluster_url, timeout_s=2.0, cluster=True)
+        yield ledger
+        await ledger.close()
+
+
+async def test_cluster_replicas_settle_each_others_reservations(cluster_url: str) -> None:
+    a = RedisLedger.from_url(cluster_url, timeout_s=2.0, cluster=True)
+    b = RedisLedger.from_url(cluster_url, timeout_s=2.0, cluster=True)
+    try:
+        for i in range(10):
+            assert (await (a if i % 2 else b).reserve(f"r{i}", TWO, 10, T0, 30.0)).ok
+        assert not (await a.reserve("r10", TWO, 10, T0, 30.0)).ok
+        for i in range(0, 10, 3):
+            assert await (b if i % 2 else a).settle(f"r{i}", 1, T0 + 1) == 10
+        assert await a.usage(TWO, T0 + 1) == [64, 64]
+        # Records in many slots, claimed in one pipeline the cluster client splits.
+        assert await a.expire(T0 + 31) + await b.expire(T0 + 31) == 6
+    finally:
+        await a.close()
+        await b.close()
 
 
 async def test_two_replicas_never_spend_past_the_limit(open_ledger: OpenLedger) -> None:
