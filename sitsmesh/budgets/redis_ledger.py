@@ -14,7 +14,12 @@ counters' script and the record can be in different cluster slots, where no one
 script or MULTI may touch both. Order keeps a failure on the safe side: reserve
 charges first and then writes the record, so a failure in between leaves the
 estimate charged (as a lost end would be), never a record for tokens not charged;
-settle claims the record with GETDEL first, so of two settles only one adjusts.
+settle claims the record with GETDEL first, so of two settles only one adjusts (and a
+failure after the claim leaves the estimate charged).
+
+A record lives `RECORD_GRACE_S` past its hold: were it to vanish at the hold, the
+reserving process's expire() would find nothing to count. Until expire() forgets it,
+a settle past the hold still charges what was produced, as MemoryLedger's does.
 
 Errors (redis.exceptions.ConnectionError and the rest) are raised, never absorbed:
 the caller decides to fail open or closed.
