@@ -39,7 +39,7 @@ def _request(body: bytes, request_id: str = "r1") -> CheckInput:
 def _gate(ledger: MemoryLedger | None = None, budgets: dict[str, TokenBudget] | None = None,
           **kwargs: object) -> BudgetGate:
     chosen = {"acme": BUDGET} if budgets is None else budgets
-    return BudgetGate(ledger or MemoryLedger(), lambda: chosen,
+    return BudgetGate(ledger if ledger is not None else MemoryLedger(), lambda: chosen,
                       clock=lambda: NOW, **kwargs)  # type: ignore[arg-type]
 
 

@@ -166,5 +166,5 @@ def test_the_access_log_service_hands_over_only_timed_entries() -> None:
     async def stream() -> Any:
         yield message
 
-    asyncio.run(servicer.StreamAccessLogs(stream(), None))
+    asyncio.run(servicer.StreamAccessLogs(stream(), None))  # type: ignore[arg-type]
     assert seen == ["r1"]
