@@ -97,7 +97,7 @@ class Settings:
     # reserve: Check reserves the estimate (the default); charge_after: Check only looks
     # whether the budget is spent, as gateways that charge after the response do (its
     # overshoot is measured against reserve in bench/token_budgets.py).
-    token_budget_mode: str = "reserve"
+    budget_charging: str = "reserve"
     # --- authz request-path policy: README "Request-path policy" ---
     authz_jwt_trusted_principals: tuple[str, ...] = ()
     authz_trust_pipeline_hint: bool = False
@@ -248,7 +248,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "authz_priority_header": values.header_name,
     "admission_hold_seconds": values.seconds,
     "token_budget_hold_seconds": values.seconds,
-    "token_budget_mode": values.choice(("reserve", "charge_after")),
+    "budget_charging": values.choice(("reserve", "charge_after")),
     "stream_check_methods": streamcheck.parse_methods,
     "stream_check_deadline_seconds": streamcheck.parse_deadline,
     "stream_check_fail_mode": values.choice(("closed", "open")),

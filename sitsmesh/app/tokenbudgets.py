@@ -42,7 +42,7 @@ class TokenBudgetsComponent:
         self.gate = BudgetGate(ledger_for(settings), lambda: directory.budgets,
                                fail_open=settings.on_store_error == "allow",
                                hold_s=settings.token_budget_hold_seconds,
-                               charge_after=settings.token_budget_mode == "charge_after",
+                               charge_after=settings.budget_charging == "charge_after",
                                metrics=BudgetMetrics(registry, settings.metrics_max_tenants))
         authz.budgets = self.gate
         tokens.settle = self.gate.settle_later
