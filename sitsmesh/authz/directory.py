@@ -100,6 +100,11 @@ class TenantDirectory(RevisionFollower):
             raise NotFoundError(f"tenant {name} does not exist")
         return tenant_from(name, record.body)
 
+    async def get_budget(self, tenant: str) -> TokenBudget | None:
+        """The tenant's budget as stored now (None: it has none)."""
+        record = await self._state.get(BUDGET_KIND, tenant)
+        return budget_from(tenant, record.body) if record is not None else None
+
     async def list_tenants(self) -> list[Tenant]:
         return [tenant_from(r.name, r.body) for r in await self._state.list(TENANT_KIND)]
 
