@@ -1,6 +1,7 @@
 """Ownership by content: what an operator writes must stay inside its scopes, not only
-the name of the object it writes. A tenant's models, a pipeline's models, stage models
-and governed tenants, and the reserved `sitsmesh.io/` labels are each checked here.
+the name of the object it writes. A tenant's models, a token budget's limit models, a
+pipeline's models, stage models and governed tenants, and the reserved `sitsmesh.io/`
+labels are each checked here.
 
 A glob an operator writes is *within* a scope entry when every name it can match is
 matched by the entry, decided conservatively: the entry is `*`; or the two are
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from sitsmesh.access.credentials import Credential, within
+from sitsmesh.budgets.model import TokenBudget
 from sitsmesh.chains.pipeline import Pipeline
 
 RESERVED_PREFIX = "sitsmesh.io/"
@@ -106,6 +108,17 @@ def tenant(credential: Credential, name: str, models: Sequence[str],
     return refusal(credential, f"tenant '{name}'", tenant_problems(
         credential, models, tenant_labels, before_models=before_models,
         before_labels=before_labels))
+
+
+def budget_problems(credential: Credential, written: TokenBudget,
+                    before: TokenBudget | None) -> list[str]:
+    """What `credential` may not write of this token budget: each limit's models globs
+    must be within its models scope, as a tenant's models must (the default `*` too),
+    apart from globs the stored budget (`before`) already holds."""
+    kept = [m for limit in before.limits for m in limit.models] if before is not None else ()
+    return references(credential, "models", (
+        (f"limits[{i}].models[{j}]", m)
+        for i, limit in enumerate(written.limits) for j, m in enumerate(limit.models)), kept)
 
 
 def pipeline_problems(credential: Credential, written: Pipeline,

@@ -1,4 +1,5 @@
-"""Tenants and API keys in the state store, and the snapshot the request path reads.
+"""Tenants, API keys and token budgets in the state store, and the snapshot the request
+path reads.
 
 Every write goes to the store first; then the snapshot is rebuilt whole and
 swapped in. Other processes (workers, replicas) notice the store's revision
@@ -8,7 +9,8 @@ change within the watch interval.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from sitsmesh import logs
@@ -27,6 +29,7 @@ from sitsmesh.authz.model import (
     new_uid,
     tenant_from,
 )
+from sitsmesh.budgets.model import BUDGET_KIND, TokenBudget, budget_from
 from sitsmesh.errors import ConflictError, NotFoundError
 from sitsmesh.state import Delete, Put, StateStore
 from sitsmesh.state.watch import RevisionFollower
@@ -39,10 +42,17 @@ class TenantDirectory(RevisionFollower):
         super().__init__(state)
         self._clock = clock
         self.snapshot = AuthzSnapshot()
+        # tenant -> its TokenBudget; swapped whole with the snapshot, never changed in place.
+        self.budgets: Mapping[str, TokenBudget] = MappingProxyType({})
         self._listeners: list[Callable[[AuthzSnapshot, AdmissionPolicy], None]] = []
+        self._budget_listeners: list[Callable[[Mapping[str, TokenBudget]], None]] = []
 
     def on_change(self, listener: Callable[[AuthzSnapshot, AdmissionPolicy], None]) -> None:
         self._listeners.append(listener)
+
+    def on_budgets(self, listener: Callable[[Mapping[str, TokenBudget]], None]) -> None:
+        """`listener(budgets)` after every rebuild, as on_change's."""
+        self._budget_listeners.append(listener)
 
     async def _rebuild(self) -> None:
         tenants: dict[str, Tenant] = {}
@@ -52,10 +62,19 @@ class TenantDirectory(RevisionFollower):
             except InvalidObject as exc:  # written by a newer or older version: skip, say so
                 _log.error("stored tenant is invalid; ignoring it", error=exc.message)
         keys = {r.name: apikey_from(r.name, r.body) for r in await self._state.list(APIKEY_KIND)}
+        budgets: dict[str, TokenBudget] = {}
+        for record in await self._state.list(BUDGET_KIND):
+            try:
+                budgets[record.name] = budget_from(record.name, record.body)
+            except InvalidObject as exc:  # as a tenant's: skipped (so unbudgeted), said
+                _log.error("stored token budget is invalid; ignoring it", error=exc.message)
         self.snapshot = AuthzSnapshot(tenants, keys)
+        self.budgets = MappingProxyType(budgets)
         policy = AdmissionPolicy({t.name: t.max_concurrency for t in tenants.values()})
         for listener in self._listeners:
             listener(self.snapshot, policy)
+        for budget_listener in self._budget_listeners:
+            budget_listener(self.budgets)
 
     # --- admin operations -------------------------------------------------
 
@@ -80,6 +99,11 @@ class TenantDirectory(RevisionFollower):
         if record is None:
             raise NotFoundError(f"tenant {name} does not exist")
         return tenant_from(name, record.body)
+
+    async def get_budget(self, tenant: str) -> TokenBudget | None:
+        """The tenant's budget as stored now (None: it has none)."""
+        record = await self._state.get(BUDGET_KIND, tenant)
+        return budget_from(tenant, record.body) if record is not None else None
 
     async def list_tenants(self) -> list[Tenant]:
         return [tenant_from(r.name, r.body) for r in await self._state.list(TENANT_KIND)]

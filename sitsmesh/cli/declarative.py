@@ -58,7 +58,7 @@ def add_commands(sub: Subcommands) -> None:
                        **examples("sitsmesh get tenants -o yaml",
                                   "sitsmesh get pipeline checkout -o json",
                                   "sitsmesh get all -o yaml > live.yaml"))
-    p.add_argument("kind", help="Tenant, ApiKeyPolicy, Pipeline, Thresholds, "
+    p.add_argument("kind", help="Tenant, ApiKeyPolicy, TokenBudget, Pipeline, Thresholds, "
                    "RateLimitConfig (any case, singular or plural), or all")
     p.add_argument("name", nargs="?", default="")
     add_common_admin(p)

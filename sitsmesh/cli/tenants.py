@@ -29,7 +29,8 @@ def add_commands(sub: Subcommands) -> None:
     tenants = sub.add_parser("tenants", help="manage tenants (admin API)", **examples(
         "sitsmesh tenants create acme --models 'llama-*,bert' --priority 2 --label team=ml",
         "sitsmesh tenants update acme --max-concurrency 8",
-        "sitsmesh tenants list -o yaml")).add_subparsers(
+        "sitsmesh tenants list -o yaml",
+        "sitsmesh tenants usage acme -o json")).add_subparsers(
         dest="tenants_command", required=True)
     for action in ("create", "update"):
         p = tenants.add_parser(action, help=f"{action} a tenant")
@@ -50,6 +51,11 @@ def add_commands(sub: Subcommands) -> None:
         add_common_admin(p)
         p.set_defaults(func=cmd_tenants)
     p = tenants.add_parser("list", help="list tenants")
+    add_common_admin(p)
+    p.set_defaults(func=cmd_tenants)
+    p = tenants.add_parser("usage", help="what each limit of the tenant's TokenBudget has "
+                           "used and has left in its current window")
+    p.add_argument("name")
     add_common_admin(p)
     p.set_defaults(func=cmd_tenants)
 
@@ -122,6 +128,10 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     elif action == "get":
         _show_tenant(args, call_admin(args, "GetTenant",
                                       admin_pb2.GetTenantRequest(name=args.name)).tenant)
+    elif action == "usage":
+        reply = call_admin(args, "GetTokenUsage",
+                           admin_pb2.GetTokenUsageRequest(tenant=args.name))
+        render(args, usage_doc(reply), lambda: usage_table(reply))
     elif action == "list":
         reply = all_pages(lambda r: call_admin(args, "ListTenants", r),
                           admin_pb2.ListTenantsRequest(), "tenants")
@@ -130,6 +140,24 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         call_admin(args, "DeleteTenant", admin_pb2.DeleteTenantRequest(name=args.name))
         render(args, {"deleted": {"tenant": args.name}}, f"deleted tenant {args.name}")
     return 0
+
+
+def usage_doc(reply: Any) -> dict[str, Any]:
+    # By hand: MessageToDict spells uint64 as strings, and drops zero counts.
+    return {"tenant": reply.tenant, "truncated": reply.truncated, "usage": [
+        {"limit_index": u.limit_index, "per": u.per, "each": u.each, "tokens": u.tokens,
+         "models": list(u.models), "subject": u.subject, "used": u.used,
+         "remaining": u.remaining, "reset_s": u.reset_s} for u in reply.usage]}
+
+
+def usage_table(reply: Any) -> str:
+    rows = [("LIMIT", "PER", "EACH", "SUBJECT", "TOKENS", "USED", "REMAINING", "RESET_S",
+             "MODELS")]
+    rows += [(str(u.limit_index), u.per, u.each, u.subject, str(u.tokens), str(u.used),
+              str(u.remaining), f"{u.reset_s:.1f}", ",".join(u.models)) for u in reply.usage]
+    more = (f"\n(the first {len(reply.usage)} counters; the tenant has more)"
+            if reply.truncated else "")
+    return table(rows) + more
 
 
 def parse_expiry(text: str) -> float:

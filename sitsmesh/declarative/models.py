@@ -2,8 +2,8 @@
 published JSON Schemas and the CRDs.
 
 The models describe the shape (for editors, schemas and CRDs); the rules stay in the
-domain validators (tenant_from, pipeline_from, thresholds_from, parse_domain), which a
-`before` validator runs first, so a document fails with exactly the message the
+domain validators (tenant_from, budget_from, pipeline_from, thresholds_from, parse_domain),
+which a `before` validator runs first, so a document fails with exactly the message the
 imperative admin RPCs give. A document that passes becomes its domain's canonical body.
 """
 
@@ -17,6 +17,14 @@ from pydantic_core import PydanticCustomError
 
 from sitsmesh.authz.keypolicy import MAX_KEYS, MAX_TTL_S, key_policy_from
 from sitsmesh.authz.model import MAX_PRIORITY, tenant_from
+from sitsmesh.budgets.model import (
+    DEFAULT_MAX_TOKENS,
+    MAX_LIMITS,
+    MAX_OUTPUT_TOKENS,
+    MAX_TOKENS,
+    MAX_WEIGHT,
+    budget_from,
+)
 from sitsmesh.chains.pipeline import STALL_MS_MAX, STALL_MS_MIN, pipeline_from
 from sitsmesh.errors import SitsmeshError
 from sitsmesh.pressure.thresholds import thresholds_from
@@ -50,6 +58,31 @@ class ApiKeyPolicySpec(_Strict):
     """What the keys of the tenant metadata.name may be (checked when a key is made)."""
     max_ttl_s: Annotated[int, Field(ge=0, le=MAX_TTL_S)] = 0
     max_active_keys: Annotated[int, Field(ge=0, le=MAX_KEYS)] = 0
+
+
+class BudgetLimit(_Strict):
+    tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+    per: Literal["minute", "hour", "day"]
+    each: Literal["tenant", "api_key", "model"] = "tenant"
+    models: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] = \
+        Field(default_factory=lambda: ["*"])
+
+
+_Weight = Annotated[float, Field(ge=0, le=MAX_WEIGHT)]
+
+
+class BudgetWeights(_Strict):
+    input: _Weight = 1.0
+    output: _Weight = 1.0
+    cached_input: _Weight = 0.0
+
+
+class TokenBudgetSpec(_Strict):
+    """The tokens the tenant metadata.name's LLM requests may spend (checked at Check)."""
+    limits: Annotated[list[BudgetLimit], Field(min_length=1, max_length=MAX_LIMITS)]
+    weights: BudgetWeights = Field(default_factory=BudgetWeights)
+    default_max_tokens: Annotated[int, Field(ge=1, le=MAX_OUTPUT_TOKENS)] = DEFAULT_MAX_TOKENS
+    chars_per_token: Annotated[float, Field(ge=1, le=16)] = 4.0
 
 
 class StageMatch(_Strict):
@@ -199,6 +232,17 @@ class ApiKeyPolicyDocument(Document):
         return key_policy_from(name, spec).to_body()
 
 
+class TokenBudgetDocument(Document):
+    KIND = "TokenBudget"
+    PLURAL = "tokenbudgets"
+    kind: Literal["TokenBudget"]
+    spec: TokenBudgetSpec
+
+    @classmethod
+    def canonical(cls, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return budget_from(name, spec).to_body()
+
+
 class PipelineDocument(Document):
     KIND = "Pipeline"
     PLURAL = "pipelines"
@@ -243,5 +287,5 @@ class RateLimitConfigDocument(Document):
 
 
 KINDS: dict[str, type[Document]] = {
-    d.KIND: d for d in (TenantDocument, ApiKeyPolicyDocument, PipelineDocument,
-                        ThresholdsDocument, RateLimitConfigDocument)}
+    d.KIND: d for d in (TenantDocument, ApiKeyPolicyDocument, TokenBudgetDocument,
+                        PipelineDocument, ThresholdsDocument, RateLimitConfigDocument)}

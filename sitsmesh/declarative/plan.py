@@ -13,6 +13,7 @@ import yaml
 
 from sitsmesh.authz.keypolicy import KEYPOLICY_KIND
 from sitsmesh.authz.model import APIKEY_KIND, TENANT_KIND
+from sitsmesh.budgets.model import BUDGET_KIND
 from sitsmesh.chains.pipeline import PIPELINE_KIND
 from sitsmesh.declarative.models import API_VERSION, KINDS, Document
 from sitsmesh.errors import InvalidArgumentError
@@ -23,7 +24,7 @@ from sitsmesh.state.contract import ABSENT
 
 # Declarative kind -> the state store's kind, the one the imperative RPCs write.
 STORE_KIND = {"Tenant": TENANT_KIND, "ApiKeyPolicy": KEYPOLICY_KIND,
-              "Pipeline": PIPELINE_KIND, "Thresholds": THRESHOLDS_KIND,
+              "TokenBudget": BUDGET_KIND, "Pipeline": PIPELINE_KIND, "Thresholds": THRESHOLDS_KIND,
               "RateLimitConfig": RATELIMIT_KIND}
 # metadata.labels of applied objects, apart from their bodies (which the domain validators
 # keep strict): name "<Kind>/<name>", body {"labels": {...}}. Prune reads them.

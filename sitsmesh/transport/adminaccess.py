@@ -74,6 +74,7 @@ RULES: Mapping[str, Rule] = {
     "CreateApiKey": Rule(WRITE, TENANT, "tenant"),
     "ListApiKeys": Rule(READ, TENANT, "tenant"),
     "RevokeApiKey": Rule(WRITE, TENANT, "id", via=VIA_KEY_TENANT),
+    "GetTokenUsage": Rule(READ, TENANT, "tenant"),
     "ApplyPipeline": Rule(WRITE, PIPELINE, "yaml", via=VIA_YAML),
     "GetPipeline": Rule(READ, PIPELINE, "name"),
     "ListPipelines": Rule(READ, PIPELINE),

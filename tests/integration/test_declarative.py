@@ -65,6 +65,17 @@ metadata: {name: team-a}
 spec: {max_ttl_s: 3600}
 """
 
+BUDGET = """\
+apiVersion: sitsmesh.io/v1alpha1
+kind: TokenBudget
+metadata: {name: team-a}
+spec:
+  limits:
+    - {tokens: 100000, per: minute}
+    - {tokens: 2000000, per: day, each: model, models: [bert]}
+  weights: {output: 3}
+"""
+
 BAD_PIPELINE = """\
 ---
 apiVersion: sitsmesh.io/v1alpha1
@@ -245,3 +256,33 @@ def test_workers_follow_an_apply_and_refuse_what_needs_one_process(
         refused.stderr
     assert json.loads(ok(node.cli("tenants", "get", "team-a", "-o", "json")))["models"] == [
         "llama"]
+
+
+def test_a_token_budget_applies_reads_back_and_a_bad_one_changes_nothing(
+        tmp_path: Path, start_sitsmesh: Start) -> None:
+    node = start_sitsmesh()
+    budget = write(tmp_path, "budget.yaml", BUDGET)
+    assert ok(node.cli("apply", "-f", str(budget))) == "tokenbudget/team-a created\n"
+    spec = {"limits": [{"tokens": 100000, "per": "minute", "each": "tenant", "models": ["*"]},
+                       {"tokens": 2000000, "per": "day", "each": "model", "models": ["bert"]}],
+            "weights": {"input": 1.0, "output": 3.0, "cached_input": 0.0},
+            "default_max_tokens": 4096, "chars_per_token": 4.0}
+    got = yaml.safe_load(ok(node.cli("get", "tokenbudget", "team-a", "-o", "yaml")))
+    assert (got["kind"], got["spec"]) == ("TokenBudget", spec)
+    live = write(tmp_path, "live.yaml", ok(node.cli("get", "tokenbudgets", "-o", "yaml")))
+    assert ok(node.cli("apply", "-f", str(live))) == "tokenbudget/team-a unchanged\n"
+
+    bad = write(tmp_path, "bad.yaml", BUDGET.replace("per: day", "per: week")
+                .replace("tokens: 100000", "tokens: 5"))
+    refused = node.cli("apply", "-f", str(bad))
+    assert refused.returncode == 1
+    assert "bad.yaml: document 0 (TokenBudget/team-a): token budget team-a: limits[1]: per " \
+           "must be one of minute, hour, day, got 'week'" in refused.stderr
+    got = yaml.safe_load(ok(node.cli("get", "tokenbudget", "team-a", "-o", "yaml")))
+    assert got["spec"] == spec
+
+    # The usage view answers once the lead wires a ledger into serve; until then it says so.
+    usage = node.cli("tenants", "usage", "team-a")
+    assert usage.returncode == 1
+    assert "GetTokenUsage" in usage.stderr
+    assert "FAILED_PRECONDITION: token budgets are not enabled" in usage.stderr

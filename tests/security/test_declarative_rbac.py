@@ -82,6 +82,30 @@ def test_an_operator_applies_its_own_and_nothing_of_another_team_s(
     assert "may not write global settings: only admins may" in details
 
 
+def budget(name: str, models: str = "[m]") -> str:
+    return (f"apiVersion: sitsmesh.io/v1alpha1\nkind: TokenBudget\nmetadata: {{name: {name}}}"
+            f"\nspec: {{limits: [{{tokens: 1000, per: minute, models: {models}}}]}}\n")
+
+
+def test_an_operator_budgets_its_own_tenant_within_its_models_only(
+        node: harness.Sitsmesh) -> None:
+    assert apply(node, TEAM_A, budget("team-a"))[0] == grpc.StatusCode.OK
+    code, details, _ = apply(node, TEAM_A, budget("team-b"))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert "TokenBudget/team-b: credential 'team-a' (operator) may not write tenant " \
+           "'team-b': not in its tenants scope" in details
+    code, details, _ = apply(node, TEAM_A, budget("team-a", "[m, other-*]"))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert "TokenBudget/team-a: credential 'team-a' (operator) may not write TokenBudget " \
+           "'team-a': limits[0].models[1] 'other-*' is not within its models scope" in details
+    with grpc.insecure_channel(node.admin_addr) as channel:
+        reply = config_pb2_grpc.ConfigServiceStub(channel).Get(
+            config_pb2.GetRequest(kind="TokenBudget"),
+            metadata=(("authorization", f"Bearer {ROOT}"),), timeout=5)
+    assert [d.name for d in reply.documents] == ["team-a"]
+    assert '"models": ["m"]' in reply.documents[0].json
+
+
 def test_an_operator_cannot_prune_outside_its_scope(node: harness.Sitsmesh) -> None:
     assert apply(node, ROOT, tenant("team-a") + "---\n" + tenant("team-c"))[0] == \
         grpc.StatusCode.OK

@@ -1,6 +1,6 @@
 """Ownership by content, pure: when a written glob lies within a scope entry, what an
-operator may write of tenants and pipelines, reserved labels, bounded refusals; and the
-gate's tenant filter (a pipeline admits only the tenants it governs)."""
+operator may write of tenants, token budgets and pipelines, reserved labels, bounded
+refusals; and the gate's tenant filter (a pipeline admits only the tenants it governs)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from sitsmesh.access import content
 from sitsmesh.access.credentials import Credential, within
+from sitsmesh.budgets.model import TokenBudget, budget_from
 from sitsmesh.chains.pipeline import Pipeline, pipeline_from
 from sitsmesh.pressure.gate import PressureGate
 from sitsmesh.pressure.signals import Signals
@@ -53,6 +54,22 @@ def test_a_tenant_s_models_and_labels_within_scope_or_kept() -> None:
                           {"sitsmesh.io/managed-by": "team-a", "team": "x"}) is None
     assert content.tenant(OPERATOR, "team-a", ["bert"], {"sitsmesh.io/tier": "gold"},
                           before_labels={"sitsmesh.io/tier": "gold"}) is None
+
+
+def test_a_token_budget_s_limit_models_within_scope_or_kept() -> None:
+    def budget(*models: list[str]) -> TokenBudget:
+        return budget_from("team-a", {"limits": [
+            {"tokens": 10, "per": "minute", **({"models": m} if m else {})} for m in models]})
+
+    assert content.budget_problems(OPERATOR, budget(["team-a-*"], ["bert"]), None) == []
+    assert content.budget_problems(OPERATOR, budget(["bert"], ["team-b-llm"]), None) == [
+        "limits[1].models[0] 'team-b-llm' is not within its models scope"]
+    # The default `*` reaches every model: an operator names its own instead.
+    assert content.budget_problems(OPERATOR, budget([]), None) == [
+        "limits[0].models[0] '*' is not within its models scope"]
+    # What the stored budget holds (an admin's) may stay; an admin writes anything.
+    assert content.budget_problems(OPERATOR, budget(["*"], ["bert"]), budget([])) == []
+    assert content.budget_problems(ADMIN, budget([]), None) == []
 
 
 def test_a_pipeline_s_models_stage_models_and_tenants() -> None:

@@ -64,6 +64,7 @@ COMMANDS: list[tuple[list[str], Callable[[argparse.Namespace], int]]] = [
     (["tenants", "get", "t"], tenants.cmd_tenants),
     (["tenants", "delete", "t"], tenants.cmd_tenants),
     (["tenants", "list"], tenants.cmd_tenants),
+    (["tenants", "usage", "t"], tenants.cmd_tenants),
     (["apikeys", "create", "--tenant", "t"], tenants.cmd_apikeys),
     (["apikeys", "list"], tenants.cmd_apikeys),
     (["apikeys", "revoke", "k1"], tenants.cmd_apikeys),
@@ -148,7 +149,7 @@ def test_the_list_above_has_every_command() -> None:
     listed = {next(tuple(argv[:n]) for n in range(len(argv), 0, -1) if tuple(argv[:n]) in leaves)
               for argv, _ in COMMANDS}
     assert listed == leaves
-    assert len(leaves) == len(COMMANDS) == 43
+    assert len(leaves) == len(COMMANDS) == 44
 
 
 def test_help_lists_every_group_in_order(monkeypatch: pytest.MonkeyPatch,
@@ -291,6 +292,38 @@ def test_tenant_create_sends_what_the_flags_say(monkeypatch: pytest.MonkeyPatch,
         ["a", "b*"], 2, {"team": "ml", "env": "dev"})
     assert out == ("NAME  MODELS  PRIORITY  MAX_PRIORITY  MAX_CONCURRENCY  LABELS\n"
                    "x     a,b*    2         0             0                env=dev,team=ml\n")
+
+
+def test_tenant_usage_prints_each_counter(monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    reply = admin_pb2.GetTokenUsageResponse(tenant="acme", truncated=True, usage=[
+        admin_pb2.TokenUsage(limit_index=0, per="minute", each="tenant", tokens=1000,
+                             models=["*"], subject="acme", used=0, remaining=1000,
+                             reset_s=30),
+        admin_pb2.TokenUsage(limit_index=1, per="day", each="model", tokens=9000,
+                             models=["llama-*"], subject="llama-8b", used=300,
+                             remaining=8700, reset_s=57570.5)])
+    sent: list[Any] = []
+
+    def answer(args: argparse.Namespace, method: str, request: Any) -> Any:
+        sent.append((method, request.tenant))
+        return reply
+
+    monkeypatch.setattr(tenants, "call_admin", answer)
+    code, out, _ = _run(capsys, "tenants", "usage", "acme")
+    assert code == 0 and sent == [("GetTokenUsage", "acme")]
+    assert out == (
+        "LIMIT  PER     EACH    SUBJECT   TOKENS  USED  REMAINING  RESET_S  MODELS\n"
+        "0      minute  tenant  acme      1000    0     1000       30.0     *\n"
+        "1      day     model   llama-8b  9000    300   8700       57570.5  llama-*\n"
+        "(the first 2 counters; the tenant has more)\n")
+    code, out, _ = _run(capsys, "tenants", "usage", "acme", "-o", "json")
+    doc = json.loads(out)
+    assert (doc["tenant"], doc["truncated"]) == ("acme", True)
+    # Numbers as numbers, and zero counts kept.
+    assert doc["usage"][0] == {"limit_index": 0, "per": "minute", "each": "tenant",
+                               "tokens": 1000, "models": ["*"], "subject": "acme",
+                               "used": 0, "remaining": 1000, "reset_s": 30.0}
 
 
 def test_main_maps_failures_to_exit_codes(monkeypatch: pytest.MonkeyPatch,

@@ -1180,6 +1180,44 @@ class RevokeApiKeyResponse(_message.Message):
     key: ApiKey
     def __init__(self, key: _Optional[_Union[ApiKey, _Mapping]] = ...) -> None: ...
 
+class GetTokenUsageRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class TokenUsage(_message.Message):
+    __slots__ = ("limit_index", "per", "each", "tokens", "models", "subject", "used", "remaining", "reset_s")
+    LIMIT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PER_FIELD_NUMBER: _ClassVar[int]
+    EACH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_FIELD_NUMBER: _ClassVar[int]
+    RESET_S_FIELD_NUMBER: _ClassVar[int]
+    limit_index: int
+    per: str
+    each: str
+    tokens: int
+    models: _containers.RepeatedScalarFieldContainer[str]
+    subject: str
+    used: int
+    remaining: int
+    reset_s: float
+    def __init__(self, limit_index: _Optional[int] = ..., per: _Optional[str] = ..., each: _Optional[str] = ..., tokens: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., subject: _Optional[str] = ..., used: _Optional[int] = ..., remaining: _Optional[int] = ..., reset_s: _Optional[float] = ...) -> None: ...
+
+class GetTokenUsageResponse(_message.Message):
+    __slots__ = ("tenant", "usage", "truncated")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    usage: _containers.RepeatedCompositeFieldContainer[TokenUsage]
+    truncated: bool
+    def __init__(self, tenant: _Optional[str] = ..., usage: _Optional[_Iterable[_Union[TokenUsage, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
 class RateLimitConfigFile(_message.Message):
     __slots__ = ("name", "yaml")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -94,6 +94,11 @@ class AdminServiceStub:
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.SerializeToString,
                 response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyResponse.FromString,
                 _registered_method=True)
+        self.GetTokenUsage = channel.unary_unary(
+                '/sitsmesh.admin.v1.AdminService/GetTokenUsage',
+                request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTokenUsageRequest.SerializeToString,
+                response_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTokenUsageResponse.FromString,
+                _registered_method=True)
         self.ApplyPipeline = channel.unary_unary(
                 '/sitsmesh.admin.v1.AdminService/ApplyPipeline',
                 request_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.ApplyPipelineRequest.SerializeToString,
@@ -275,6 +280,14 @@ class AdminServiceServicer:
 
     def RevokeApiKey(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTokenUsage(self, request, context):
+        """Token budgets (the TokenBudget kind): what each limit of a tenant's budget has used
+        and has left in its current window. FAILED_PRECONDITION where budgets are not enabled.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -482,6 +495,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.RevokeApiKey,
                     request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.FromString,
                     response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyResponse.SerializeToString,
+            ),
+            'GetTokenUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenUsage,
+                    request_deserializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTokenUsageRequest.FromString,
+                    response_serializer=sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTokenUsageResponse.SerializeToString,
             ),
             'ApplyPipeline': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplyPipeline,
@@ -908,6 +926,33 @@ class AdminService:
             '/sitsmesh.admin.v1.AdminService/RevokeApiKey',
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.SerializeToString,
             sitsmesh_dot_admin_dot_v1_dot_admin__pb2.RevokeApiKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sitsmesh.admin.v1.AdminService/GetTokenUsage',
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTokenUsageRequest.SerializeToString,
+            sitsmesh_dot_admin_dot_v1_dot_admin__pb2.GetTokenUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

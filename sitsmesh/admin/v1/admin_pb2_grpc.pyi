@@ -55,6 +55,10 @@ class AdminServiceStub:
     """API keys: the secret is returned once, by CreateApiKey; only a digest is stored."""
     ListApiKeys: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListApiKeysRequest, _admin_pb2.ListApiKeysResponse]
     RevokeApiKey: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeyRequest, _admin_pb2.RevokeApiKeyResponse]
+    GetTokenUsage: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetTokenUsageRequest, _admin_pb2.GetTokenUsageResponse]
+    """Token budgets (the TokenBudget kind): what each limit of a tenant's budget has used
+    and has left in its current window. FAILED_PRECONDITION where budgets are not enabled.
+    """
     ApplyPipeline: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ApplyPipelineRequest, _admin_pb2.ApplyPipelineResponse]
     """Pipelines: the stages a request crosses and how access-log entries match them."""
     GetPipeline: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetPipelineRequest, _admin_pb2.GetPipelineResponse]
@@ -126,6 +130,10 @@ class AdminServiceAsyncStub(AdminServiceStub):
     """API keys: the secret is returned once, by CreateApiKey; only a digest is stored."""
     ListApiKeys: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListApiKeysRequest, _admin_pb2.ListApiKeysResponse]  # type: ignore[assignment]
     RevokeApiKey: _aio.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeyRequest, _admin_pb2.RevokeApiKeyResponse]  # type: ignore[assignment]
+    GetTokenUsage: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetTokenUsageRequest, _admin_pb2.GetTokenUsageResponse]  # type: ignore[assignment]
+    """Token budgets (the TokenBudget kind): what each limit of a tenant's budget has used
+    and has left in its current window. FAILED_PRECONDITION where budgets are not enabled.
+    """
     ApplyPipeline: _aio.UnaryUnaryMultiCallable[_admin_pb2.ApplyPipelineRequest, _admin_pb2.ApplyPipelineResponse]  # type: ignore[assignment]
     """Pipelines: the stages a request crosses and how access-log entries match them."""
     GetPipeline: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetPipelineRequest, _admin_pb2.GetPipelineResponse]  # type: ignore[assignment]
@@ -266,6 +274,16 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.RevokeApiKeyRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.RevokeApiKeyResponse, _abc.Awaitable[_admin_pb2.RevokeApiKeyResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetTokenUsage(
+        self,
+        request: _admin_pb2.GetTokenUsageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetTokenUsageResponse, _abc.Awaitable[_admin_pb2.GetTokenUsageResponse]]:
+        """Token budgets (the TokenBudget kind): what each limit of a tenant's budget has used
+        and has left in its current window. FAILED_PRECONDITION where budgets are not enabled.
+        """
 
     @_abc_1.abstractmethod
     def ApplyPipeline(

@@ -24,6 +24,7 @@ from sitsmesh.access import GLOBAL, PIPELINE, TENANT, WRITE, Credential, content
 from sitsmesh.admin.v1 import config_pb2, config_pb2_grpc
 from sitsmesh.authz.directory import TenantDirectory
 from sitsmesh.authz.model import APIKEY_KIND, new_uid, tenant_from
+from sitsmesh.budgets.model import budget_from
 from sitsmesh.chains.catalog import PipelineCatalog
 from sitsmesh.chains.pipeline import pipeline_from
 from sitsmesh.declarative import documents
@@ -59,6 +60,7 @@ ACTIONS = {CREATED: config_pb2.APPLY_ACTION_CREATED,
 # Each kind's resource for the access policy, as the Admin RPCs writing it are judged:
 # (resource kind, whether the object's name is the resource's name).
 ACCESS_KIND = {"Tenant": (TENANT, True), "ApiKeyPolicy": (TENANT, True),
+               "TokenBudget": (TENANT, True),
                "Pipeline": (PIPELINE, True), "Thresholds": (PIPELINE, True),
                "RateLimitConfig": (GLOBAL, False)}
 _log = logs.get("sitsmesh.admin")
@@ -156,7 +158,7 @@ class ConfigServicer:
 
     async def _refresh(self, result: Plan) -> None:
         kinds = {o.kind for o in result.outcomes if o.action != UNCHANGED}
-        if "Tenant" in kinds:
+        if kinds & {"Tenant", "TokenBudget"}:
             await self._directory.refresh()
         if "Pipeline" in kinds:
             await self._pipelines.refresh()
@@ -274,6 +276,10 @@ def _problems(credential: Credential, doc: Document, stored: Stored) -> list[str
             credential, body["models"], body["labels"],
             before_models=before.models if before is not None else (),
             before_labels=before.labels if before is not None else None)
+    elif kind == "TokenBudget":
+        problems += content.budget_problems(
+            credential, budget_from(name, doc.body()),
+            budget_from(name, record.body) if record is not None else None)
     elif kind == "Pipeline":
         problems += content.pipeline_problems(
             credential, pipeline_from(name, doc.body()),

@@ -1,8 +1,11 @@
-"""Tenants and API keys on the admin API; a key's secret leaves only in CreateApiKey's reply."""
+"""Tenants, API keys and token usage on the admin API; a key's secret leaves only in
+CreateApiKey's reply."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 from grpc import aio
@@ -12,7 +15,9 @@ from sitsmesh.access import content
 from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.authz.directory import TenantDirectory
 from sitsmesh.authz.model import ApiKey, Tenant
-from sitsmesh.errors import NotFoundError
+from sitsmesh.budgets.ledger import BudgetLedger
+from sitsmesh.budgets.usage import usage
+from sitsmesh.errors import FailedPreconditionError, NotFoundError
 from sitsmesh.transport.admin.common import timestamp
 from sitsmesh.transport.admin.paging import (
     PageTokens,
@@ -30,13 +35,17 @@ _log = logs.get("sitsmesh.admin")
 
 class TenantAdmin:
     RPCS = ("CreateTenant", "UpdateTenant", "GetTenant", "ListTenants", "DeleteTenant",
-            "CreateApiKey", "ListApiKeys", "RevokeApiKey")
+            "CreateApiKey", "ListApiKeys", "RevokeApiKey", "GetTokenUsage")
 
     def __init__(self, directory: TenantDirectory, tokens: PageTokens, *,
-                 workers: int = 1) -> None:
+                 workers: int = 1, ledger: BudgetLedger | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`ledger`: where token budgets are spent (None: budgets are not enabled)."""
         self._directory = directory
         self._tokens = tokens
         self._workers = workers
+        self._ledger = ledger
+        self._clock = clock
 
     def _guard(self, request: admin_pb2.Tenant) -> None:
         if self._workers > 1 and request.max_concurrency > 0:
@@ -133,6 +142,25 @@ class TenantAdmin:
         key = await self._directory.revoke_key(request.id)
         _log.info("api key revoked", key_id=key.id, tenant=key.tenant)
         return admin_pb2.RevokeApiKeyResponse(key=_key_pb(key))
+
+    async def GetTokenUsage(self, request: admin_pb2.GetTokenUsageRequest,
+                            context: aio.ServicerContext[Any, Any]
+                            ) -> admin_pb2.GetTokenUsageResponse:
+        if self._ledger is None:
+            raise FailedPreconditionError("token budgets are not enabled")
+        tenant = await self._directory.get_tenant(request.tenant)
+        budget = await self._directory.get_budget(tenant.name)
+        if budget is None:
+            raise NotFoundError(f"tenant {tenant.name} has no TokenBudget")
+        keys = sorted(k.id for k in await self._directory.list_keys(tenant.name)
+                      if not k.revoked)
+        rows, truncated = await usage(budget, keys, tenant.models, self._ledger,
+                                      self._clock())
+        return admin_pb2.GetTokenUsageResponse(tenant=tenant.name, truncated=truncated, usage=[
+            admin_pb2.TokenUsage(limit_index=u.index, per=u.limit.per, each=u.limit.each,
+                                 tokens=u.limit.tokens, models=list(u.limit.models),
+                                 subject=u.subject, used=u.used, remaining=u.remaining,
+                                 reset_s=u.reset_s) for u in rows])
 
 
 def _tenant_body(request: admin_pb2.Tenant) -> dict[str, Any]:
