@@ -232,7 +232,8 @@ def admin_servicer(graph: Graph, settings: Settings, board: StatusBoard, store: 
     return AdminServicer(
         StatusAdmin(board, store, config_version=settings.config_version, bound=bound),
         RateLimitAdmin(graph.ratelimit.config),
-        TenantAdmin(graph.authz.directory, tokens, workers=workers),
+        TenantAdmin(graph.authz.directory, tokens, workers=workers,
+                    ledger=graph.budgets.admin_ledger),
         ChainAdmin(graph.chains.pipelines, graph.chains.assembler, tokens, workers=workers,
                    report=graph.chains.report, streams=graph.tokens.windows,
                    reported=graph.tokens.reported, joined=graph.tokens.joined),

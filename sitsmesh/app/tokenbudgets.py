@@ -35,8 +35,13 @@ class TokenBudgetsComponent:
     def __init__(self, settings: Settings, authz: AuthzComponent, tokens: TokensComponent,
                  registry: CollectorRegistry | None, *, serve: bool) -> None:
         self.gate: BudgetGate | None = None
+        # What `tenants usage` reads: the gate's own ledger where Check runs here, the
+        # shared Redis from a supervisor (its workers' in-memory ledgers are theirs).
+        self.admin_ledger: BudgetLedger | None = None
         self._background = Background()
         if not serve or authz.authorizer is None:
+            if settings.ratelimit_store != "memory":
+                self.admin_ledger = ledger_for(settings)
             return
         directory = authz.directory
         self.gate = BudgetGate(ledger_for(settings), lambda: directory.budgets,
@@ -44,6 +49,7 @@ class TokenBudgetsComponent:
                                hold_s=settings.token_budget_hold_seconds,
                                charge_after=settings.budget_charging == "charge_after",
                                metrics=BudgetMetrics(registry, settings.metrics_max_tenants))
+        self.admin_ledger = self.gate.ledger
         authz.budgets = self.gate
         tokens.settle = self.gate.settle_later
 
@@ -63,3 +69,5 @@ class TokenBudgetsComponent:
         await self._background.stop()
         if self.gate is not None:
             await self.gate.close()
+        elif self.admin_ledger is not None:
+            await self.admin_ledger.close()
