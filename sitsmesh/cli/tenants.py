@@ -28,7 +28,6 @@ from sitsmesh.cli.common import (
 def add_commands(sub: Subcommands) -> None:
     tenants = sub.add_parser("tenants", help="manage tenants (admin API)", **examples(
         "sitsmesh tenants create acme --models 'llama-*,bert' --priority 2 --label team=ml",
-        "sitsmesh tenants update acme --max-concurrency 8",
         "sitsmesh tenants list -o yaml",
         "sitsmesh tenants usage acme -o json")).add_subparsers(
         dest="tenants_command", required=True)
