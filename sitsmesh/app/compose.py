@@ -157,7 +157,8 @@ def build(settings: Settings, store: StateStore, registry: CollectorRegistry | N
         tokens.joined.listen(tracing.token_streams)
     # Token budgets: Check reserves, each finished stream settles (before the services
     # are built from authz and tokens).
-    budgets = TokenBudgetsComponent(settings, authz, tokens, registry, serve=serve)
+    budgets = TokenBudgetsComponent(settings, authz, tokens, registry, serve=serve,
+                                    telemetry=telemetry.telemetry)
     return Graph(ratelimit, authz, chains, pressure, swaps, quota, telemetry, tokens,
                  StreamChecksComponent(settings, authz, registry), budgets, tracing=tracing)
 

@@ -17,6 +17,7 @@ from sitsmesh.budgets.ledger import BudgetLedger
 from sitsmesh.budgets.memory import MemoryLedger
 from sitsmesh.budgets.metrics import BudgetMetrics
 from sitsmesh.config import Settings
+from sitsmesh.telemetry.decisions import Telemetry
 
 
 def ledger_for(settings: Settings) -> BudgetLedger:
@@ -33,7 +34,8 @@ def ledger_for(settings: Settings) -> BudgetLedger:
 
 class TokenBudgetsComponent:
     def __init__(self, settings: Settings, authz: AuthzComponent, tokens: TokensComponent,
-                 registry: CollectorRegistry | None, *, serve: bool) -> None:
+                 registry: CollectorRegistry | None, *, serve: bool,
+                 telemetry: Telemetry | None = None) -> None:
         self.gate: BudgetGate | None = None
         # What `tenants usage` reads: the gate's own ledger where Check runs here, the
         # shared Redis from a supervisor (its workers' in-memory ledgers are theirs).
@@ -48,7 +50,11 @@ class TokenBudgetsComponent:
                                fail_open=settings.on_store_error == "allow",
                                hold_s=settings.token_budget_hold_seconds,
                                charge_after=settings.budget_charging == "charge_after",
-                               metrics=BudgetMetrics(registry, settings.metrics_max_tenants))
+                               metrics=BudgetMetrics(registry, settings.metrics_max_tenants),
+                               on_settled=None if telemetry is None else (
+                                   lambda report, reserved, charged: telemetry.settled(
+                                       report.request_id, report.tenant, report.model,
+                                       reserved, charged)))
         self.admin_ledger = self.gate.ledger
         authz.budgets = self.gate
         tokens.settle = self.gate.settle_later

@@ -87,6 +87,8 @@ class Allowed:
     # The API key's id when a key identified the caller (its token budget may count per
     # key). Not part of the answer, so not of equality: replies stay cached per answer.
     key_id: str = field(default="", compare=False)
+    # The tokens its tenant's token budget reserved for it (for the decision log).
+    reserved_tokens: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,9 @@ class BudgetGate:
                  *, fail_open: bool = True, hold_s: float = HOLD_S,
                  charge_after: bool = False,
                  clock: Callable[[], float] = time.time,
-                 metrics: BudgetMetrics | None = None) -> None:
+                 metrics: BudgetMetrics | None = None,
+                 on_settled: Callable[[TokenReport, int, int], None] | None = None) -> None:
+        """`on_settled(report, reserved, charged)`: the decision log's hook."""
         self._ledger = ledger
         self._budgets = budgets
         self._fail_open = fail_open
@@ -73,6 +75,7 @@ class BudgetGate:
         self._charge_after = charge_after
         self._clock = clock
         self._metrics = metrics or BudgetMetrics(None)
+        self._on_settled = on_settled
         self._settling: set[asyncio.Task[int | None]] = set()
 
     @property
@@ -150,7 +153,14 @@ class BudgetGate:
         usage = report.usage
         prompt = usage.prompt_tokens if usage is not None else report.input_estimate
         cached = usage.cached_tokens if usage is not None else 0
-        actual = budget.weights.cost(prompt, report.summary.tokens, cached)
+        completion = report.summary.tokens
+        counted = report.summary.counted
+        if usage is not None and counted > completion:
+            # Every content event carries at least one token: a usage below the events
+            # seen is not the truth. The count stands; the difference is counted.
+            self._metrics.disagreed(counted - completion)
+            completion = counted
+        actual = budget.weights.cost(prompt, completion, cached)
         try:
             reserved = await self._ledger.settle(report.request_id, actual, self._clock())
         except Exception as exc:  # the hold releases it later
@@ -163,8 +173,10 @@ class BudgetGate:
             self._metrics.settled("unmatched")
             return None
         self._metrics.settled("settled")
-        self._metrics.charged(report.tenant, report.model,
-                              (prompt, report.summary.tokens, cached), actual - reserved)
+        if self._on_settled is not None:
+            self._on_settled(report, reserved, actual)
+        self._metrics.charged(report.tenant, report.model, (prompt, completion, cached),
+                              actual - reserved)
         return reserved
 
     async def expire(self) -> int:

@@ -17,8 +17,8 @@ SETTLEMENTS = ("settled", "unmatched", "settle_failed", "settle_dropped", "expir
 
 
 class BudgetMetrics:
-    __slots__ = ("_charged", "_decisions", "_max", "_models", "_overrun", "_settlements",
-                 "_tenants")
+    __slots__ = ("_charged", "_decisions", "_disagreed", "_max", "_models", "_overrun",
+                 "_settlements", "_tenants")
 
     def __init__(self, registry: CollectorRegistry | None, max_labels: int = 100) -> None:
         self._decisions = Counter(
@@ -42,6 +42,11 @@ class BudgetMetrics:
             "sitsmesh_token_budget_overrun_tokens_total",
             "Weighed tokens charged past what was reserved (the estimate was short).",
             registry=registry)
+        self._disagreed = Counter(
+            "sitsmesh_token_budget_usage_short_tokens_total",
+            "Output tokens a stream's usage reported fewer than the content events seen "
+            "(each carries at least one): charged as counted, the difference counted here.",
+            registry=registry)
         for outcome in DECISIONS:
             self._decisions.labels(outcome)
         for outcome in SETTLEMENTS:
@@ -55,6 +60,9 @@ class BudgetMetrics:
 
     def settled(self, outcome: str, count: int = 1) -> None:
         self._settlements.labels(outcome).inc(count)
+
+    def disagreed(self, tokens: int) -> None:
+        self._disagreed.inc(tokens)
 
     def charged(self, tenant: str, model: str, tokens: tuple[int, int, int],
                 overrun: int) -> None:

@@ -97,10 +97,14 @@ class DecisionLog:
             "path": request.path.partition("?")[0][:MAX_VALUE_CHARS]}
         if isinstance(decision, Denied):
             record.update(decision="deny", reason=decision.code, status=decision.status)
+            if decision.budget:
+                record["budget"] = decision.budget
         else:
             record.update(decision="allow", reason="ok", status=200, model=decision.model,
                           pipeline=self._pipeline_of(decision.model, decision.tenant),
                           priority=decision.priority)
+            if decision.reserved_tokens:
+                record["reserved_tokens"] = decision.reserved_tokens
         if request.principal:
             record["principal"] = request.principal[:MAX_VALUE_CHARS]
         key_id = self._key_id(request)
@@ -110,6 +114,14 @@ class DecisionLog:
             record["headers"] = {name: masked(name, request.headers[name], self._mask)
                                  for name in self._headers if name in request.headers}
         self._buffer.append(record)
+
+    def settlement(self, request_id: str, tenant: str, model: str, reserved: int,
+                   charged: int) -> None:
+        """A token-budget reservation settled when its stream ended: what Check reserved
+        for the request (its record has the same request id) and what it was charged."""
+        self._buffer.append({"kind": "token_budget", "request_id": request_id[:MAX_VALUE_CHARS],
+                             "tenant": tenant, "model": model[:MAX_VALUE_CHARS],
+                             "reserved_tokens": reserved, "charged_tokens": charged})
 
     def ratelimit(self, domain: str, descriptors: Sequence[Descriptor],
                   decision: Decision | None, seconds: float, error: str) -> None:

@@ -101,6 +101,14 @@ class Telemetry:
         if self.tracer is not None:
             self.tracer.check(request, decision, seconds, context)
 
+    def settled(self, request_id: str, tenant: str, model: str, reserved: int,
+                charged: int) -> None:
+        """A token-budget reservation settled (sitsmesh/budgets/gate.py); logged as an
+        allowed decision is."""
+        log = self.log
+        if log is not None and log.wants(False):
+            log.settlement(request_id, tenant, model, reserved, charged)
+
     def refused(self, code: str, started: float) -> None:
         """A Check refused before it was read (too large, malformed, too many headers)."""
         if self._authz is not None:

@@ -45,6 +45,9 @@ class StreamSummary:
     stalls: tuple[Stall, ...]
     stall_count: int            # every stall, also those past MAX_STALLS
     end: End
+    # Tokens counted from the events (a token per content event and choice): `tokens`
+    # is the stream's usage where it reported one. -1: not counted (a stage's report).
+    counted: int = -1
 
 
 class StreamClock:
@@ -127,7 +130,8 @@ class StreamClock:
             itl_p50_s=_quantile(gaps, 0.50), itl_p99_s=_quantile(gaps, 0.99),
             tokens=count,
             tokens_per_s=(self.tokens_seen - 1) / span if span > 0 else 0.0,
-            stalls=tuple(self._stalls), stall_count=self.stall_count, end=end)
+            stalls=tuple(self._stalls), stall_count=self.stall_count, end=end,
+            counted=self.tokens_seen)
 
 
 def _quantile(ordered: list[float], q: float) -> float | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -159,6 +160,8 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
         assert self._budgets is not None
         spent = await self._budgets.reserve(budget, decision, checked)
         final: Allowed | Denied = spent if isinstance(spent, Denied) else decision
+        if spent is not None and not isinstance(spent, Denied):
+            final = dataclasses.replace(decision, reserved_tokens=spent.estimate.cost)
         if self._telemetry is not None:
             self._telemetry.check(checked, final, started, context)
         if isinstance(spent, Denied):

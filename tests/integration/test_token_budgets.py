@@ -65,7 +65,7 @@ def setup_tenant(node: harness.Sitsmesh, tmp_path: Path, budget: str | None) -> 
 @pytest.fixture
 def stack(tmp_path: Path, start_sitsmesh: Start) -> Iterator[Stack]:
     node = start_sitsmesh("--reload-interval-seconds", "0.2",
-                          "--token-budget-hold-seconds", "2")
+                          "--token-budget-hold-seconds", "2", "--decision-log", "all")
     key = setup_tenant(node, tmp_path, budget_doc())
     stage = TokenStage(ttft_s=0.02, itl_s=0.005, tokens=MAX_TOKENS).start()
     envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port, fragments=FRAGMENTS)
@@ -89,6 +89,14 @@ def _stream(client: openai.OpenAI, **extra: object) -> list[str]:
         max_tokens=MAX_TOKENS, **extra)  # type: ignore[call-overload]
     return [c.choices[0].delta.content for c in stream
             if c.choices and c.choices[0].delta.content]
+
+
+def _json_or_none(line: str) -> dict[str, object] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _raw(envoy: harness.Envoy, key: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
@@ -135,6 +143,18 @@ def test_streams_stay_within_the_budget_and_then_get_429_with_openai_headers(
     assert int(headers["retry-after"]) >= 1
     assert body["code"] == "token_budget_exceeded"
     assert body["budget"] == f"{BUDGET} tokens per day for tenant acme"
+    # The decision log has each reservation, each charge and the refusal's budget.
+    def logged() -> list[dict[str, object]]:
+        return [r for r in map(_json_or_none, stack.node.output().splitlines())
+                if r is not None and r.get("event") == "decision"]
+
+    harness.wait_until(lambda: any(r.get("budget") for r in logged()
+                                   if r.get("decision") == "deny"), 5,
+                       "the refusal in the decision log")
+    records = logged()
+    assert any(r.get("reserved_tokens") for r in records if r.get("kind") == "authz")
+    charges = [r for r in records if r.get("kind") == "token_budget"]
+    assert charges and all(r["tenant"] == "acme" and r["charged_tokens"] for r in charges)
 
 
 def test_concurrent_streams_cannot_overspend(stack: Stack) -> None:

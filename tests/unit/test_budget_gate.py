@@ -172,3 +172,54 @@ def test_only_llm_requests_of_budgeted_tenants_are_governed() -> None:
                                                (360, "6m0s"), (3725, "62m5s")])
 def test_reset_reads_as_openai_writes_it(seconds: float, text: str) -> None:
     assert reset_text(seconds) == text
+
+
+def test_a_usage_below_the_events_seen_is_not_believed() -> None:
+    """Each content event carries a token at least: a usage reporting fewer is charged as
+    counted, and the difference counted; a usage above the events (several tokens an
+    event) is the truth."""
+    from prometheus_client import CollectorRegistry
+
+    from sitsmesh.budgets.metrics import BudgetMetrics
+
+    registry = CollectorRegistry()
+    ledger = MemoryLedger()
+    settled: list[tuple[int, int]] = []
+    gate = BudgetGate(ledger, lambda: {"acme": BUDGET}, clock=lambda: NOW,
+                      metrics=BudgetMetrics(registry),
+                      on_settled=lambda report, reserved, charged: settled.append(
+                          (reserved, charged)))
+
+    def report(request_id: str, usage_out: int, counted: int) -> TokenReport:
+        summary = StreamSummary(0.1, 0.01, 0.01, usage_out, 50.0, (), 0, End.COMPLETE,
+                                counted=counted)
+        return TokenReport(request_id, "/v1/chat/completions", "openai", summary,
+                           Usage(10, usage_out), 0, tenant="acme", model="llm")
+
+    async def run() -> None:
+        for request_id, usage_out, counted in (("low", 5, 12), ("high", 30, 12)):
+            assert isinstance(await gate.reserve(BUDGET, ALLOWED,
+                                                 _request(_body(), request_id)), Reserved)
+            await gate.settle(report(request_id, usage_out, counted))
+
+    asyncio.run(run())
+    assert [charged for _, charged in settled] == [10 + 12, 10 + 30]
+    assert registry.get_sample_value("sitsmesh_token_budget_usage_short_tokens_total") == 7
+    assert registry.get_sample_value("sitsmesh_token_budget_tokens_total",
+                                     {"tenant": "acme", "model": "llm", "kind": "output"}) == 42
+
+
+def test_the_decision_log_carries_the_reservation_and_the_charge() -> None:
+    from sitsmesh.telemetry.decisionlog import DecisionLog
+
+    log = DecisionLog("all")
+    log.authz(_request(_body()), Allowed("acme", 0, "llm", "stream", (), (),
+                                         reserved_tokens=67), 0.001)
+    log.authz(_request(_body()), Denied(429, "token_budget_exceeded", "spent",
+                                        tenant="acme", budget="1000 tokens per day"), 0.001)
+    log.settlement("r1", "acme", "llm", 67, 33)
+    allowed, denied, settled = log._buffer
+    assert allowed["reserved_tokens"] == 67
+    assert denied["budget"] == "1000 tokens per day"
+    assert settled == {"kind": "token_budget", "request_id": "r1", "tenant": "acme",
+                       "model": "llm", "reserved_tokens": 67, "charged_tokens": 33}
