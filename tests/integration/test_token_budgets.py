@@ -333,3 +333,32 @@ def test_two_replicas_behind_two_envoys_share_one_budget(
             for envoy in envoys:
                 envoy.kill()
             stage.stop()
+
+
+def test_usage_is_asked_for_and_the_client_still_sees_what_it_asked_for(
+        stack: Stack) -> None:
+    """The token-timing filter adds stream_options.include_usage to a streaming request
+    that did not ask, so the engine reports true counts (the stage answers usage only
+    when asked: prompt 3); the client that did not ask sees no usage chunk, the one that
+    asked sees its own."""
+    client = _client(stack)
+
+    def chunks(**extra: object) -> list[object]:
+        stream = client.chat.completions.create(
+            model="stage", messages=[{"role": "user", "content": "hi"}], stream=True,
+            max_tokens=MAX_TOKENS, **extra)  # type: ignore[call-overload]
+        return list(stream)
+
+    plain = chunks()
+    assert not any(getattr(c, "usage", None) for c in plain)
+    assert all(c.choices for c in plain)  # type: ignore[attr-defined]
+    asked = chunks(stream_options={"include_usage": True})
+    usage = [c.usage for c in asked if getattr(c, "usage", None)]  # type: ignore[attr-defined]
+    assert len(usage) == 1 and usage[0].completion_tokens == MAX_TOKENS
+    client.close()
+    harness.wait_until(lambda: stack.metric(
+        "sitsmesh_token_budget_settlements_total", outcome="settled") == 2, 10,
+        "both streams settled")
+    # Both were charged the engine's own prompt count (3 each), not the estimate.
+    assert stack.metric("sitsmesh_token_budget_tokens_total", tenant="acme", model="stage",
+                        kind="input") == 6
