@@ -98,6 +98,9 @@ class Settings:
     # whether the budget is spent, as gateways that charge after the response do (its
     # overshoot is measured against reserve in bench/token_budgets.py).
     budget_charging: str = "reserve"
+    # A tenant with no TokenBudget: its LLM calls unlimited in tokens (false), or
+    # refused with 403 token_budget_missing (true).
+    budget_required: bool = False
     # --- authz request-path policy: README "Request-path policy" ---
     authz_jwt_trusted_principals: tuple[str, ...] = ()
     authz_trust_pipeline_hint: bool = False
@@ -249,6 +252,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "admission_hold_seconds": values.seconds,
     "token_budget_hold_seconds": values.seconds,
     "budget_charging": values.choice(("reserve", "charge_after")),
+    "budget_required": values.boolean,
     "stream_check_methods": streamcheck.parse_methods,
     "stream_check_deadline_seconds": streamcheck.parse_deadline,
     "stream_check_fail_mode": values.choice(("closed", "open")),

@@ -50,6 +50,7 @@ class TokenBudgetsComponent:
                                fail_open=settings.on_store_error == "allow",
                                hold_s=settings.token_budget_hold_seconds,
                                charge_after=settings.budget_charging == "charge_after",
+                               require=settings.budget_required,
                                metrics=BudgetMetrics(registry, settings.metrics_max_tenants),
                                on_settled=None if telemetry is None else (
                                    lambda report, reserved, charged: telemetry.settled(

@@ -61,7 +61,7 @@ class BudgetGate:
 
     def __init__(self, ledger: BudgetLedger, budgets: Callable[[], Mapping[str, TokenBudget]],
                  *, fail_open: bool = True, hold_s: float = HOLD_S,
-                 charge_after: bool = False,
+                 charge_after: bool = False, require: bool = False,
                  clock: Callable[[], float] = time.time,
                  metrics: BudgetMetrics | None = None,
                  on_settled: Callable[[TokenReport, int, int], None] | None = None) -> None:
@@ -73,6 +73,8 @@ class BudgetGate:
         # Charge after: reserve nothing, only refuse once the budget is spent (what
         # gateways that charge after the response do; kept to measure the difference).
         self._charge_after = charge_after
+        # A tenant without a budget: unlimited (the default), or refused its LLM calls.
+        self._require = require
         self._clock = clock
         self._metrics = metrics or BudgetMetrics(None)
         self._on_settled = on_settled
@@ -82,12 +84,19 @@ class BudgetGate:
     def ledger(self) -> BudgetLedger:
         return self._ledger
 
-    def governs(self, allowed: Allowed) -> TokenBudget | None:
-        """The budget a request spends from: its tenant's, on an LLM route; else None
-        (and Check goes on as before, with no I/O)."""
+    def governs(self, allowed: Allowed) -> TokenBudget | Denied | None:
+        """The budget a request spends from: its tenant's, on an LLM route; None where
+        none applies (Check goes on as before, with no I/O), or a 403 for a tenant with
+        no budget where one is required."""
         if allowed.request_class not in ("openai", "stream") or not allowed.model:
             return None
-        return self._budgets().get(allowed.tenant)
+        budget = self._budgets().get(allowed.tenant)
+        if budget is None and self._require:
+            self._metrics.decided("no_budget")
+            return Denied(403, "token_budget_missing",
+                          f"tenant {allowed.tenant} has no token budget, and LLM calls "
+                          "need one here (budget_required)", tenant=allowed.tenant)
+        return budget
 
     async def reserve(self, budget: TokenBudget, allowed: Allowed, request: CheckInput
                       ) -> Reserved | Denied | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter
 
 OTHER = "other"
-DECISIONS = ("reserved", "refused", "bad_request", "store_error_allowed",
+DECISIONS = ("reserved", "refused", "bad_request", "no_budget", "store_error_allowed",
              "store_error_denied")
 SETTLEMENTS = ("settled", "unmatched", "settle_failed", "settle_dropped", "expired")
 
@@ -24,8 +24,9 @@ class BudgetMetrics:
         self._decisions = Counter(
             "sitsmesh_token_budget_requests_total",
             "Requests a token budget governed, by what Check decided: reserved, refused "
-            "(429), bad_request (400: the body could not be estimated), or the ledger "
-            "away (store_error_allowed, store_error_denied).", ["outcome"],
+            "(429), bad_request (400: the body could not be estimated), no_budget (403: "
+            "budget_required and the tenant has none), or the ledger away "
+            "(store_error_allowed, store_error_denied).", ["outcome"],
             registry=registry)
         self._settlements = Counter(
             "sitsmesh_token_budget_settlements_total",

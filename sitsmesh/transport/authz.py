@@ -147,7 +147,9 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
         decision = self._authorizer.check(checked)
         if self._budgets is not None and type(decision) is Allowed:
             budget = self._budgets.governs(decision)
-            if budget is not None:
+            if isinstance(budget, Denied):
+                decision = budget
+            elif budget is not None:
                 return await self._reserve(budget, decision, checked, started, context)
         if self._telemetry is not None:
             self._telemetry.check(checked, decision, started, context)

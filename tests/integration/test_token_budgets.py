@@ -248,16 +248,24 @@ def test_a_body_a_budget_cannot_estimate_is_refused_precisely(
     assert stack.metric("sitsmesh_token_budget_requests_total", outcome="reserved") == 0
 
 
-def test_a_tenant_without_a_budget_is_not_limited(tmp_path: Path, start_sitsmesh: Start
-                                                  ) -> None:
-    node = start_sitsmesh("--reload-interval-seconds", "0.2")
+@pytest.mark.parametrize("required", [False, True])
+def test_a_tenant_without_a_budget_is_unlimited_or_refused_as_configured(
+        tmp_path: Path, start_sitsmesh: Start, required: bool) -> None:
+    node = start_sitsmesh("--reload-interval-seconds", "0.2",
+                          "--budget-required", str(required).lower())
     key = setup_tenant(node, tmp_path, None)
     stage = TokenStage(ttft_s=0.01, itl_s=0.002, tokens=5).start()
     envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port, fragments=FRAGMENTS)
     try:
         status, _, data = _raw(envoy, key, json.dumps({
             "model": "stage", "stream": True, "max_tokens": 10**9}).encode())
-        assert status == 200 and b"[DONE]" in data
+        if required:
+            assert status == 403, data
+            refusal = json.loads(data)
+            assert refusal["code"] == "token_budget_missing"
+            assert "tenant acme has no token budget" in refusal["message"]
+        else:
+            assert status == 200 and b"[DONE]" in data
         assert harness.metric_value(node.metrics(), "sitsmesh_token_budget_requests_total",
                                     outcome="reserved") == 0
     finally:

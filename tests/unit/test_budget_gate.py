@@ -166,6 +166,13 @@ def test_only_llm_requests_of_budgeted_tenants_are_governed() -> None:
     assert gate.governs(ALLOWED) is BUDGET
     assert gate.governs(Allowed("acme", 0, "llm", "infer", (), ())) is None
     assert gate.governs(Allowed("other", 0, "llm", "stream", (), ())) is None
+    # Where a budget is required, a tenant without one is refused its LLM calls only.
+    required = _gate(require=True)
+    refused = required.governs(Allowed("other", 0, "llm", "stream", (), ()))
+    assert isinstance(refused, Denied) and (refused.status, refused.code) == (
+        403, "token_budget_missing")
+    assert "tenant other has no token budget" in refused.message
+    assert required.governs(Allowed("other", 0, "llm", "infer", (), ())) is None
 
 
 @pytest.mark.parametrize(("seconds", "text"), [(0.25, "250ms"), (1.2, "1s"), (59.6, "1m0s"),
