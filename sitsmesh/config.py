@@ -101,6 +101,9 @@ class Settings:
     # A tenant with no TokenBudget: its LLM calls unlimited in tokens (false), or
     # refused with 403 token_budget_missing (true).
     budget_required: bool = False
+    # Model glob -> a Hugging Face tokenizer.json: the prompt of a request for a matching
+    # model is counted in its own tokens at Check (else estimated from the body's size).
+    budget_tokenizers: Mapping[str, str] = field(default_factory=dict)
     # --- authz request-path policy: README "Request-path policy" ---
     authz_jwt_trusted_principals: tuple[str, ...] = ()
     authz_trust_pipeline_hint: bool = False
@@ -253,6 +256,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "token_budget_hold_seconds": values.seconds,
     "budget_charging": values.choice(("reserve", "charge_after")),
     "budget_required": values.boolean,
+    "budget_tokenizers": values.mapping,
     "stream_check_methods": streamcheck.parse_methods,
     "stream_check_deadline_seconds": streamcheck.parse_deadline,
     "stream_check_fail_mode": values.choice(("closed", "open")),

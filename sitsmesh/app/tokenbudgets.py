@@ -16,6 +16,7 @@ from sitsmesh.budgets.gate import BudgetGate
 from sitsmesh.budgets.ledger import BudgetLedger
 from sitsmesh.budgets.memory import MemoryLedger
 from sitsmesh.budgets.metrics import BudgetMetrics
+from sitsmesh.budgets.prompt import PromptCounter
 from sitsmesh.config import Settings
 from sitsmesh.telemetry.decisions import Telemetry
 
@@ -51,6 +52,8 @@ class TokenBudgetsComponent:
                                hold_s=settings.token_budget_hold_seconds,
                                charge_after=settings.budget_charging == "charge_after",
                                require=settings.budget_required,
+                               counter=PromptCounter(settings.budget_tokenizers)
+                               if settings.budget_tokenizers else None,
                                metrics=BudgetMetrics(registry, settings.metrics_max_tenants),
                                on_settled=None if telemetry is None else (
                                    lambda report, reserved, charged: telemetry.settled(

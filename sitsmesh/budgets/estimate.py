@@ -1,12 +1,13 @@
 """What an OpenAI-compatible request is about to cost, read from its body at Check: the
 estimate a token budget reserves before the engine has produced anything.
 
-Input tokens: the body's size over the budget's `chars_per_token` (JSON's quotes and
-keys make it an over-estimate, which settling corrects); output tokens: the request's
-`max_completion_tokens` or `max_tokens` (what the engine may produce at most), else the
-budget's `default_max_tokens`. An estimate that is too high holds tokens until the
-stream ends; one too low lets a stream overshoot by the difference, so output is taken
-at its ceiling.
+Input tokens: the model's own tokenizer's count of the prompt where one is configured
+(sitsmesh/budgets/prompt.py), else the body's size over the budget's `chars_per_token`
+(JSON's quotes and keys make it an over-estimate, which settling corrects). Output
+tokens: the request's `max_completion_tokens` or `max_tokens` (what the engine may
+produce at most), else the budget's `default_max_tokens`. An estimate that is too high
+holds tokens until the stream ends; one too low lets a stream overshoot by the
+difference, so output is taken at its ceiling.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sitsmesh.budgets.model import MAX_OUTPUT_TOKENS, TokenBudget
+from sitsmesh.budgets.prompt import PromptCounter
 
 # The routes whose requests spend tokens (Check's "openai" and "stream" classes cover
 # embeddings too: an embedding's output is a vector, so its estimate is its input).
@@ -35,9 +37,11 @@ class BadRequest(ValueError):
     """The body cannot be estimated; the message says why (400)."""
 
 
-def estimate(path: str, body: bytes, budget: TokenBudget) -> Estimate:
+def estimate(path: str, body: bytes, budget: TokenBudget, model: str = "",
+             counter: PromptCounter | None = None) -> Estimate:
     """The estimate of a request the budget governs; BadRequest where the body is not a
-    JSON object or asks for an absurd output."""
+    JSON object or asks for an absurd output. `counter`: the models' own tokenizers,
+    which count the prompt where one is configured for `model`."""
     try:
         doc: Any = json.loads(body) if body else None
     except (ValueError, RecursionError):
@@ -46,7 +50,8 @@ def estimate(path: str, body: bytes, budget: TokenBudget) -> Estimate:
     if not isinstance(doc, dict):
         raise BadRequest("the body is not a JSON object: a token budget needs it to "
                          "estimate the request")
-    prompt = math.ceil(len(body) / budget.chars_per_token)
+    counted = counter.tokens(model, doc) if counter is not None else None
+    prompt = counted if counted is not None else math.ceil(len(body) / budget.chars_per_token)
     completion = 0
     if path.partition("?")[0].rstrip("/").lower().endswith(CHAT_PATHS):
         completion = budget.default_max_tokens

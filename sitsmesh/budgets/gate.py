@@ -26,6 +26,7 @@ from sitsmesh.budgets.estimate import BadRequest, Estimate, estimate
 from sitsmesh.budgets.ledger import BudgetLedger
 from sitsmesh.budgets.metrics import BudgetMetrics
 from sitsmesh.budgets.model import ESTIMATE_HEADER, TokenBudget
+from sitsmesh.budgets.prompt import PromptCounter
 from sitsmesh.tokens.stream import TokenReport
 
 # A reservation whose stream's end never comes is forgotten after this, charged at its
@@ -33,6 +34,7 @@ from sitsmesh.tokens.stream import TokenReport
 # gaps, not its length; 10 min covers tens of thousands of tokens at reading pace).
 HOLD_S = 600.0
 MAX_PENDING_SETTLES = 10_000
+TOKENIZE_INLINE_BYTES = 8192
 _log = logs.get("sitsmesh.budgets")
 
 
@@ -62,6 +64,7 @@ class BudgetGate:
     def __init__(self, ledger: BudgetLedger, budgets: Callable[[], Mapping[str, TokenBudget]],
                  *, fail_open: bool = True, hold_s: float = HOLD_S,
                  charge_after: bool = False, require: bool = False,
+                 counter: PromptCounter | None = None,
                  clock: Callable[[], float] = time.time,
                  metrics: BudgetMetrics | None = None,
                  on_settled: Callable[[TokenReport, int, int], None] | None = None) -> None:
@@ -75,6 +78,7 @@ class BudgetGate:
         self._charge_after = charge_after
         # A tenant without a budget: unlimited (the default), or refused its LLM calls.
         self._require = require
+        self._counter = counter if counter else None
         self._clock = clock
         self._metrics = metrics or BudgetMetrics(None)
         self._on_settled = on_settled
@@ -104,8 +108,15 @@ class BudgetGate:
         fail-closed), or None: admitted without a reservation (no counter applies, or
         the ledger failed and the setting is fail-open)."""
         tenant, key_id, request_id = allowed.tenant, allowed.key_id, request.request_id
+        counter = self._counter
         try:
-            guess = estimate(request.path, request.body, budget)
+            if counter is not None and len(request.body) > TOKENIZE_INLINE_BYTES:
+                # A long prompt takes the tokenizer milliseconds: off the event loop (the
+                # library releases the GIL), so other Checks go on meanwhile.
+                guess = await asyncio.to_thread(estimate, request.path, request.body, budget,
+                                                allowed.model, counter)
+            else:
+                guess = estimate(request.path, request.body, budget, allowed.model, counter)
         except BadRequest as exc:
             self._metrics.decided("bad_request")
             return Denied(400, "token_budget_bad_request", str(exc), tenant=tenant)

@@ -96,6 +96,8 @@ _FLAG_HELP = {
     "admission_hold_seconds": "how long a request counts against a concurrency cap at most",
     "token_budget_hold_seconds": "how long a token-budget reservation waits for its "
                                  "stream's end before it is charged at its estimate",
+    "budget_tokenizers": "model glob=path to a Hugging Face tokenizer.json (comma-separated): "
+                         "prompts of those models counted in their own tokens",
     "budget_required": "true: LLM calls of a tenant with no TokenBudget are refused (403); "
                        "false: unlimited in tokens",
     "budget_charging": "reserve (the estimate at Check) or charge_after (only what "

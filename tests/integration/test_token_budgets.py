@@ -370,3 +370,38 @@ def test_usage_is_asked_for_and_the_client_still_sees_what_it_asked_for(
     # Both were charged the engine's own prompt count (3 each), not the estimate.
     assert stack.metric("sitsmesh_token_budget_tokens_total", tenant="acme", model="stage",
                         kind="input") == 6
+
+
+def test_a_configured_tokenizer_counts_the_prompt_at_check(
+        tmp_path: Path, start_sitsmesh: Start) -> None:
+    """--budget-tokenizers: the reservation's input is the model's own token count of
+    the prompt (a word-level tokenizer.json the test writes: "hello world" is 2 tokens,
+    plus 4 for the chat message), not the body's size."""
+    from tests.tokenizerfile import write_tokenizer
+
+    tokenizer = write_tokenizer(tmp_path / "tokenizer.json")
+    node = start_sitsmesh("--reload-interval-seconds", "0.2", "--decision-log", "all",
+                          "--budget-tokenizers", f"stage={tokenizer}")
+    key = setup_tenant(node, tmp_path, budget_doc())
+    stage = TokenStage(ttft_s=0.01, itl_s=0.002, tokens=5).start()
+    envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port, fragments=FRAGMENTS)
+    try:
+        body = json.dumps({"model": "stage", "stream": True, "max_tokens": 5,
+                           "messages": [{"role": "user", "content": "hello world"}]})
+
+        def reserved() -> list[object]:
+            return [r.get("reserved_tokens")
+                    for r in map(_json_or_none, node.output().splitlines())
+                    if r is not None and r.get("kind") == "authz"
+                    and r.get("reserved_tokens")]
+
+        def streamed() -> bool:
+            status, _, data = _raw(envoy, key, body.encode())
+            return status == 200 and b"[DONE]" in data
+
+        harness.wait_until(streamed, 10, "a stream under the budget")
+        harness.wait_until(lambda: bool(reserved()), 5, "the reservation logged")
+        assert reserved()[0] == 2 + 4 + 5
+    finally:
+        envoy.kill()
+        stage.stop()
