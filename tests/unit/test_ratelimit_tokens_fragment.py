@@ -1,7 +1,7 @@
-"""filters/fragments/ratelimit_tokens.yaml: envoyconf.charge_tokens_on puts its route
-rate_limits on the named routes, and Envoy (`--mode validate`) accepts the result next to
-the other fragments it is meant to run with, and refuses misspelt fields (so the
-validation reads them)."""
+"""filters/fragments/ratelimit_tokens.yaml: envoyconf.charge_tokens_on gives its filter
+the fragment's rate_limits on the named routes, and Envoy (`--mode validate`) accepts the
+result next to the other fragments it is meant to run with, and refuses misspelt fields
+(so the validation reads them)."""
 
 from __future__ import annotations
 
@@ -39,18 +39,24 @@ def _validate(config: dict[str, Any], tmp_path: Path) -> subprocess.CompletedPro
 
 def test_charge_tokens_on_adds_a_check_and_a_stream_done_charge(tmp_path: Path) -> None:
     config = _rendered()
-    before = list(_route(config, "upstream")["route"]["rate_limits"])
+    before = _route(config, "upstream")["route"]["rate_limits"]
     envoyconf.charge_tokens_on(config, ["upstream"])
-    limits = _route(config, "upstream")["route"]["rate_limits"]
-    assert limits[:len(before)] == before  # ratelimit.yaml's per-request descriptors stay
-    check, charge = limits[len(before):]
+    route = _route(config, "upstream")
+    assert route["route"]["rate_limits"] == before  # ratelimit.yaml's, read at stage 0
+    per_route = route["typed_per_filter_config"][envoyconf.RATELIMIT_TOKENS]
+    assert per_route["@type"].endswith("ratelimit.v3.RateLimitPerRoute")
+    check, charge = per_route["rate_limits"]
     tenant = [{"request_headers": {"header_name": "x-sits-tenant", "descriptor_key": "tenant"}}]
-    assert check == {"stage": 1, "actions": tenant, "hits_addend": {"number": 0}}
-    assert charge == {"stage": 1, "apply_on_stream_done": True, "actions": tenant,
+    assert check == {"actions": tenant, "hits_addend": {"number": 0}}
+    assert charge == {"apply_on_stream_done": True, "actions": tenant,
                       "hits_addend": {"format": "%DYNAMIC_METADATA(sitsmesh.tokens:n)%"}}
-    names = [f["name"] for f in envoyconf.http_connection_manager(config)["http_filters"]]
-    assert names.index("sitsmesh.ratelimit_tokens") > names.index(
+    filters = envoyconf.http_connection_manager(config)["http_filters"]
+    names = [f["name"] for f in filters]
+    assert names.index(envoyconf.RATELIMIT_TOKENS) > names.index(
         "envoy.filters.http.ext_authz")  # the tenant header is Check's
+    stages = {f["name"]: f["typed_config"].get("stage") for f in filters
+              if f["typed_config"].get("@type", "").endswith("ratelimit.v3.RateLimit")}
+    assert stages == {"envoy.filters.http.ratelimit": 0, envoyconf.RATELIMIT_TOKENS: 1}
     done = _validate(config, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -65,7 +71,8 @@ def test_envoy_validates_the_fields_against_its_own_protos(tmp_path: Path) -> No
              'HitsAddendValidationError.Format: value does not have prefix "%"')):
         config = _rendered()
         envoyconf.charge_tokens_on(config, ["upstream"])
-        _route(config, "upstream")["route"]["rate_limits"][-1].update(change)
+        per_route = _route(config, "upstream")["typed_per_filter_config"]
+        per_route[envoyconf.RATELIMIT_TOKENS]["rate_limits"][-1].update(change)
         done = _validate(config, tmp_path)
         assert done.returncode != 0 and error in done.stdout + done.stderr, change
 
