@@ -254,6 +254,35 @@ def stream_checks_on(bootstrap: dict[str, Any], route_names: Sequence[str]) -> N
                                    "sitsmesh_stream_check": "per_message"}}}
 
 
+FRAGMENT_DIR = Path(__file__).resolve().parents[2] / "filters" / "fragments"
+RATELIMIT_TOKENS = "sitsmesh.ratelimit_tokens"
+
+
+def charge_tokens_on(bootstrap: dict[str, Any], route_names: Sequence[str],
+                     fragment: Path = FRAGMENT_DIR / "ratelimit_tokens.yaml") -> None:
+    """Give the ratelimit_tokens filter, on `route_names`, the fragment's
+    `route_rate_limits` (a check on the request, a charge when the stream is done): as
+    its RateLimitPerRoute, the form whose hits_addend Envoy sends. Routes are the
+    template's, so render cannot splice them."""
+    loaded = _load(fragment)
+    entries = loaded.get("route_rate_limits") if isinstance(loaded, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{fragment}: no route_rate_limits to put on routes")
+    found: set[str] = set()
+    for host in http_connection_manager(bootstrap)["route_config"]["virtual_hosts"]:
+        for route in host["routes"]:
+            if route.get("name") in route_names and "route" in route:
+                found.add(route["name"])
+                route.setdefault("typed_per_filter_config", {})[RATELIMIT_TOKENS] = {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ratelimit"
+                             ".v3.RateLimitPerRoute",
+                    "rate_limits": copy.deepcopy(entries)}
+    missing = [name for name in route_names if name not in found]
+    if missing:
+        raise ConfigError(f"no forwarding route named {', '.join(map(repr, missing))} "
+                          "to charge on")
+
+
 def write(bootstrap: dict[str, Any], out: Path) -> Path:
     out.write_text(yaml.safe_dump(bootstrap, sort_keys=False), encoding="utf-8")
     return out
