@@ -405,3 +405,40 @@ def test_a_configured_tokenizer_counts_the_prompt_at_check(
     finally:
         envoy.kill()
         stage.stop()
+
+
+def test_the_ledger_away_follows_on_store_error_and_recovers(
+        tmp_path: Path, start_sitsmesh: Start) -> None:
+    """Budgets on Redis (--ratelimit-store redis): Redis stopped, a budgeted stream is
+    admitted without a reservation (on_store_error allow, counted); Redis back, streams
+    reserve again."""
+    from sitsmesh.dev.redis import redis_server
+
+    with redis_server(tmp_path / "redis") as redis:
+        node = start_sitsmesh("--reload-interval-seconds", "0.2", "--ratelimit-store",
+                              "redis", "--redis-url", redis.url)
+        key = setup_tenant(node, tmp_path, budget_doc())
+        stage = TokenStage(ttft_s=0.01, itl_s=0.002, tokens=5).start()
+        envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port,
+                                    fragments=FRAGMENTS)
+        body = json.dumps({"model": "stage", "stream": True, "max_tokens": 5}).encode()
+
+        def metric(outcome: str) -> float:
+            return harness.metric_value(node.metrics(), "sitsmesh_token_budget_requests_total",
+                                        outcome=outcome)
+
+        try:
+            harness.wait_until(lambda: _raw(envoy, key, body)[0] == 200
+                               and metric("reserved") >= 1, 10, "a reservation on Redis")
+            redis.stop()
+            status, _, data = _raw(envoy, key, body)
+            assert status == 200 and b"[DONE]" in data  # fail-open: the stream goes on
+            assert metric("store_error_allowed") == 1
+            redis.start()
+            before = metric("reserved")
+            harness.wait_until(lambda: _raw(envoy, key, body)[0] == 200
+                               and metric("reserved") > before, 10,
+                               "reservations again after Redis came back")
+        finally:
+            envoy.kill()
+            stage.stop()
