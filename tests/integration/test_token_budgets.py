@@ -143,6 +143,14 @@ def test_streams_stay_within_the_budget_and_then_get_429_with_openai_headers(
     assert int(headers["retry-after"]) >= 1
     assert body["code"] == "token_budget_exceeded"
     assert body["budget"] == f"{BUDGET} tokens per day for tenant acme"
+    # `tenants usage` reads the same ledger: what was charged, and what is left.
+    shown = stack.node.cli("tenants", "usage", "acme", "-o", "json")
+    assert shown.returncode == 0, shown.stderr
+    [row] = json.loads(shown.stdout)["usage"]
+    assert (int(row["tokens"]), int(row["used"])) == (BUDGET, charged)
+    assert int(row["remaining"]) == BUDGET - charged and row["per"] == "day"
+    table = stack.node.cli("tenants", "usage", "acme")
+    assert table.returncode == 0 and str(int(charged)) in table.stdout, table.stdout
     # The decision log has each reservation, each charge and the refusal's budget.
     def logged() -> list[dict[str, object]]:
         return [r for r in map(_json_or_none, stack.node.output().splitlines())
@@ -442,3 +450,33 @@ def test_the_ledger_away_follows_on_store_error_and_recovers(
         finally:
             envoy.kill()
             stage.stop()
+
+
+def test_streams_seen_through_ext_proc_settle_too(tmp_path: Path, start_sitsmesh: Start
+                                                  ) -> None:
+    """The ext_proc observer's reports settle reservations as the timing filter's do
+    (x-sits-tenant and x-sits-token-estimate reach it with the request headers)."""
+    node = start_sitsmesh("--reload-interval-seconds", "0.2")
+    key = setup_tenant(node, tmp_path, budget_doc())
+    stage = TokenStage(ttft_s=0.01, itl_s=0.002, tokens=MAX_TOKENS).start()
+    envoy = harness.start_envoy(tmp_path, node.data_addr, stage.port,
+                                fragments=["ext_authz", "ext_proc", "access_log"])
+    body = json.dumps({"model": "stage", "stream": True, "max_tokens": MAX_TOKENS}).encode()
+
+    def metric(name: str, **labels: str) -> float:
+        return harness.metric_value(node.metrics(), name, **labels)
+
+    try:
+        harness.wait_until(lambda: _raw(envoy, key, body)[0] == 200
+                           and metric("sitsmesh_token_budget_requests_total",
+                                      outcome="reserved") >= 1, 10, "a reservation")
+        harness.wait_until(lambda: metric("sitsmesh_token_budget_settlements_total",
+                                          outcome="settled") >= 1, 10, "its settlement")
+        assert metric("sitsmesh_token_budget_tokens_total", tenant="acme", model="stage",
+                      kind="output") == MAX_TOKENS
+        # No usage asked for on this path: the input charged is the reserved estimate.
+        assert metric("sitsmesh_token_budget_tokens_total", tenant="acme", model="stage",
+                      kind="input") == -(-len(body) // 4)
+    finally:
+        envoy.kill()
+        stage.stop()
