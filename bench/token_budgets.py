@@ -31,11 +31,13 @@ b. **Check latency a reservation adds.** A gRPC `Authorization/Check` client (sy
    Redis (`--ratelimit-store redis`). `--rounds` interleaved rounds of `--calls` calls
    per configuration, alternating order; p50/p99 per round, median (range) over rounds,
    and budget minus no budget per round. Reservations are never settled here (held).
-c. **Redis commands per request.** On the Redis sitsmesh, through Envoy: `--streams` N
-   streams (`--max-tokens` 20 each) of the budgeted tenant and of the one without, in
-   alternating rounds; the redis-server's `INFO commandstats` delta (INFO itself left
-   out) once sitsmesh has logged every stream (and settled every budgeted one),
-   divided by N, per command.
+c. **Redis commands per request.** On the Redis sitsmesh, through Envoy, in
+   alternating rounds of `--streams` N streams (the stage produces 20 tokens): of the
+   tenant without a budget; of the budgeted one with max_tokens 20 (the estimate is
+   exact, settling adjusts nothing); and with max_tokens 40 (over, settling adjusts).
+   The redis-server's `INFO commandstats` delta (INFO left out, one measuring
+   connection) once sitsmesh has logged every stream (and settled every budgeted one),
+   divided by N: round trips, and apart the commands the Lua scripts run inside Redis.
 
 Prints markdown tables on stdout, progress on stderr; exit 1 if anything fails
 (a setup, a request with a status other than 200/429, a stream without [DONE], a
