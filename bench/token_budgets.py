@@ -179,11 +179,11 @@ def part_a(work: Path, args: argparse.Namespace, stack: contextlib.ExitStack) ->
                              f"{client}")
     full = bl.covered(start, end)
     windows = {m: bl.per_window(o) for m, o in results.items()}
-    per_stream = bl.charged(bl.Outcome(0, 200, len(bl.chat_body(args.max_tokens)),
-                                       args.max_tokens))
+    whole = bl.Outcome(0, 200, len(bl.chat_body(args.max_tokens)), args.max_tokens)
+    per_stream, held = bl.charged(whole), bl.reserved(whole, args.max_tokens)
     print(f"\n### a. Overshoot per window\n\nbudget {args.budget} tokens/minute, "
           f"{args.clients} clients, {args.max_tokens} tokens a stream at {args.itl_ms:g} ms "
-          f"(+{per_stream - args.max_tokens} input tokens estimated: {per_stream} a stream), "
+          f"(reserved {held} a stream, charged {per_stream}: the stage's usage prompt), "
           f"load {end - start:.1f} s from {time.strftime('%H:%M:%S', time.gmtime(start))} "
           "UTC; charged = client-side sum (equal to sitsmesh's totals)\n")
     print("| window (UTC) | fully covered | reserve: charged | ratio | streams | 429s | "

@@ -5,10 +5,11 @@ differently.
 Clients are raw asyncio HTTP/1.1 (one connection per request, light on a 2-core
 machine): each loops streaming a chat completion through Envoy; on 429 it waits the
 Retry-After, capped so the load stays steady. Charged tokens are summed client-side,
-the way sitsmesh settles a stream without a `usage` chunk: the input estimate
-`ceil(body bytes / chars_per_token)` plus the content tokens the client received,
-attributed to the fixed, epoch-aligned window the request started in (the window its
-reservation was made in, which settling corrects).
+the way sitsmesh settles these streams: Envoy's token-timing filter asks the stage for
+usage (and takes the usage event out of the client's stream), so each is charged the
+stage's reported prompt (TokenStage's PROMPT_TOKENS) plus the content tokens the client
+received, attributed to the fixed, epoch-aligned window the request started in (the
+window its reservation was made in, which settling corrects).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sitsmesh.dev import harness
+from sitsmesh.dev.tokenstage import PROMPT_TOKENS
 
 TOKEN_MARK = b'"content": " t'
 RETRY_CAP_S = 1.0
@@ -133,20 +135,25 @@ async def load(port: int, key: str, *, clients: int, start: float, end: float,
     return out
 
 
-def charged(outcome: Outcome, chars_per_token: int = 4) -> int:
-    """What sitsmesh charges a finished stream that sent no usage; a refusal, nothing."""
+def charged(outcome: Outcome) -> int:
+    """What sitsmesh charges a finished stream (its usage's prompt, the tokens
+    produced); a refusal, nothing."""
     if outcome.status != 200:
         return 0
-    return math.ceil(outcome.body_bytes / chars_per_token) + outcome.tokens
+    return PROMPT_TOKENS + outcome.tokens
 
 
-def per_window(outcomes: Iterable[Outcome], window_s: int = 60,
-               chars_per_token: int = 4) -> dict[int, int]:
+def reserved(outcome: Outcome, max_tokens: int, chars_per_token: int = 4) -> int:
+    """What Check reserves for a request: its body's size in tokens and max_tokens."""
+    return math.ceil(outcome.body_bytes / chars_per_token) + max_tokens
+
+
+def per_window(outcomes: Iterable[Outcome], window_s: int = 60) -> dict[int, int]:
     """Tokens charged per window start, each stream in the window it started in."""
     windows: dict[int, int] = {}
     for o in outcomes:
         start = int(o.started // window_s) * window_s
-        windows[start] = windows.get(start, 0) + charged(o, chars_per_token)
+        windows[start] = windows.get(start, 0) + charged(o)
     return windows
 
 

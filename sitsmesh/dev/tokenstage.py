@@ -21,6 +21,9 @@ from typing import Any
 MAX_BODY = 1 << 20
 
 
+# The prompt tokens its usage event reports (it reads no prompt).
+PROMPT_TOKENS = 3
+
 @dataclass
 class TokenStage:
     ttft_s: float = 0.2
@@ -117,8 +120,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(b"data: " + json.dumps({
                     "id": "chatcmpl-stage", "object": "chat.completion.chunk",
                     "model": "stage", "choices": [],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": tokens,
-                              "total_tokens": tokens + 3}}).encode() + b"\n\n")
+                    "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": tokens,
+                              "total_tokens": tokens + PROMPT_TOKENS}}).encode() + b"\n\n")
             self._send(b"data: [DONE]\n\n")
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()

@@ -281,8 +281,9 @@ def test_a_token_budget_applies_reads_back_and_a_bad_one_changes_nothing(
     got = yaml.safe_load(ok(node.cli("get", "tokenbudget", "team-a", "-o", "yaml")))
     assert got["spec"] == spec
 
-    # The usage view answers once the lead wires a ledger into serve; until then it says so.
+    # The usage view reads the serving ledger: a budget of a tenant that does not exist
+    # (yet) has nothing to show, and says so.
     usage = node.cli("tenants", "usage", "team-a")
     assert usage.returncode == 1
     assert "GetTokenUsage" in usage.stderr
-    assert "FAILED_PRECONDITION: token budgets are not enabled" in usage.stderr
+    assert "NOT_FOUND: tenant team-a does not exist" in usage.stderr

@@ -153,11 +153,11 @@ def test_a_viewer_cannot_write_anything(stub: admin_pb2_grpc.AdminServiceStub) -
                                   "write"), details
     assert [t.name for t in _call(stub, "ListTenants", admin_pb2.ListTenantsRequest(),
                                   VIEWER).tenants] >= ["team-a", "team-b"]
-    # A tenant's token usage is a read: past access, this server has no ledger wired.
+    # A tenant's token usage is a read: past access, team-b has no budget to show.
     for token in (VIEWER, TEAM_A):
         assert _code(stub, "GetTokenUsage", admin_pb2.GetTokenUsageRequest(tenant="team-b"),
-                     token) == (grpc.StatusCode.FAILED_PRECONDITION,
-                                "token budgets are not enabled")
+                     token) == (grpc.StatusCode.NOT_FOUND,
+                                "tenant team-b has no TokenBudget")
 
 
 def test_a_wrong_or_missing_token_is_unauthenticated(
