@@ -8,10 +8,12 @@ MemoryLedger does. Window starts are computed in Python from the caller's `now` 
 expiry is relative to it (as in ratelimit/redis_store.py): the caller's clock need not
 agree with the server's.
 
-The reservation record is its own key, `<prefix>res:{<request id>}`, in the request's
-slot rather than the tenant's, so reserve and settle each take two round trips: the
-counters' script and the record can be in different cluster slots, where no one
-script or MULTI may touch both. Order keeps a failure on the safe side: reserve
+The reservation record is its own key, `<prefix>res:{<request id>}`. On one Redis
+server, reserve (check, charge, write the record) and settle (claim the record, adjust
+its windows) are one script each: one round trip apiece, measured to halve what a
+reservation adds to Check (bench/token_budgets.py). On Redis Cluster the record sits in
+the request's slot, not the tenant's, and no script or MULTI may touch two slots, so
+each takes two round trips there. Order keeps a failure on the safe side: reserve
 charges first and then writes the record, so a failure in between leaves the
 estimate charged (as a lost end would be), never a record for tokens not charged;
 settle claims the record with GETDEL first, so of two settles only one adjusts (and a
@@ -86,6 +88,58 @@ return 0
 """
 
 
+# One server: reserve in one script. KEYS: the windows, then the record. ARGV[1] amount,
+# then limit and ttl_ms of each window, then the record and its ttl_ms. Returns the
+# counts as read, then 1 (reserved), 0 (no room) or -1 (the id holds a reservation).
+_RESERVE_ONE_LUA = """
+local n = #KEYS - 1
+local amount = tonumber(ARGV[1])
+local used = {}
+local fits = true
+for i = 1, n do
+  used[i] = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if used[i] + amount > tonumber(ARGV[2 * i]) then fits = false end
+end
+if not fits then
+  used[n + 1] = 0
+  return used
+end
+if not redis.call('SET', KEYS[n + 1], ARGV[2 * n + 2], 'NX', 'PX', ARGV[2 * n + 3]) then
+  used[n + 1] = -1
+  return used
+end
+if amount > 0 then
+  for i = 1, n do
+    redis.call('INCRBY', KEYS[i], amount)
+    redis.call('PEXPIRE', KEYS[i], ARGV[2 * i + 1])
+  end
+end
+used[n + 1] = 1
+return used
+"""
+
+# One server: settle in one script. KEYS[1] the record; ARGV[1] the actual cost. Claims
+# the record and adjusts the windows it names (standalone Redis lets a script reach
+# keys it was not given; only a cluster needs them declared). -1: no record.
+_SETTLE_ONE_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return -1 end
+redis.call('DEL', KEYS[1])
+local record = cjson.decode(raw)
+local amount = tonumber(record[1])
+local delta = tonumber(ARGV[1]) - amount
+if delta ~= 0 then
+  for _, key in ipairs(record[2]) do
+    if redis.call('EXISTS', key) == 1 then
+      local after = redis.call('INCRBY', key, delta)
+      if after < 0 then redis.call('INCRBY', key, -after) end
+    end
+  end
+end
+return amount
+"""
+
+
 class _Script:
     __slots__ = ("sha", "text")
 
@@ -96,6 +150,8 @@ class _Script:
 
 _RESERVE = _Script(_RESERVE_LUA)
 _ADJUST = _Script(_ADJUST_LUA)
+_RESERVE_ONE = _Script(_RESERVE_ONE_LUA)
+_SETTLE_ONE = _Script(_SETTLE_ONE_LUA)
 
 
 def _ms(seconds: float) -> int:
@@ -110,8 +166,8 @@ class RedisLedger:
     longer tracked, which costs only their count, their records expire by TTL).
     """
 
-    __slots__ = ("_client", "_deadlines", "_max_tracked", "_prefix", "_record_grace_s",
-                 "_tracked", "untracked")
+    __slots__ = ("_client", "_deadlines", "_max_tracked", "_one_trip", "_prefix",
+                 "_record_grace_s", "_tracked", "untracked")
 
     name = "redis"
 
@@ -123,6 +179,8 @@ class RedisLedger:
             # counters across slots.
             raise ValueError(f"redis key prefix must not contain braces: {prefix!r}")
         self._client = client
+        # One server: each call is one script; a cluster splits what touches two slots.
+        self._one_trip = not isinstance(client, RedisCluster)
         self._prefix = prefix
         self._max_tracked = max_tracked
         self._record_grace_s = record_grace_s
@@ -155,7 +213,7 @@ class RedisLedger:
         return f"{self._prefix}{counter.key}:{window_start(now, counter.window_s)}"
 
     async def _run(self, script: _Script, keys: Sequence[str],
-                   args: Sequence[int]) -> object:
+                   args: Sequence[int | str]) -> object:
         try:
             return await self._client.evalsha(script.sha, len(keys), *keys, *args)
         except NoScriptError:
@@ -173,13 +231,16 @@ class RedisLedger:
         for counter in counters:
             end = window_start(now, counter.window_s) + counter.window_s
             args += [counter.limit, _ms(end - now + WINDOW_SLACK_S)]
+        record = json.dumps([amount, keys], separators=(",", ":"))
+        if self._one_trip:
+            return await self._reserve_one(request_id, counters, keys, args=args,
+                                           record=record, when=(amount, now, hold_s))
         reply = await self._run(_RESERVE, keys, args)
         if not isinstance(reply, list) or len(reply) != len(keys):
             raise TypeError(f"unexpected reserve reply from redis: {reply!r}")
         answer = spent(counters, [int(v) for v in reply], amount, now)
         if not answer.ok:
             return answer
-        record = json.dumps([amount, keys], separators=(",", ":"))
         # A failure here leaves the estimate charged and the record maybe written
         # (its TTL removes it): no request id is tracked that may not be held.
         created = await self._client.set(self.record_key(request_id), record, nx=True,
@@ -190,6 +251,23 @@ class RedisLedger:
             await self._run(_ADJUST, keys, [-amount])
             raise ValueError(f"request {request_id!r} already holds a reservation")
         self._track(request_id, now + hold_s)
+        return answer
+
+    async def _reserve_one(self, request_id: str, counters: Sequence[Counter],
+                           keys: list[str], *, args: list[int], record: str,
+                           when: tuple[int, float, float]) -> Spent:
+        amount, now, hold_s = when
+        reply = await self._run(
+            _RESERVE_ONE, [*keys, self.record_key(request_id)],
+            [*args, record, _ms(hold_s + self._record_grace_s)])
+        if not isinstance(reply, list) or len(reply) != len(keys) + 1:
+            raise TypeError(f"unexpected reserve reply from redis: {reply!r}")
+        status = int(reply[-1])
+        if status < 0:
+            raise ValueError(f"request {request_id!r} already holds a reservation")
+        answer = spent(counters, [int(v) for v in reply[:-1]], amount, now)
+        if status:
+            self._track(request_id, now + hold_s)
         return answer
 
     def _track(self, request_id: str, deadline: float) -> None:
@@ -207,6 +285,10 @@ class RedisLedger:
 
     async def settle(self, request_id: str, actual: int, now: float) -> int | None:
         check_amount("actual", actual)
+        if self._one_trip:
+            reply = await self._run(_SETTLE_ONE, [self.record_key(request_id)], [actual])
+            self._tracked.pop(request_id, None)
+            return None if int(reply) < 0 else int(reply)  # type: ignore[call-overload]
         raw = await self._client.getdel(self.record_key(request_id))
         self._tracked.pop(request_id, None)
         if raw is None:

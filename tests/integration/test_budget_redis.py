@@ -223,3 +223,22 @@ async def test_outage_raises_and_restart_recovers(
     assert await ledger.usage(TWO, T0 + 3) == [4, 4]
     assert await ledger.settle("before", 5, T0 + 3) is None  # its record died with Redis
     assert await ledger.expire(T0 + 31) == 0
+
+
+async def test_on_one_server_reserve_and_settle_are_one_round_trip_each(
+        open_ledger: OpenLedger, admin: Redis) -> None:
+    """One script each (the record with the counters): what the Check waits for is one
+    round trip; counted from the server's own command statistics."""
+    ledger = await open_ledger()
+    counters = TWO
+    await admin.config_resetstat()
+    for i in range(10):
+        assert (await ledger.reserve(f"r{i}", counters, 10, T0, HOLD)).ok
+        assert await ledger.settle(f"r{i}", 4, T0 + 1) == 10
+    stats = await admin.info("commandstats")
+    calls = {name.removeprefix("cmdstat_"): value["calls"] for name, value in stats.items()}
+    # 20 scripts (the first use of each also loads it: NOSCRIPT, then EVAL once); the
+    # SET, GET, INCRBY inside them are not round trips of their own.
+    assert calls.get("evalsha", 0) == 20 and calls.get("eval", 0) <= 2
+    assert "getdel" not in calls and calls.get("set", 0) <= 10  # SETs inside the script
+    assert await ledger.usage(counters, T0 + 1) == [40, 40]
