@@ -1,7 +1,7 @@
 """Offline: the controller against a queueing model of the pipeline, on a simulated clock.
 
-Stages are queues in series with `parallelism` servers each and fixed or
-exponential service times. Arrivals are Poisson at a rate that follows the
+Stages are queues in series with `parallelism` servers each and fixed, exponential,
+log-normal or bimodal service times (SERVICE_KINDS). Arrivals are Poisson at a rate that follows the
 load profile, with priorities drawn from its mix. Every arrival meets the same
 shedding rule Check applies; the controller ticks on the simulated clock and
 reads signals fed as production feeds them, with their delays: access-log
@@ -37,13 +37,37 @@ class InvalidProfile(SitsmeshError):
     code = Code.INVALID_ARGUMENT
 
 
+# Service-time distributions, each with mean `service_ms` (issue 29's scenarios):
+# fixed; exponential; log-normal with sigma 1 (a heavy right tail: p99 ~ 5x the mean);
+# bimodal, BIMODAL_SLOW_SHARE of requests BIMODAL_SLOW x slower than the rest (a cache
+# miss, a long prompt): 80 % at 0.5x and 20 % at 3x the mean.
+SERVICE_KINDS = ("fixed", "exp", "lognormal", "bimodal")
+LOGNORMAL_SIGMA = 1.0
+BIMODAL_SLOW_SHARE = 0.2
+BIMODAL_SLOW = 6.0
+
+
+def service_time(rng: random.Random, kind: str, mean_s: float) -> float:
+    """One service time of `kind` with mean `mean_s`."""
+    if kind == "exp":
+        return rng.expovariate(1 / mean_s)
+    if kind == "lognormal":
+        # E[exp(N(mu, s))] = exp(mu + s^2 / 2): mu puts the mean at mean_s.
+        return rng.lognormvariate(math.log(mean_s) - LOGNORMAL_SIGMA ** 2 / 2,
+                                  LOGNORMAL_SIGMA)
+    if kind == "bimodal":
+        fast = mean_s / (1 - BIMODAL_SLOW_SHARE + BIMODAL_SLOW_SHARE * BIMODAL_SLOW)
+        return fast * BIMODAL_SLOW if rng.random() < BIMODAL_SLOW_SHARE else fast
+    return mean_s
+
+
 @dataclass(frozen=True, slots=True)
 class LoadProfile:
     duration_s: float
     steps: tuple[tuple[float, float], ...]          # (at_s, rps), linear in between
     priorities: tuple[tuple[int, float], ...]        # (priority, weight)
     service_ms: Mapping[str, float]
-    service: str = "fixed"                           # fixed or exp
+    service: str = "fixed"                           # one of SERVICE_KINDS
     sla_ms: float = 0.0                              # end to end; 0 = sum of stage SLAs
     seed: int = 1
     log_flush_s: float = LOG_FLUSH_S                 # access-log entries arrive this late
@@ -101,8 +125,9 @@ def profile_from(body: Mapping[str, Any], pipeline: Pipeline,
                              f"{', '.join(names)}")
     service = {k: number(f"service_ms.{k}", v, 0.001, 600_000) for k, v in raw_service.items()}
     kind = body.get("service", "fixed")
-    if kind not in ("fixed", "exp"):
-        raise InvalidProfile(f"{source}: service must be fixed or exp, got {kind!r}")
+    if kind not in SERVICE_KINDS:
+        raise InvalidProfile(f"{source}: service must be one of {', '.join(SERVICE_KINDS)}, "
+                             f"got {kind!r}")
     seed = body.get("seed", 1)
     if not isinstance(seed, int):
         raise InvalidProfile(f"{source}: seed must be an integer")
@@ -277,9 +302,7 @@ class _Simulation:
             stage.free += 1
 
     def service(self, stage: _Stage) -> float:
-        if self.profile.service == "exp":
-            return self.rng.expovariate(1 / stage.service_s)
-        return stage.service_s
+        return service_time(self.rng, self.profile.service, stage.service_s)
 
     def done(self, second: Second, request: _Request) -> None:
         stage = self.stages[request.stage]
