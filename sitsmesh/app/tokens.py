@@ -54,6 +54,8 @@ class TokensComponent:
     def _report(self, report: TokenReport) -> None:
         if self.settle is not None:
             self.settle(report)
+        if report.format == envoytimed.JSON:
+            return  # a completion that did not stream: its usage settles, nothing more
         pipeline, stage = self._stages.stage_of(report.cluster, report.route)
         self._record(report, pipeline, stage)
         summary = report.summary

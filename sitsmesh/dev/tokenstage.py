@@ -6,7 +6,8 @@ generation once the client has gone (it counts those aborts).
 Per request, headers override the defaults: `x-stage-ttft-ms`, `x-stage-itl-ms`,
 `x-stage-tokens`, `x-stage-stall-after` (tokens) with `x-stage-stall-ms`, and
 `x-stage-bad-bytes`: an event of that many bytes that is not JSON, before the tokens.
-A request's `max_completion_tokens` or `max_tokens` caps the tokens, as an engine's does.
+A request's `max_completion_tokens` or `max_tokens` caps the tokens, as an engine's does,
+and one with `"stream": false` gets the whole completion as JSON, with its usage.
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ class _Handler(BaseHTTPRequestHandler):
         if isinstance(ceiling, int) and not isinstance(ceiling, bool) and ceiling > 0:
             tokens = min(tokens, ceiling)  # as an engine stops at the request's ceiling
         usage = bool((request.get("stream_options") or {}).get("include_usage"))
+        if request.get("stream") is False:
+            self._complete(ttft + max(0, tokens - 1) * itl, tokens)
+            return
         bad = min(int(self._setting("x-stage-bad-bytes", 0)), 8 << 20)
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
@@ -129,6 +133,25 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             stage.aborted += 1  # the client went away: stop generating
             self.close_connection = True
+
+    def _complete(self, wait_s: float, tokens: int) -> None:
+        """A `"stream": false` completion: the whole answer, with its usage, once
+        generated."""
+        stage = self.owner
+        time.sleep(wait_s)
+        body = json.dumps({
+            "id": "chatcmpl-stage", "object": "chat.completion", "model": "stage",
+            "choices": [{"index": 0, "finish_reason": "length", "message": {
+                "role": "assistant", "content": "".join(f" t{i}" for i in range(tokens))}}],
+            "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": tokens,
+                      "total_tokens": tokens + PROMPT_TOKENS}}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        stage.sent += tokens
+        stage.served += 1
 
     def _send(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")

@@ -14,6 +14,7 @@ microseconds, as the entry's start_time is:
   whole; absent, the stream was cut and the entry's response flags say how;
 - `u` usage ("prompt,completion,cached"), `bad` unreadable events, `err` an engine
   error event.
+A completion that does not stream has `f` "json" and only `u`, `te` and `end`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.tokens.timing import End, StreamClock
 
 NAMESPACE = "sitsmesh.tokens"
+# A completion that did not stream: only its usage (`u`) is known, for token budgets;
+# it is no token stream and goes into no stream figure.
+JSON = "json"
 MAX_GAPS = 4096  # as the Lua filter's bound
 MAX_GAPS_TEXT = MAX_GAPS * 24  # a gap is at most ~20 characters
 # What Envoy's response flags say about a stream its filter did not see end.
@@ -57,7 +61,7 @@ def report(entry: Any, fields: Any, stall_of: Callable[[str, str], float]) -> To
     """The entry's stream as a TokenReport; Unreadable where the fields are not the
     filter's."""
     fmt = _text(fields, "f", 16)
-    if fmt not in FORMATS:
+    if fmt not in FORMATS and fmt != JSON:
         raise Unreadable(f"format {fmt!r}")
     common = entry.common_properties
     start_us = common.start_time.seconds * 1_000_000 + common.start_time.nanos // 1000

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from sitsmesh.dev import harness
-from sitsmesh.dev.tokenstage import TokenStage
+from sitsmesh.dev.tokenstage import PROMPT_TOKENS, TokenStage
 from tests.pgcluster import pg_cluster, pg_url  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
@@ -480,3 +480,24 @@ def test_streams_seen_through_ext_proc_settle_too(tmp_path: Path, start_sitsmesh
     finally:
         envoy.kill()
         stage.stop()
+
+
+def test_a_completion_that_does_not_stream_is_charged_its_usage(stack: Stack) -> None:
+    """The timing filter reads a JSON completion's usage at its end: it settles at once
+    with the engine's counts, and counts as no token stream."""
+    status, _, data = _raw(stack.envoy, stack.key, json.dumps({
+        "model": "stage", "stream": False, "max_tokens": 7,
+        "messages": [{"role": "user", "content": "hi"}]}).encode())
+    assert status == 200, data
+    assert json.loads(data)["usage"]["completion_tokens"] == 7
+    harness.wait_until(lambda: stack.metric(
+        "sitsmesh_token_budget_settlements_total", outcome="settled") == 1, 10,
+        "the completion settled")
+    assert stack.metric("sitsmesh_token_budget_tokens_total", tenant="acme", model="stage",
+                        kind="output") == 7
+    assert stack.metric("sitsmesh_token_budget_tokens_total", tenant="acme", model="stage",
+                        kind="input") == PROMPT_TOKENS
+    streams = sum(harness.metric_value(stack.node.metrics(), "sitsmesh_token_streams_total",
+                                       format=fmt, end="complete")
+                  for fmt in ("openai", "json"))
+    assert streams == 0

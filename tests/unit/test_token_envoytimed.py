@@ -168,3 +168,10 @@ def test_the_access_log_service_hands_over_only_timed_entries() -> None:
 
     asyncio.run(servicer.StreamAccessLogs(stream(), None))  # type: ignore[arg-type]
     assert seen == ["r1"]
+
+
+def test_a_completion_that_did_not_stream_carries_only_its_usage() -> None:
+    report = _read(_entry({"f": "json", "u": "12,30,0", "te": _us(0.5), "end": "body"}))
+    assert report.format == envoytimed.JSON
+    assert report.usage is not None and report.usage.completion_tokens == 30
+    assert (report.summary.tokens, report.summary.ttft_s) == (30, None)
