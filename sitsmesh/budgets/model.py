@@ -25,6 +25,12 @@ from sitsmesh.authz.model import InvalidObject
 BUDGET_KIND = "token-budget"
 # What Check tells the request's later hops: the input tokens its budget reserved for.
 ESTIMATE_HEADER = "x-sits-token-estimate"
+
+
+def estimate_from_header(value: str) -> int:
+    """ESTIMATE_HEADER as Check set it; 0 where absent or not a small count (a header
+    anyone upstream could have written is read, never trusted past 12 digits)."""
+    return int(value) if value.isdigit() and len(value) <= 12 else 0
 WINDOWS = {"minute": 60, "hour": 3600, "day": 86400}
 EACH = ("tenant", "api_key", "model")
 MAX_LIMITS = 16

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sitsmesh.budgets.model import ESTIMATE_HEADER
+from sitsmesh.budgets.model import ESTIMATE_HEADER, estimate_from_header
 from sitsmesh.tokens.formats import FORMATS, Usage
 from sitsmesh.tokens.stream import TokenReport
 from sitsmesh.tokens.timing import End, StreamClock
@@ -99,11 +99,10 @@ def report(entry: Any, fields: Any, stall_of: Callable[[str, str], float]) -> To
                             usage.completion_tokens if usage is not None else None)
     request = entry.request
     logged = request.request_headers  # access_log.yaml logs these
-    estimate = logged.get(ESTIMATE_HEADER, "")
     return TokenReport(request.request_id, request.path[:256], fmt, summary, usage,
                        _count(fields, "bad"), cluster, route,
                        logged.get("x-sits-tenant", "")[:64],
-                       int(estimate) if estimate.isdigit() and len(estimate) <= 12 else 0,
+                       estimate_from_header(logged.get(ESTIMATE_HEADER, "")),
                        logged.get("x-sits-model", "")[:256])
 
 

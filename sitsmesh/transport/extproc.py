@@ -36,7 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from sitsmesh.budgets.model import ESTIMATE_HEADER
+from sitsmesh.budgets.model import ESTIMATE_HEADER, estimate_from_header
 from sitsmesh.errors import InvalidArgumentError
 from sitsmesh.tokens.stream import TokenReport, TokenStream, format_for
 from sitsmesh.tokens.timing import End
@@ -77,11 +77,6 @@ def _header(headers: Any, name: str) -> str:
             value = header.value or header.raw_value.decode("utf-8", "replace")
             return str(value[:MAX_HEADER_VALUE])
     return ""
-
-
-def _estimate(value: str) -> int:
-    """x-sits-token-estimate as Check set it; 0 where absent or not a small count."""
-    return int(value) if value.isdigit() and len(value) <= 12 else 0
 
 
 def attribute(request: Any, name: str, limit: int = MAX_HEADER_VALUE) -> str:
@@ -266,7 +261,7 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):  # type: ign
         summary = stream.finish(end, at)
         self._report(TokenReport(request_id, path, stream.format, summary, stream.usage,
                                  stream.bad_events + stream.oversized, cluster, route,
-                                 tenant, _estimate(estimate), model))
+                                 tenant, estimate_from_header(estimate), model))
 
 
 def add_to_server(servicer: pb_grpc.ExternalProcessorServicer, server: aio.Server) -> None:
