@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -24,6 +25,21 @@ MAX_BODY = 1 << 20
 
 # The prompt tokens its usage event reports (it reads no prompt).
 PROMPT_TOKENS = 3
+# What each of its content events holds (json.dumps of {"content": " t<i>"}).
+CONTENT_MARK = b'"content": " t'
+
+
+def read_tokens(lines: Iterable[bytes], stop_after: int | None = None) -> int:
+    """The content events a client read from this stage's stream (an HTTP response
+    iterated line by line); with `stop_after`, it stops reading there, as a client that
+    hangs up."""
+    read = 0
+    for line in lines:
+        if line.startswith(b"data: {") and CONTENT_MARK in line:
+            read += 1
+            if stop_after is not None and read >= stop_after:
+                break
+    return read
 
 @dataclass
 class TokenStage:

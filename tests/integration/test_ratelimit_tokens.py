@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sitsmesh.dev import envoyconf, harness
-from sitsmesh.dev.tokenstage import TokenStage
+from sitsmesh.dev.tokenstage import CONTENT_MARK, TokenStage, read_tokens
 
 pytestmark = pytest.mark.integration
 LIMIT = 100  # tokens per hour per tenant: no window turns over during a test
@@ -84,7 +84,7 @@ def _stream(envoy: harness.Envoy, tenant: str) -> tuple[int, dict[str, str], int
     body = response.read()
     conn.close()
     headers = {k.lower(): v for k, v in response.getheaders()}
-    return response.status, headers, body.count(b'"content": " t')
+    return response.status, headers, body.count(CONTENT_MARK)
 
 
 def _over_limit(envoy: harness.Envoy) -> int:
@@ -138,12 +138,8 @@ def test_a_stream_cut_by_the_client_is_charged_the_tokens_counted_at_the_cut(
     # Slow tokens: the client reads 3 of 20 and hangs up.
     conn, response = _open(stack.envoy, "initech", **{"x-stage-itl-ms": "100"})
     assert response.status == 200
-    read = 0
-    for line in response:
-        if b'"content": " t' in line:
-            read += 1
-            if read == 3:
-                break
+    read = read_tokens(response, stop_after=3)
+    assert read == 3
     conn.close()
     # The access log carries the same count (n) to sitsmesh's token metrics.
     harness.wait_until(lambda: stack.total("sitsmesh_token_streams_total",

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from sitsmesh.dev import harness
-from sitsmesh.dev.tokenstage import PROMPT_TOKENS, TokenStage
+from sitsmesh.dev.tokenstage import PROMPT_TOKENS, TokenStage, read_tokens
 from tests.pgcluster import pg_cluster, pg_url  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
@@ -205,13 +205,7 @@ def test_an_aborted_stream_is_charged_what_it_produced_and_a_lost_end_is_release
         "messages": [{"role": "user", "content": "hi"}]}).encode(),
         headers={"content-type": "application/json", "x-api-key": stack.key,
                  "x-stage-itl-ms": "100"})
-    response = conn.getresponse()
-    read = 0
-    for line in response:
-        if b'"content": " t' in line:
-            read += 1
-            if read == 3:
-                break
+    assert read_tokens(conn.getresponse(), stop_after=3) == 3
     conn.close()
     harness.wait_until(lambda: stack.metric(
         "sitsmesh_token_budget_settlements_total", outcome="settled") == 1, 10,

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from sitsmesh.dev import harness
+from sitsmesh.dev.tokenstage import read_tokens
 from tests import tokenstack
 
 pytestmark = pytest.mark.integration
@@ -57,7 +58,7 @@ def _raw(envoy: harness.Envoy, rid: str, headers: dict[str, str]) -> int:
                  headers={"content-type": "application/json", "x-request-id": rid,
                           **headers})
     response = conn.getresponse()
-    read = sum(1 for line in response if b'"content": " t' in line)
+    read = read_tokens(response)
     conn.close()
     return read
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sitsmesh.dev import envoyconf, harness
-from sitsmesh.dev.tokenstage import TokenStage
+from sitsmesh.dev.tokenstage import TokenStage, read_tokens
 
 pytestmark = pytest.mark.integration
 TOKENS = 6
@@ -42,8 +42,7 @@ def _stream(port: int, path: str) -> int:
     conn.request("POST", path, body=b'{"stream": true}', headers={
         "content-type": "application/json", "x-stage-stall-after": "3",
         "x-stage-stall-ms": str(STALL_MS)})
-    read = sum(1 for line in conn.getresponse()
-               if line.startswith(b"data: {") and b'"content": " t' in line)
+    read = read_tokens(conn.getresponse())
     conn.close()
     return read
 

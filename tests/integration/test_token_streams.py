@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from sitsmesh.dev import harness
-from sitsmesh.dev.tokenstage import TokenStage
+from sitsmesh.dev.tokenstage import TokenStage, read_tokens
 
 pytestmark = pytest.mark.integration
 STREAMS = 6
@@ -141,13 +141,7 @@ def _raw_stream(envoy: harness.Envoy, headers: dict[str, str], read_events: int 
     conn = http.client.HTTPConnection("127.0.0.1", envoy.listen_port, timeout=10)
     conn.request("POST", "/v1/chat/completions", body=b'{"stream": true}',
                  headers={"content-type": "application/json", **headers})
-    response = conn.getresponse()
-    read = 0
-    for line in response:
-        if line.startswith(b"data: {") and b'"content": " t' in line:
-            read += 1
-            if read_events is not None and read >= read_events:
-                break
+    read = read_tokens(conn.getresponse(), read_events)
     conn.close()
     return read
 
