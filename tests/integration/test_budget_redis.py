@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -19,23 +18,11 @@ from sitsmesh.budgets.redis_ledger import RECORD_GRACE_S, WINDOW_SLACK_S, RedisL
 from sitsmesh.dev import harness
 from sitsmesh.dev import redis as redisproc
 from tests.ledger_contract import HOLD, T0, TWO, LedgerContract
+from tests.redisfixtures import redis_admin_fixture, redis_server_fixture  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
 
 OpenLedger = Callable[[], Awaitable[RedisLedger]]
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[redisproc.RedisServer]:
-    with redisproc.redis_server(tmp_path / "redis") as server:
-        yield server
-
-
-@pytest.fixture
-async def admin(redis_server: redisproc.RedisServer) -> AsyncIterator[Redis]:
-    client = Redis(host="127.0.0.1", port=redis_server.port, decode_responses=True)
-    yield client
-    await client.aclose()
 
 
 @pytest.fixture

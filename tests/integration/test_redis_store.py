@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -25,25 +24,11 @@ from sitsmesh.ratelimit.memory import MemoryStore
 from sitsmesh.ratelimit.redis_store import RedisStore
 from sitsmesh.ratelimit.resilient import ResilientStore, StoreErrorPolicy
 from sitsmesh.ratelimit.store import Count, Hit
+from tests.redisfixtures import redis_admin_fixture, redis_server_fixture  # noqa: F401 - fixtures
 
 # A window boundary for every window used below, so tables read in offsets.
 T0 = 1_700_006_400.0
 FIXED, SLIDING, GCRA = Algorithm.FIXED_WINDOW, Algorithm.SLIDING_WINDOW, Algorithm.GCRA
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[redisproc.RedisServer]:
-    with redisproc.redis_server(tmp_path / "redis") as server:
-        yield server
-
-
-@pytest.fixture
-async def admin(redis_server: redisproc.RedisServer) -> AsyncIterator[Redis]:
-    # Built from host/port, not a URL, so it keeps redis-py's default retries
-    # and reconnects by itself after a restart.
-    client = Redis(host="127.0.0.1", port=redis_server.port, decode_responses=True)
-    yield client
-    await client.aclose()
 
 
 @pytest.fixture
