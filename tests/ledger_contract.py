@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from sitsmesh.budgets.ledger import BudgetLedger, Spent
+from sitsmesh.budgets.ledger import AlreadyReserved, BudgetLedger, Spent
 from sitsmesh.budgets.model import budget_from
 
 # A day's start: every window (minute, hour, day) starts here, so offsets read plainly.
@@ -126,7 +126,7 @@ class LedgerContract:
 
     async def test_a_request_id_holds_one_reservation(self, ledger: BudgetLedger) -> None:
         assert (await ledger.reserve("a", TWO, 10, T0, HOLD)).ok
-        with pytest.raises(ValueError, match="already holds"):
+        with pytest.raises(AlreadyReserved, match="already holds"):
             await ledger.reserve("a", TWO, 10, T0 + 1, HOLD)
         assert await ledger.usage(TWO, T0 + 1) == [10, 10]
         assert await ledger.settle("a", 10, T0 + 2) == 10

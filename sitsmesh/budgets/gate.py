@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from sitsmesh import logs
 from sitsmesh.authz.check import Allowed, CheckInput, Denied
 from sitsmesh.budgets.estimate import BadRequest, Estimate, estimate
-from sitsmesh.budgets.ledger import BudgetLedger
+from sitsmesh.budgets.ledger import AlreadyReserved, BudgetLedger
 from sitsmesh.budgets.metrics import BudgetMetrics
 from sitsmesh.budgets.model import ESTIMATE_HEADER, TokenBudget
 from sitsmesh.budgets.prompt import PromptCounter
@@ -127,9 +127,9 @@ class BudgetGate:
             spent = await self._ledger.reserve(request_id, counters,
                                                0 if self._charge_after else guess.cost,
                                                self._clock(), self._hold_s)
-        except ValueError:
-            # The request id holds a reservation already: a retry of the same request
-            # through the entry again. Its first reservation stands for it.
+        except AlreadyReserved:
+            # A retry of the same request through the entry again: its first
+            # reservation stands for it.
             return None
         except Exception as exc:  # any ledger failure is an outage
             _log.warning("token budget ledger failed", error=str(exc)[:200])

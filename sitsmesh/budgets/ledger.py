@@ -19,6 +19,10 @@ from typing import Protocol
 from sitsmesh.budgets.model import Counter
 
 
+class AlreadyReserved(ValueError):
+    """The request id holds a reservation already (a retry through the entry again)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Spent:
     """A reservation's answer. `ok`: reserved. Else `index` is the counter that did not
@@ -40,7 +44,7 @@ class BudgetLedger(Protocol):
                       now: float, hold_s: float) -> Spent:
         """If every counter has room for `amount` in its current window, add it to each
         and hold the reservation under `request_id` for `hold_s`; else change nothing.
-        A request id already holding a reservation is refused as a ValueError."""
+        A request id already holding a reservation is refused with AlreadyReserved."""
         ...
 
     async def settle(self, request_id: str, actual: int, now: float) -> int | None:

@@ -11,7 +11,7 @@ import heapq
 from collections.abc import Sequence
 
 from sitsmesh.budgets.counting import LedgerFull, check_amount, spent, window_start
-from sitsmesh.budgets.ledger import Spent
+from sitsmesh.budgets.ledger import AlreadyReserved, Spent
 from sitsmesh.budgets.model import Counter
 
 DEFAULT_MAX_RESERVATIONS = 1_000_000
@@ -58,7 +58,7 @@ class MemoryLedger:
         if not counters:
             raise ValueError("a reservation needs at least one counter")
         if request_id in self._held:
-            raise ValueError(f"request {request_id!r} already holds a reservation")
+            raise AlreadyReserved(f"request {request_id!r} already holds a reservation")
         self._drop_ended(now)
         windows = tuple((c.key, window_start(now, c.window_s)) for c in counters)
         used = [self._used.get(w, 0) for w in windows]

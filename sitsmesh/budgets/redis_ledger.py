@@ -42,7 +42,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError
 
 from sitsmesh.budgets.counting import check_amount, spent, window_start
-from sitsmesh.budgets.ledger import Spent
+from sitsmesh.budgets.ledger import AlreadyReserved, Spent
 from sitsmesh.budgets.model import Counter
 
 DEFAULT_PREFIX = "sitsmesh:tb:"
@@ -249,7 +249,7 @@ class RedisLedger:
             # Another process holds this id: undo this charge; the counters were
             # over by it only for this round trip.
             await self._run(_ADJUST, keys, [-amount])
-            raise ValueError(f"request {request_id!r} already holds a reservation")
+            raise AlreadyReserved(f"request {request_id!r} already holds a reservation")
         self._track(request_id, now + hold_s)
         return answer
 
@@ -264,7 +264,7 @@ class RedisLedger:
             raise TypeError(f"unexpected reserve reply from redis: {reply!r}")
         status = int(reply[-1])
         if status < 0:
-            raise ValueError(f"request {request_id!r} already holds a reservation")
+            raise AlreadyReserved(f"request {request_id!r} already holds a reservation")
         answer = spent(counters, [int(v) for v in reply[:-1]], amount, now)
         if status:
             self._track(request_id, now + hold_s)

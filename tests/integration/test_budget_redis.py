@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from sitsmesh.budgets.ledger import AlreadyReserved
 from sitsmesh.budgets.model import budget_from
 from sitsmesh.budgets.redis_ledger import RECORD_GRACE_S, WINDOW_SLACK_S, RedisLedger
 from sitsmesh.dev import harness
@@ -140,7 +141,7 @@ async def test_any_replica_settles_and_only_the_reserver_counts_lost_ends(
 async def test_a_request_id_is_held_once_across_replicas(open_ledger: OpenLedger) -> None:
     a, b = await open_ledger(), await open_ledger()
     assert (await a.reserve("dup", TWO, 10, T0, HOLD)).ok
-    with pytest.raises(ValueError, match="already holds"):
+    with pytest.raises(AlreadyReserved, match="already holds"):
         await b.reserve("dup", TWO, 10, T0, HOLD)
     assert await a.usage(TWO, T0) == [10, 10]  # the second charge was undone
     assert await b.settle("dup", 10, T0 + 1) == 10
