@@ -28,6 +28,25 @@ def refuse_cap(tenant: str) -> FailedPreconditionError:
                                    "serve with --workers 1")
 
 
+def refuse_budget(tenant: str) -> FailedPreconditionError:
+    return FailedPreconditionError(
+        f"token budget {tenant}: with --workers N and the memory counter store each worker "
+        "would spend its own budget, and a stream's end can reach another worker than its "
+        "reservation; serve with --ratelimit-store redis, or with --workers 1")
+
+
+def check_budgets(workers: int, memory: bool, budgets: Iterable[str]) -> None:
+    """At start: stored token budgets need shared counters under --workers N."""
+    if workers <= 1 or not memory:
+        return
+    named = sorted(budgets)
+    if named:
+        raise StartupError(f"--workers {workers}: the state holds token budgets of "
+                           f"{', '.join(named)}, which need --ratelimit-store redis with "
+                           "several workers (in memory each worker spends its own); use "
+                           "Redis, serve with --workers 1, or delete them first")
+
+
 def check_state(workers: int, pipelines: Mapping[str, object],
                 caps: Iterable[tuple[str, int]]) -> None:
     """At start: the stored pipelines and caps must not need one process."""

@@ -216,6 +216,8 @@ def tracing_for(settings: Settings, role: Role) -> Tracing | None:
 async def check_workers(graph: Graph, settings: Settings) -> None:
     """Refuse to start workers over state that needs one process (see workerguard)."""
     tenants = await graph.authz.directory.list_tenants()
+    workerguard.check_budgets(settings.workers, settings.ratelimit_store == "memory",
+                              graph.authz.directory.budgets)
     if settings.shared_runtime == "redis":
         return  # every worker sees every request's Check and end through the hop bus
     workerguard.check_state(settings.workers, graph.chains.pipelines.pipelines,
@@ -253,4 +255,6 @@ def config_servicer(graph: Graph, settings: Settings, store: StateStore,
     workers = 1 if settings.shared_runtime == "redis" else settings.workers
     return ConfigServicer(store, graph.authz.directory, graph.chains.pipelines,
                           graph.pressure.thresholds, graph.ratelimit.config, access=access,
-                          workers=workers)
+                          workers=workers,
+                          budget_workers=settings.workers
+                          if settings.ratelimit_store == "memory" else 1)

@@ -103,3 +103,32 @@ def test_workers_refuse_what_needs_one_process_instead_of_answering_wrong(
     assert result.returncode == 2
     assert "--workers 2: the state holds pipelines twostage, which needs --workers 1" in (
         result.stderr)
+
+
+BUDGET = ("apiVersion: sitsmesh.io/v1alpha1\nkind: TokenBudget\nmetadata: {name: acme}\n"
+          "spec:\n  limits:\n    - {tokens: 1000, per: minute}\n")
+
+
+def test_workers_on_the_memory_store_refuse_token_budgets(start_sitsmesh: Start,
+                                                          tmp_path: Path) -> None:
+    """A token budget in memory would be spent per worker, and a stream's end can reach
+    another worker than its reservation: refused by name, at apply and at start."""
+    (tmp_path / "budget.yaml").write_text(BUDGET)
+    node = start_sitsmesh("--workers", "2")
+    applied = node.cli("apply", "-f", str(tmp_path / "budget.yaml"))
+    assert applied.returncode == 1
+    assert "token budget acme: with --workers N and the memory counter store" in (
+        applied.stderr)
+    assert "tokenbudget" not in node.cli("get", "tokenbudgets").stdout.lower()
+    node.stop()
+
+    single = start_sitsmesh(name="single")
+    assert single.cli("apply", "-f", str(tmp_path / "budget.yaml")).returncode == 0
+    single.stop()
+    result = harness.run_cli("serve", "--workers", "2", "--state-dir", str(single.state_dir),
+                             "--data-addr", f"127.0.0.1:{harness.free_port()}",
+                             "--admin-addr", f"127.0.0.1:{harness.free_port()}",
+                             "--metrics-addr", f"127.0.0.1:{harness.free_port()}")
+    assert result.returncode == 2
+    assert "--workers 2: the state holds token budgets of acme, which need " \
+           "--ratelimit-store redis" in result.stderr

@@ -70,6 +70,7 @@ class ConfigServicer:
     def __init__(self, state: StateStore, directory: TenantDirectory,
                  pipelines: PipelineCatalog, thresholds: ThresholdLedger,
                  ratelimit: ConfigManager, *, access: AdminAccess, workers: int = 1,
+                 budget_workers: int = 1,
                  clock: Callable[[], float] = time.time) -> None:
         self._state = state
         self._access = access
@@ -78,6 +79,8 @@ class ConfigServicer:
         self._thresholds = thresholds
         self._ratelimit = ratelimit
         self._workers = workers
+        # Workers that would each spend their own token budgets (the memory store).
+        self._budget_workers = budget_workers
         self._clock = clock
         self._sequence = 0
         self.Apply = guarded(self._apply)
@@ -119,6 +122,10 @@ class ConfigServicer:
 
     def _guard(self, docs: list[Document]) -> None:
         """What --workers N refuses through the imperative RPCs, refused here alike."""
+        if self._budget_workers > 1:
+            for doc in docs:
+                if doc.KIND == "TokenBudget":
+                    raise workerguard.refuse_budget(doc.metadata.name)
         if self._workers <= 1:
             return
         for doc in docs:
