@@ -226,6 +226,7 @@ class _Simulation:
         # compared on one seed serves the same work, and the stage-alone latency of a
         # protected request uses the very times it met.
         self.work_rng = random.Random(profile.seed * 1_000_003 + 17)  # noqa: S311
+        self.draws = random.Random(profile.seed * 1_000_003 + 29)  # noqa: S311
         sla_ms = profile.sla_ms or sum(s.sla_p99_ms or 0 for s in pipeline.stages)
         self.sla_s = sla_ms / 1000 if sla_ms else math.inf
         self.entry = self.signals.pipeline(pipeline.name)
@@ -304,9 +305,14 @@ class _Simulation:
         second.offered += 1
         second.by_priority.setdefault(priority, [0, 0])[0] += 1
         entry.arrive(priority)
+        # Every arrival draws its work, shed or not: the arrivals, priorities and work of
+        # a seed are the same whatever a policy decides.
+        work, kind = self.work_rng, self.profile.service
+        services = [[service_time(work, kind, s.service_s) for _ in range(s.calls(work))]
+                    for s in self.stages]
         decision = self.decision
         in_flight = entry.in_flight - (decision.in_flight_offset if decision else 0)
-        if shed_reason(decision, priority, rng.random(), in_flight, budget=self.budget,
+        if shed_reason(decision, priority, self.draws.random(), in_flight, budget=self.budget,
                        now=self.now):
             second.shed += 1
             entry.shed += 1
@@ -316,10 +322,7 @@ class _Simulation:
         entry.hold(self.now)
         second.admitted += 1
         self.next_id += 1
-        work, kind = self.work_rng, self.profile.service
-        request = _Request(self.next_id, priority, self.now,
-                           [[service_time(work, kind, s.service_s) for _ in range(s.calls(work))]
-                            for s in self.stages])
+        request = _Request(self.next_id, priority, self.now, services)
         if decision is not None and priority >= decision.protected_from:
             second.protected += 1
             ended = self.now
