@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from sitsmesh.chains.pipeline import Pipeline
-from sitsmesh.pressure import estimate
+from sitsmesh.pressure import estimate, headroom
 from sitsmesh.pressure.queueing import ewma, seed_depth
 from sitsmesh.pressure.signals import PipelineSignals, Signals
 from sitsmesh.pressure.stages import (
@@ -244,9 +244,13 @@ class Controller:
         # to the cap before the surge is confirmed, so the cap tightens at once.
         arriving = any(0 < SURGE * v.capacity <= state.lam * thresholds.stage(v.name).fanout
                        for v in tick.views)
+        # The cap sized to the service times' tail is for arrivals past capacity; a queue
+        # that one long service left behind at moderate load drains by itself, and the
+        # mean-sized cap sheds less of the low priority that came meanwhile.
         concurrency = self._concurrency(
             tick, SLA_SHARE,
-            calm=state.since_overload >= thresholds.hysteresis_ticks and not arriving)
+            calm=state.since_overload >= thresholds.hysteresis_ticks and not arriving,
+            surge=arriving)
         cutoff = cutoff_for(state.fraction, state.shares, thresholds.protected_from)
         return self._publish(tick, fraction=state.fraction, cutoff=cutoff,
                              concurrency=concurrency, protected_from=thresholds.protected_from,
@@ -274,7 +278,7 @@ class Controller:
         return views
 
     @staticmethod
-    def _concurrency(tick: Tick, share: float, *, calm: bool) -> int:
+    def _concurrency(tick: Tick, share: float, *, calm: bool, surge: bool = True) -> int:
         """Little's law on the bottleneck: in flight = capacity x the time the SLA leaves
         for waiting, so an admitted request is not queued past its SLA. The count it
         meets is the whole pipeline's, so what the other stages hold is added."""
@@ -285,14 +289,20 @@ class Controller:
         limits = tick.thresholds.stage(stage.name)
         sla_s = stage_sla_s(stage, limits) or 1.0
         others = elsewhere(tick, stage.name)
+        own = tick.state.stages[stage.name]
+        # Under pressure the queue that fits the SLA at the tail of the service times,
+        # the spread taken as wide as its samples leave possible (see headroom).
         queued = view.capacity * sla_s * share
+        if surge or 0 < view.capacity <= tick.state.lam_slow * limits.fanout:
+            queued = headroom.tail_queue(queued,
+                                         headroom.cautious_spread(own.spread, own.samples))
         if calm:
             # Past the chance queues of moderate load: a request is shed there for a
             # surge, never for a burst the stage had room for. But not past the queue the
             # SLA has room for where chance reaches that only rarely (fixed service times):
             # a request waiting longer misses its SLA anyway, and a surge that is not yet
             # confirmed fills the cap before it tightens.
-            spread = tick.state.stages[stage.name].spread
+            spread = own.spread
             room = view.capacity * sla_s - limits.parallelism
             queued = max(queued, min(chance_queue(spread, CALM_TAIL, limits.fanout),
                                      max(room, chance_queue(spread, ROOM_TAIL,
@@ -369,12 +379,17 @@ def _in_flight(state: PipelineState, signals: PipelineSignals, thresholds: Thres
         # The same from each direct view, where it is newer: what the stage held then,
         # every admission since, drained at its capacity (a lower bound: the admissions
         # may not have reached it yet, but they will).
+        fresh = []
         for at, present, name in views:
             own = state.stages.get(name)
             if watermark < at <= now and own is not None and own.mu:
                 rate = own.mu / thresholds.stage(name).fanout
-                expected = max(expected, estimate.backlog(at, present, signals.admit_bins,
-                                                          now, rate))
+                fresh.append(estimate.backlog(at, present, signals.admit_bins, now, rate))
+        if fresh:
+            # The freshest view replaces the older estimates rather than raising them:
+            # their errors only add, and under a tight cap an in-flight count read high
+            # idles the stage as surely as one read low overfills it.
+            expected = max(fresh)
     if len(signals.admit_bins) > ADMIT_BINS:
         oldest = int((now - ADMIT_BINS * estimate.BIN_S / 2) // estimate.BIN_S)
         for index in [i for i in signals.admit_bins if i < oldest]:

@@ -326,8 +326,8 @@ class _Simulation:
         if decision is not None and priority >= decision.protected_from:
             second.protected += 1
             ended = self.now
-            for stage, services in zip(self.stages, request.services, strict=True):
-                ended = stage.alone_through(ended, services)
+            for stage, calls in zip(self.stages, request.services, strict=True):
+                ended = stage.alone_through(ended, calls)
             request.alone = ended - self.now
         self.enter(request, 0)
 

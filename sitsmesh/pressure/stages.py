@@ -99,6 +99,7 @@ class StageState:
     # fixed), None until measured: then the long chance queues of exponential times
     # are assumed (see `spread`).
     cs2: float | None = None
+    samples: int = 0                        # service times behind the last cs2 window
 
     @property
     def spread(self) -> float:
@@ -179,6 +180,7 @@ class StageJudge:
                 if mean > 0:
                     spread = sum((x - mean) ** 2 for x in work.services) / len(work.services)
                     own.cs2 = ewma(own.cs2, spread / mean**2, tick.dt, TAU_MU_S)
+                    own.samples = len(work.services)
             ended_here = [sum(e - s for s, e in segments) for segments, ended, _ in hops
                           if watermark - WINDOW_S <= ended < watermark]
             own.mean_s = sum(ended_here) / len(ended_here)
