@@ -80,7 +80,9 @@ class Backend:
     def _thresholds(self, policy: str) -> dict[str, object]:
         doc: dict[str, object] = {"policy": policy}
         if self.thresholds:
-            doc["stages"] = self.thresholds
+            # Copies: stages sharing one dict would be dumped as YAML aliases, which
+            # sitsmesh's config loader refuses.
+            doc["stages"] = {name: dict(t) for name, t in self.thresholds.items()}
         return doc
 
 
