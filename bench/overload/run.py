@@ -37,8 +37,13 @@ the capacity; the others' are printed).
 
     .venv/bin/python bench/overload/run.py [--scenarios triton,twohop,fanout]
         [--flush 0.02s,1s] [--variants none,adaptive,seed,sitsmesh] [--rounds 1]
-        [--replicas 1] [--service-ms 20] [--distribution fixed] [--sla-ms 250]
-        [--seed 1] [--json FILE] [--replot FILE]
+        [--replicas 1] [--service-ms 20] [--distribution fixed] [--fanout 2]
+        [--sla-ms 250] [--seed 1] [--json FILE] [--replot FILE]
+
+`--distribution` is one of the simulator's (fixed, exp, lognormal, bimodal: the same
+draws, sitsmesh.pressure.simulate.service_time); `--fanout N` makes `feat` call `model`
+N times, on N workers, so the fanout scenario's capacity stays 50 rps at 20 ms. Several
+distributions and fan-outs in one table: matrix.py.
 
 One scenario at one flush setting takes about 2 minutes; all of it about 13.
 Exit status 1 if a scenario fails to start or to run (the others still run).
@@ -68,6 +73,8 @@ import report
 import scenarios
 import stack as stk
 import topology
+
+from sitsmesh.dev import stagesvc as stages
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -100,8 +107,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         f"(1..{stk.MAX_REPLICAS}; default 1)")
     p.add_argument("--service-ms", type=float, default=20.0,
                    help="the bottleneck's service time (default 20)")
-    p.add_argument("--distribution", choices=("fixed", "exp"), default="fixed",
+    p.add_argument("--distribution", choices=stages.DISTRIBUTIONS, default="fixed",
                    help="service times of the plain bottleneck stages (default fixed)")
+    p.add_argument("--fanout", type=int, default=2,
+                   help="the fanout scenario's calls to model per request, and model's "
+                        "workers (1..16; default 2)")
     p.add_argument("--sla-ms", type=float, default=250.0, help="stage SLA p99 (default 250)")
     p.add_argument("--timeout-s", type=float, default=2.0,
                    help="callers give up after this (default 2)")
@@ -144,6 +154,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--rounds must be within 1..20 and --plot-round >= 1")
     if not 0 <= args.high_share <= 1:
         p.error("--high-share must be within 0..1")
+    if not 1 <= args.fanout <= 16:
+        p.error("--fanout must be within 1..16")
+    args.opts = scenarios.Options(args.service_ms, args.distribution, args.sla_ms, args.seed,
+                                  args.fanout)
     return args
 
 
@@ -178,7 +192,7 @@ def run_scenario(scenario: scenarios.Scenario, args: argparse.Namespace, tmp: Pa
     """The stages, then per replica count (and, with several counts, per round) a
     sitsmesh and its variants' runs; returns the capacity, the runs and notes on the
     closed loops that only warmed a sitsmesh up."""
-    opts = scenarios.Options(args.service_ms, args.distribution, args.sla_ms, args.seed)
+    opts = args.opts
     every = list(range(1, args.rounds + 1))
     # One count: one sitsmesh for every round, as without --replicas.
     units = ([(args.replica_list[0], every)] if len(args.replica_list) == 1 else
@@ -239,7 +253,8 @@ def print_scenario(scenario: scenarios.Scenario, backend: scenarios.Backend, cap
                    rounds: Rounds, notes: Sequence[str], args: argparse.Namespace
                    ) -> dict[str, list[analysis.Summary]]:
     """The scenario's tables; returns the plotted round's summaries per flush."""
-    print(f"\n## {scenario.title}\n\n{backend.describe}; capacity {capacity:.1f} rps "
+    tag = scenario.tag(args.opts)
+    print(f"\n## {scenario.heading(args.opts)}\n\n{backend.describe}; capacity {capacity:.1f} rps "
           f"(nominal {backend.nominal_rps:.0f}); bottleneck stage `{backend.bottleneck}`; "
           f"thresholds set: `{backend.thresholds_flow('sitsmesh')}`")
     if args.replica_list != [1]:
@@ -252,24 +267,24 @@ def print_scenario(scenario: scenarios.Scenario, backend: scenarios.Backend, cap
                      for rnd in rounds]
         out[flush] = per_round[shown]
         runs = rounds[shown][flush]
-        print(f"\n### {scenario.key}, access-log flush {flush} (round {shown + 1})\n")
+        print(f"\n### {tag}, access-log flush {flush} (round {shown + 1})\n")
         print(report.summary_table(per_round[shown]))
         print()
         print("\n".join(report.targets(per_round[shown], args.sla_ms)))
         if len(rounds) > 1:
-            print(f"\n{scenario.key}, flush {flush}, over {len(rounds)} rounds:\n")
+            print(f"\n{tag}, flush {flush}, over {len(rounds)} rounds:\n")
             print(report.spread_table(per_round))
             print("\n".join(["", *report.rounds_met(per_round, args.sla_ms)]))
-        print(f"\nPer second sent (goodput / admitted p99 / shed), {scenario.key}, "
+        print(f"\nPer second sent (goodput / admitted p99 / shed), {tag}, "
               f"flush {flush}:\n")
         print(report.seconds_table(runs, args.sla_ms))
         for r in runs:
             if r.variant.policy == "sitsmesh":
-                print(f"\n{r.variant.label} controller per second ({scenario.key}, flush "
+                print(f"\n{r.variant.label} controller per second ({tag}, flush "
                       f"{flush}; stage columns: {backend.bottleneck}):\n")
                 print(report.controller_table(r, args.sla_ms))
             if r.variant.adaptive:
-                print(f"\nadaptive_concurrency per second ({scenario.key}, flush {flush}):\n")
+                print(f"\nadaptive_concurrency per second ({tag}, flush {flush}):\n")
                 print(report.adaptive_table(r))
         print("\nNotes:\n")
         for s in per_round[shown]:
@@ -342,17 +357,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     grpc.RpcError, subprocess.SubprocessError) as exc:
                 failed = True
                 detail = "\n".join([f"{type(exc).__name__}: {exc}", *tails(tmp)])
-                print(f"\n## {scenario.title}\n\nFAILED: {exc}")
+                print(f"\n## {scenario.heading(args.opts)}\n\nFAILED: {exc}")
                 say(f"FAILED {scenario.key}: {detail}")
                 continue
         summaries = print_scenario(scenario, backend, capacity, rounds, notes, args)
-        overview += [(scenario.key, flush, capacity, s) for flush, s in summaries.items()]
+        overview += [(scenario.tag(args.opts), flush, capacity, s)
+                     for flush, s in summaries.items()]
         shown = rounds[min(args.plot_round, len(rounds)) - 1]
-        png = draw(scenario.key, scenario.title, capacity,
+        png = draw(scenario.key, scenario.heading(args.opts), capacity,
                    {flush: {r.variant.key: analysis.per_second(r, args.sla_ms) for r in runs}
                     for flush, runs in shown.items()}, args)
         print(f"\n- plot: {png}")
-        doc["scenarios"][scenario.key] = as_json(capacity, scenario.title, rounds, args.sla_ms)
+        doc["scenarios"][scenario.key] = as_json(capacity, scenario.heading(args.opts),
+                                                 rounds, args.sla_ms)
     head_after = git_head()
     if head_after != head_before:
         print(f"\nHEAD moved during the run: {head_before} at the start, {head_after} at the "

@@ -5,9 +5,9 @@
 - `twohop`: entry hop -> `pre` (a fast plain HTTP stage) -> second Envoy hop -> `svc`, a
   plain HTTP stage with `--parallelism` workers and `--service-ms` (1 and 20 ms: 50 rps),
   no Triton metrics: Envoy's own per-cluster gauges and the access logs are all there is;
-- `fanout`: entry -> `pre` -> `feat`, which calls `model` twice in parallel (the
-  bottleneck: 2 workers, `--service-ms`, so 2 / 20 ms / 2 calls = 50 pipeline requests/s)
-  and then `post`.
+- `fanout`: entry -> `pre` -> `feat`, which calls `model` `--fanout` N times in parallel
+  (the bottleneck: N workers, `--service-ms`, so N / 20 ms / N calls = 50 pipeline
+  requests/s whatever N) and then `post`.
 
 The plain stages are sitsmesh.dev.stagesvc services in this process; each hop is a
 listener of the variant's Envoy (topology.py) whose cluster is named after its stage.
@@ -41,9 +41,10 @@ FAST_MS, FAST_WORKERS = 1.0, 8  # pre, feat and post: capacity far above the bot
 @dataclass(frozen=True)
 class Options:
     service_ms: float
-    distribution: str   # of the plain bottleneck stages' service times: fixed or exp
+    distribution: str   # of the plain bottleneck stages' service times: stagesvc.DISTRIBUTIONS
     sla_ms: float
     seed: int
+    fanout: int = 2     # calls from feat to model per request (the fanout scenario)
 
 
 @dataclass
@@ -79,7 +80,9 @@ class Backend:
     def _thresholds(self, policy: str) -> dict[str, object]:
         doc: dict[str, object] = {"policy": policy}
         if self.thresholds:
-            doc["stages"] = self.thresholds
+            # Copies: stages sharing one dict would be dumped as YAML aliases, which
+            # sitsmesh's config loader refuses.
+            doc["stages"] = {name: dict(t) for name, t in self.thresholds.items()}
         return doc
 
 
@@ -155,14 +158,15 @@ def twohop(tmp: Path, exits: contextlib.ExitStack, opts: Options) -> Backend:
 def fanout(tmp: Path, exits: contextlib.ExitStack, opts: Options) -> Backend:
     del tmp
     listen = _ports("L1", "L2", "L3", "L4")
+    n = opts.fanout
     model = exits.enter_context(stages.stage_service(
-        name="model", parallelism=2, service_ms=opts.service_ms,
+        name="model", parallelism=n, service_ms=opts.service_ms,
         distribution=opts.distribution, seed=opts.seed))
     post = exits.enter_context(stages.stage_service(
         name="post", parallelism=FAST_WORKERS, service_ms=FAST_MS))
     feat = exits.enter_context(stages.stage_service(
         name="feat", parallelism=FAST_WORKERS, service_ms=FAST_MS,
-        forward_to=[stages.Hop(_url(listen["L3"]), fanout=2), _url(listen["L4"])]))
+        forward_to=[stages.Hop(_url(listen["L3"]), fanout=n), _url(listen["L4"])]))
     pre = exits.enter_context(stages.stage_service(
         name="pre", parallelism=FAST_WORKERS, service_ms=FAST_MS,
         forward_to=[_url(listen["L2"])]))
@@ -174,12 +178,12 @@ def fanout(tmp: Path, exits: contextlib.ExitStack, opts: Options) -> Backend:
               Hop("L3", "model", listen["L3"], model.port),
               Hop("L4", "post", listen["L4"], post.port)],
         spec=hinted_spec("fanout"), sitsmesh_args=HINTED_ARGS,
-        bottleneck="model", nominal_rps=model.capacity_rps / 2,
+        bottleneck="model", nominal_rps=model.capacity_rps / n,
         stages=[_stage(name, opts) for name in ("pre", "feat", "model", "post")],
-        thresholds={"pre": fast, "feat": fast, "model": {"parallelism": 2, "fanout": 2},
+        thresholds={"pre": fast, "feat": fast, "model": {"parallelism": n, "fanout": n},
                     "post": fast},
         queued=_in_flight(pre, feat, model, post),
-        describe=(f"entry -> pre -> feat -> 2 x model (2 workers, {opts.service_ms:g} ms "
+        describe=(f"entry -> pre -> feat -> {n} x model ({n} workers, {opts.service_ms:g} ms "
                   f"{opts.distribution}, the bottleneck) then post; fast stages "
                   f"{FAST_WORKERS} workers, {FAST_MS:g} ms"))
 
@@ -189,10 +193,21 @@ class Scenario:
     key: str
     title: str
     start: Callable[[Path, contextlib.ExitStack, Options], Backend]
+    fans_out: bool = False  # --fanout shapes it
+
+    def heading(self, opts: Options) -> str:
+        """The title with what the options change in this scenario."""
+        shape = f"fan-out {opts.fanout}, " if self.fans_out else ""
+        return (self.title if self.key == "triton"
+                else f"{self.title} ({shape}{opts.distribution} service times)")
+
+    def tag(self, opts: Options) -> str:
+        """The key, with the fan-out where --fanout shapes it: for sub-headings."""
+        return f"{self.key} x{opts.fanout}" if self.fans_out else self.key
 
 
 SCENARIOS = {s.key: s for s in (
     Scenario("triton", "(a) Triton model bottleneck", triton),
     Scenario("twohop", "(b) plain HTTP bottleneck two Envoy hops down", twohop),
-    Scenario("fanout", "(c) pipeline with a fan-out stage as the bottleneck", fanout),
+    Scenario("fanout", "(c) pipeline with a fan-out stage as the bottleneck", fanout, True),
 )}

@@ -2,9 +2,10 @@
 
 A stage serves at most `parallelism` requests at once; the others wait in its own
 queue, unbounded and first come first served, as a real service's accept backlog and
-worker queue would hold them. Each request holds a worker for a service time, fixed
-or exponential with mean `service_ms` (seeded), so the stage's capacity is
-`parallelism / service time`. It answers 200 with a small body.
+worker queue would hold them. Each request holds a worker for a service time with mean
+`service_ms`, drawn (seeded) from one of the simulator's distributions (fixed,
+exponential, log-normal, bimodal: sitsmesh.pressure.simulate.service_time), so the
+stage's capacity is `parallelism / mean service time`. It answers 200 with a small body.
 
 A stage may call next hops over HTTP (the next Envoy listener), after its own work
 (default) or before it. Hops are called in the order given; each is called `fanout`
@@ -33,7 +34,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-DISTRIBUTIONS = ("fixed", "exp")
+from sitsmesh.pressure.simulate import SERVICE_KINDS, service_time
+
+DISTRIBUTIONS = SERVICE_KINDS
 ORDERS = ("after", "before")
 MAX_HEAD = 64 * 1024
 MAX_BODY = 16 * 1024 * 1024
@@ -43,7 +46,8 @@ REASONS = {200: "OK", 400: "Bad Request", 413: "Payload Too Large", 502: "Bad Ga
 
 
 class ServiceTime:
-    """Service times in seconds: `mean_ms` every time, or exponential with that mean."""
+    """Service times in seconds with mean `mean_ms`, of one of DISTRIBUTIONS: the
+    simulator's, so the bench's stages and the offline model draw alike."""
 
     __slots__ = ("_rng", "distribution", "mean_s")
 
@@ -57,9 +61,9 @@ class ServiceTime:
         self.distribution = distribution
 
     def next(self) -> float:
-        if self.distribution == "fixed" or self.mean_s == 0:
-            return self.mean_s
-        return self._rng.expovariate(1 / self.mean_s)
+        if self.mean_s == 0:
+            return 0.0
+        return service_time(self._rng, self.distribution, self.mean_s)
 
 
 @dataclass(frozen=True, slots=True)

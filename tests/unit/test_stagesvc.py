@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from sitsmesh.dev import harness
-from sitsmesh.dev.stagesvc import Hop, ServiceTime, StageService, stage_service
+from sitsmesh.dev.stagesvc import DISTRIBUTIONS, Hop, ServiceTime, StageService, stage_service
 
 
 def _get(port: int, path: str = "/", headers: dict[str, str] | None = None,
@@ -76,17 +76,25 @@ def test_keep_alive_serves_several_requests_on_one_connection() -> None:
     assert replies == [(200, b"pre ok\n")] * 3
 
 
-def test_service_times_fixed_or_exponential_with_a_seeded_rng() -> None:
+def test_service_times_are_seeded_and_fixed_by_default() -> None:
     assert {ServiceTime(20).next() for _ in range(5)} == {0.02}
     a = [ServiceTime(20, "exp", seed=7).next() for _ in range(3)]
     b = ServiceTime(20, "exp", seed=7)
     assert [b.next() for _ in range(3)] != a  # one generator, not reseeded per draw
     c, d = ServiceTime(20, "exp", seed=7), ServiceTime(20, "exp", seed=7)
-    draws = [c.next() for _ in range(4000)]
-    assert draws == [d.next() for _ in range(4000)]
-    assert statistics.fmean(draws) == pytest.approx(0.02, rel=0.1)
+    assert [c.next() for _ in range(100)] == [d.next() for _ in range(100)]
+    assert ServiceTime(0, "lognormal").next() == 0.0
     with pytest.raises(ValueError, match="distribution"):
         ServiceTime(20, "normal")
+
+
+@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+def test_each_distribution_has_the_stage_s_mean(distribution: str) -> None:
+    times = ServiceTime(20, distribution, seed=3)
+    draws = [times.next() for _ in range(20000)]
+    assert statistics.fmean(draws) == pytest.approx(0.02, rel=0.08)
+    if distribution != "fixed":
+        assert len(set(draws)) > 1
 
 
 def test_fan_out_calls_the_next_hop_n_times_and_propagates_ids() -> None:
