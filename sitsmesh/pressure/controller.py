@@ -162,7 +162,7 @@ class Controller:
         signals = self.signals.pipeline(pipeline.name)
         dt = (now - state.last) if state.last is not None else 0.0
         state.last = now
-        _count(state, signals, dt)
+        arrived = _count(state, signals, dt)
         # Every end up to the watermark has arrived: the log delay seen lately says how far
         # behind now that is.
         watermark = now - max(signals.lags, default=0.0)
@@ -247,9 +247,10 @@ class Controller:
         # The cap sized to the service times' tail is for arrivals past capacity; a queue
         # that one long service left behind at moderate load drains by itself, and the
         # mean-sized cap sheds less of the low priority that came meanwhile.
+        # (The step detector runs every tick, calm or not: it sums over ticks.)
         concurrency = self._concurrency(
-            tick, SLA_SHARE,
-            calm=state.since_overload >= thresholds.hysteresis_ticks and not arriving,
+            tick, SLA_SHARE, calm=(not _stepped(tick, arrived) and not arriving
+                                   and state.since_overload >= thresholds.hysteresis_ticks),
             surge=arriving)
         cutoff = cutoff_for(state.fraction, state.shares, thresholds.protected_from)
         return self._publish(tick, fraction=state.fraction, cutoff=cutoff,
@@ -337,10 +338,11 @@ class Controller:
     # --- one stage -------------------------------------------------------
 
 
-def _count(state: PipelineState, signals: PipelineSignals, dt: float) -> None:
-    """Arrival and admission rates since the last tick, overall and by priority."""
+def _count(state: PipelineState, signals: PipelineSignals, dt: float) -> int:
+    """Arrival and admission rates since the last tick, overall and by priority; the
+    arrivals counted."""
+    arrived = max(signals.arrivals - state.arrivals, signals.rl_arrivals - state.rl_arrivals)
     if dt > 0:
-        arrived = max(signals.arrivals - state.arrivals, signals.rl_arrivals - state.rl_arrivals)
         state.lam = ewma(state.lam, arrived / dt, dt, TAU_S)
         state.lam_slow = ewma(state.lam_slow, arrived / dt, dt, TAU_SLOW_S)
         state.admitted_rate = ewma(state.admitted_rate,
@@ -351,6 +353,24 @@ def _count(state: PipelineState, signals: PipelineSignals, dt: float) -> None:
     state.arrivals, state.admitted = signals.arrivals, signals.admitted
     state.rl_arrivals = signals.rl_arrivals
     state.by_priority = list(signals.by_priority)
+    return arrived
+
+
+def _stepped(tick: Tick, arrived: int) -> bool:
+    """Whether Check's arrivals have stepped past what the stages may serve (see
+    headroom.cusum): the pipeline rate of the tightest stage, as high as its samples
+    leave possible."""
+    state, thresholds = tick.state, tick.thresholds
+    capacity = min((headroom.capacity_bound(v.capacity, state.stages[v.name].spread,
+                                            state.stages[v.name].samples)
+                    / thresholds.stage(v.name).fanout for v in tick.views if v.capacity),
+                   default=0.0)
+    if not capacity:
+        state.cusum = 0.0
+        return False
+    alarm_s = thresholds.step_alarm_s
+    state.cusum = headroom.cusum(state.cusum, arrived, capacity, tick.dt, alarm_s)
+    return state.cusum >= headroom.alarm(capacity, alarm_s)
 
 
 def _in_flight(state: PipelineState, signals: PipelineSignals, thresholds: Thresholds,

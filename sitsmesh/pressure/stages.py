@@ -116,6 +116,7 @@ class PipelineState:
     admitted: int = 0
     lam: float = 0.0
     lam_slow: float = 0.0
+    cusum: float = 0.0        # arrivals' excess over capacity (see headroom.cusum)
     e2e_s: float = 0.0        # mean time from Check to the end, recent requests
     admitted_rate: float = 0.0
     by_priority: list[int] = field(default_factory=lambda: [0] * PRIORITIES)

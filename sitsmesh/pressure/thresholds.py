@@ -5,6 +5,7 @@ A document looks like:
     policy: sitsmesh            # sitsmesh, seed or off
     tick_ms: 50
     hysteresis_ticks: 3
+    step_alarm_s: 0.12
     sla_multiplier: 1.0
     queue_fill_high: 0.7
     queue_fill_low: 0.3
@@ -52,6 +53,9 @@ class Thresholds:
     policy: str = "sitsmesh"
     tick_ms: int = TICK_MS
     hysteresis_ticks: int = 3
+    # Arrivals past capacity, in seconds of capacity (at least STEP_ALARM_MIN requests),
+    # that count as a step before the rates confirm it (see pressure.headroom).
+    step_alarm_s: float = 0.12
     min_concurrency: int = 1
     max_concurrency: int = 1000
     shed_priorities: tuple[int, ...] = (0, 1, 2, 3, 4)
@@ -81,7 +85,7 @@ class Thresholds:
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "policy": self.policy, "tick_ms": self.tick_ms,
-            "hysteresis_ticks": self.hysteresis_ticks,
+            "hysteresis_ticks": self.hysteresis_ticks, "step_alarm_s": self.step_alarm_s,
             "min_concurrency": self.min_concurrency, "max_concurrency": self.max_concurrency,
             "shed_priorities": list(self.shed_priorities), **asdict(self.defaults)}
         # A parallelism nobody set stays unset, so Triton's instance count can fill it.
@@ -103,8 +107,8 @@ def _stage_diff(stage: StageThresholds, defaults: StageThresholds) -> dict[str, 
 
 
 _STAGE_KEYS = {f for f in StageThresholds.__dataclass_fields__}
-_TOP_KEYS = {"policy", "tick_ms", "hysteresis_ticks", "min_concurrency", "max_concurrency",
-             "shed_priorities", "stages"} | _STAGE_KEYS
+_TOP_KEYS = {"policy", "tick_ms", "hysteresis_ticks", "step_alarm_s", "min_concurrency",
+             "max_concurrency", "shed_priorities", "stages"} | _STAGE_KEYS
 
 
 def _num(raw: Any, where: str, low: float, high: float, integer: bool = False) -> Any:
@@ -157,6 +161,7 @@ def thresholds_from(body: Mapping[str, Any], source: str = "thresholds") -> Thre
     tick_ms = _num(body.get("tick_ms", TICK_MS), f"{source}: tick_ms", 10, 10_000, True)
     hysteresis = _num(body.get("hysteresis_ticks", 3), f"{source}: hysteresis_ticks", 0, 1000,
                       True)
+    step = _num(body.get("step_alarm_s", 0.12), f"{source}: step_alarm_s", 0.01, 10.0)
     low = _num(body.get("min_concurrency", 1), f"{source}: min_concurrency", 1, 1_000_000, True)
     high = _num(body.get("max_concurrency", 1000), f"{source}: max_concurrency", 1, 1_000_000,
                 True)
@@ -181,5 +186,5 @@ def thresholds_from(body: Mapping[str, Any], source: str = "thresholds") -> Thre
                 if isinstance(raw, Mapping) and "parallelism" in raw}
     if "parallelism" in body:
         explicit.add("*")
-    return Thresholds(policy, tick_ms, hysteresis, low, high, tuple(sorted(set(shed))),
+    return Thresholds(policy, tick_ms, hysteresis, step, low, high, tuple(sorted(set(shed))),
                       defaults, stages, frozenset(explicit))

@@ -175,6 +175,8 @@ def test_shed_reason_applies_level_then_concurrency() -> None:
     ({"stages": {"model": {"parallelism": 0}}}, "stages.model.parallelism must be between"),
     ({"stages": {"model": {"speed": 1}}}, "stages.model: unknown key 'speed'"),
     ({"tick": 100}, "unknown key 'tick'"),
+    ({"step_alarm_s": 0}, "step_alarm_s must be between 0.01 and 10, got 0"),
+    ({"step_alarm_s": "fast"}, "step_alarm_s must be a number, got 'fast'"),
 ])
 def test_bad_thresholds_are_named(body: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidThresholds) as caught:
@@ -193,8 +195,9 @@ def test_a_bare_yaml_off_means_the_off_policy() -> None:
 
 def test_thresholds_round_trip_and_protect_the_unshed_priorities() -> None:
     body = {"policy": "seed", "sla_multiplier": 1.5, "shed_priorities": [0, 1],
-            "stages": {"model": {"parallelism": 4}}}
+            "step_alarm_s": 0.3, "stages": {"model": {"parallelism": 4}}}
     parsed = thresholds_from(body)
+    assert parsed.step_alarm_s == 0.3
     assert parsed.protected_from == 2
     assert parsed.stage("model").parallelism == 4
     assert parsed.stage("model").sla_multiplier == 1.5  # inherits the pipeline's

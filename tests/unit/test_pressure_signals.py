@@ -18,15 +18,20 @@ from sitsmesh.pressure.thresholds import thresholds_from
 # A plain HTTP stage: no Triton metrics, one worker, 20 ms a request (capacity 50/s).
 PLAIN = pipeline_from("plain", {"stages": [
     {"name": "svc", "match": {"upstream_cluster": "svc"}, "sla_p99_ms": 250}]})
+# Exponential service times at 70 % of capacity put a single server's p99 at 307 ms
+# (M/M/1: ln(100) / (mu - lambda)): past a 250 ms SLA with no overload at all. The same
+# stage with an SLA it meets at that load.
+PLAIN_400 = pipeline_from("plain", {"stages": [
+    {"name": "svc", "match": {"upstream_cluster": "svc"}, "sla_p99_ms": 400}]})
 ONLY_PARALLELISM = thresholds_from({"stages": {"svc": {"parallelism": 1}}})
 
 
 def _profile(steps: list[tuple[float, float]], duration: float, *, service: str,
-             flush: float, seed: int) -> Any:
+             flush: float, seed: int, pipeline: Any = PLAIN) -> Any:
     return profile_from({"duration_s": duration,
                          "steps": [{"at_s": t, "rps": r} for t, r in steps],
                          "priorities": {0: 0.7, 9: 0.3}, "service_ms": {"svc": 20},
-                         "service": service, "log_flush_s": flush, "seed": seed}, PLAIN)
+                         "service": service, "log_flush_s": flush, "seed": seed}, pipeline)
 
 
 # --- the estimators ----------------------------------------------------------
@@ -263,9 +268,13 @@ def test_no_false_sheds_at_70_percent_of_capacity(service: str, flush: float,
                                                   seed: int) -> None:
     """Poisson arrivals at 0.7x: chance queues, not overload. At most 0.5 % is shed,
     with only the pipeline, its SLA and `parallelism` set, and the access log flushed
-    every 20 ms or every second (Envoy's and Istio's default)."""
-    profile = _profile([(0, 35)], 60, service=service, flush=flush, seed=seed)
-    result = summary(simulate(PLAIN, ONLY_PARALLELISM, profile))
+    every 20 ms or every second (Envoy's and Istio's default). The SLA is one the stage
+    meets at that load (see PLAIN_400): where it does not, a queue past it is lateness,
+    and shedding there is the controller's job."""
+    pipeline = PLAIN if service == "fixed" else PLAIN_400
+    profile = _profile([(0, 35)], 60, service=service, flush=flush, seed=seed,
+                       pipeline=pipeline)
+    result = summary(simulate(pipeline, ONLY_PARALLELISM, profile))
     assert result["shed_fraction"] <= 0.005, result
 
 
