@@ -131,7 +131,8 @@ def cmd_thresholds_history(args: argparse.Namespace) -> int:
 
 def _pressure_rows(snapshot: Any) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = [
-        ("PIPELINE", "STAGE", "LEVEL", "PRESSURE", "LAMBDA/S", "MU/S", "QUEUE", "RT99 MS",
+        ("PIPELINE", "STAGE", "LEVEL", "PRESSURE", "LAMBDA/S", "MU/S (N, CS2)", "QUEUE",
+         "RT99 MS",
          "ADMIT", "CUTOFF", "CONC", "SHED", "SIGNAL AGES")]
     for p in snapshot.pipelines:
         level = word(admin_pb2.PressureLevel, p.level)
@@ -143,7 +144,8 @@ def _pressure_rows(snapshot: Any) -> list[tuple[str, ...]]:
             if s.reason:
                 level += f" ({word(admin_pb2.OverloadReason, s.reason)})"
             rows.append(("", s.name, level, f"{s.pressure:.2f}", f"{s.arrival_rate:.1f}",
-                         f"{s.capacity:.1f}", f"{s.queue:.0f}", f"{s.rt99_ms:.1f}", "", "", "",
+                         f"{s.capacity:.1f} ({s.capacity_samples}, {s.service_cs2:.2f})",
+                         f"{s.queue:.0f}", f"{s.rt99_ms:.1f}", "", "", "",
                          "", _ages(s.signals)))
     return rows
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from sitsmesh.chains.pipeline import Pipeline
 from sitsmesh.pressure import estimate, headroom
-from sitsmesh.pressure.queueing import ewma, seed_depth
+from sitsmesh.pressure.queueing import chance_queue, ewma, seed_depth
 from sitsmesh.pressure.signals import PipelineSignals, Signals
 from sitsmesh.pressure.stages import (
     CALM_TAIL,
@@ -40,7 +40,6 @@ from sitsmesh.pressure.stages import (
     StageJudge,
     StagePressure,
     Tick,
-    chance_queue,
     elsewhere,
     stage_sla_s,
 )

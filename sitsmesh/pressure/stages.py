@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from sitsmesh.chains.histogram import Histogram
 from sitsmesh.chains.pipeline import Pipeline, Stage
 from sitsmesh.pressure import estimate
-from sitsmesh.pressure.queueing import ewma, mm1_p99, rate_for_p99
+from sitsmesh.pressure.queueing import chance_queue, ewma, mm1_p99, rate_for_p99
 from sitsmesh.pressure.signals import Signals, StageSignals
 from sitsmesh.pressure.thresholds import PRIORITIES, StageThresholds, Thresholds
 
@@ -40,11 +40,6 @@ ERROR_SHARE = 0.1        # a stage failing this share of its requests under load
 MIN_ERRORS = 5
 LATENCY_TICKS = 10       # rt99 over the last this many ticks (0.5 s at the default tick)
 MIN_RT_SAMPLES = 5       # and only once that window holds this many requests
-# Chance queues: Poisson arrivals at CALM_LOAD of capacity make a queue past
-# chance_queue(cs2, tail) only `tail` of the time (Kingman's heavy-traffic tail);
-# about 13 queued for fixed service times and 27 for exponential ones at 0.1 %.
-CALM_LOAD = 0.75        # a margin over the 70 % that must never see a shed: the tail formula is
-                         # a heavy-traffic approximation, optimistic at moderate load
 CALM_TAIL = 0.001        # where the cap sits when no overload is seen
 BUILDING_TAIL = 0.02     # past this, with arrivals past capacity, a queue is building
 MIN_SERVICE_S = 1e-4     # a floor on service time estimates: 10,000 requests/s an instance
@@ -68,6 +63,10 @@ class StagePressure:
     stale: bool
     reason: str = ""         # why it is overloaded: surge, full, standing, errors or late
     signals: tuple[SignalAge, ...] = ()
+    # How far the capacity is to be trusted: the service times behind its last window
+    # and their squared coefficient of variation (1 is exponential; see headroom).
+    capacity_samples: int = 0
+    service_cs2: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +249,7 @@ class StageJudge:
                              round(fill, 4), round(rt99 * 1000, 3),
                              round(min(mm1_p99(lam, mu), 3600.0) * 1000, 3),
                              round(headroom, 3), stale, overloaded,
-                             self._ages(tick, signals))
+                             self._ages(tick, signals), own.samples, round(own.spread, 3))
         return view, rate, drain
 
     def _ages(self, tick: Tick, signals: StageSignals) -> tuple[SignalAge, ...]:
@@ -348,16 +347,6 @@ def _triton_capacity(own: StageState, signals: StageSignals, queue: float,
     if queue >= 2 * limits.parallelism and served > capacity:
         capacity = served
     own.mu = ewma(own.mu, capacity, dt, TAU_S)
-
-
-def chance_queue(cs2: float, tail: float, batch: float = 1.0) -> float:
-    """The queue length (in calls) Poisson arrivals at CALM_LOAD of capacity pass only
-    `tail` of the time, for service times of squared coefficient of variation `cs2`.
-
-    A fan-out sends `batch` calls at once: the calls arrive in clumps, with `batch`
-    times the variance of Poisson arrivals (the ca² of Kingman's formula), so its
-    chance queues are that much longer."""
-    return math.log(CALM_LOAD / tail) * (batch + cs2) / (2 * (1 - CALM_LOAD))
 
 
 def stage_sla_s(stage: Stage, limits: StageThresholds) -> float | None:

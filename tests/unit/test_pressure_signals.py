@@ -10,9 +10,9 @@ import pytest
 
 from sitsmesh.chains.pipeline import pipeline_from
 from sitsmesh.pressure import estimate
+from sitsmesh.pressure.queueing import chance_queue
 from sitsmesh.pressure.signals import PipelineSignals
 from sitsmesh.pressure.simulate import InvalidProfile, profile_from, simulate, summary
-from sitsmesh.pressure.stages import chance_queue
 from sitsmesh.pressure.thresholds import thresholds_from
 
 # A plain HTTP stage: no Triton metrics, one worker, 20 ms a request (capacity 50/s).

@@ -492,7 +492,7 @@ class WatchPressureRequest(_message.Message):
     def __init__(self, pipeline: _Optional[str] = ..., interval_ms: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StagePressure(_message.Message):
-    __slots__ = ("name", "level", "pressure", "arrival_rate", "capacity", "utilisation", "queue", "queue_fill", "rt99_ms", "predicted_p99_ms", "headroom_rps", "stale", "reason", "signals")
+    __slots__ = ("name", "level", "pressure", "arrival_rate", "capacity", "utilisation", "queue", "queue_fill", "rt99_ms", "predicted_p99_ms", "headroom_rps", "stale", "reason", "signals", "capacity_samples", "service_cs2")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     PRESSURE_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +507,8 @@ class StagePressure(_message.Message):
     STALE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SIGNALS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_CS2_FIELD_NUMBER: _ClassVar[int]
     name: str
     level: PressureLevel
     pressure: float
@@ -521,7 +523,9 @@ class StagePressure(_message.Message):
     stale: bool
     reason: OverloadReason
     signals: _containers.RepeatedCompositeFieldContainer[SignalAge]
-    def __init__(self, name: _Optional[str] = ..., level: _Optional[_Union[PressureLevel, str]] = ..., pressure: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., capacity: _Optional[float] = ..., utilisation: _Optional[float] = ..., queue: _Optional[float] = ..., queue_fill: _Optional[float] = ..., rt99_ms: _Optional[float] = ..., predicted_p99_ms: _Optional[float] = ..., headroom_rps: _Optional[float] = ..., stale: _Optional[bool] = ..., reason: _Optional[_Union[OverloadReason, str]] = ..., signals: _Optional[_Iterable[_Union[SignalAge, _Mapping]]] = ...) -> None: ...
+    capacity_samples: int
+    service_cs2: float
+    def __init__(self, name: _Optional[str] = ..., level: _Optional[_Union[PressureLevel, str]] = ..., pressure: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., capacity: _Optional[float] = ..., utilisation: _Optional[float] = ..., queue: _Optional[float] = ..., queue_fill: _Optional[float] = ..., rt99_ms: _Optional[float] = ..., predicted_p99_ms: _Optional[float] = ..., headroom_rps: _Optional[float] = ..., stale: _Optional[bool] = ..., reason: _Optional[_Union[OverloadReason, str]] = ..., signals: _Optional[_Iterable[_Union[SignalAge, _Mapping]]] = ..., capacity_samples: _Optional[int] = ..., service_cs2: _Optional[float] = ...) -> None: ...
 
 class SignalAge(_message.Message):
     __slots__ = ("source", "age_s", "stale")

@@ -47,6 +47,7 @@ def pipeline_pb(decision: Decision, in_flight: int, shed: int) -> admin_pb2.Pipe
                            utilisation=s.utilisation, queue=s.queue, queue_fill=s.queue_fill,
                            rt99_ms=s.rt99_ms, predicted_p99_ms=s.predicted_p99_ms,
                            headroom_rps=s.headroom_rps, stale=s.stale,
+                           capacity_samples=s.capacity_samples, service_cs2=s.service_cs2,
                            reason=label(admin_pb2.OverloadReason, s.reason),
                            signals=[admin_pb2.SignalAge(
                                source=label(admin_pb2.SignalSource, a.source), age_s=a.age_s,
