@@ -323,7 +323,9 @@ class _Simulation:
         second.admitted += 1
         self.next_id += 1
         request = _Request(self.next_id, priority, self.now, services)
-        if decision is not None and priority >= decision.protected_from:
+        # The priorities the thresholds protect, whatever the policy: every policy is
+        # judged on the same requests.
+        if priority >= self.thresholds.protected_from:
             second.protected += 1
             ended = self.now
             for stage, calls in zip(self.stages, request.services, strict=True):
