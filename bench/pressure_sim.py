@@ -17,6 +17,7 @@ configs set; the 20 ms flush has no stats sink. Per run:
 - admitted p99 during the overload; low priority served within 2 s after the drop.
 
     PYTHONPATH=. .venv/bin/python bench/pressure_sim.py [--seeds 5] [--fanouts 1,2,4]
+    PYTHONPATH=. .venv/bin/python bench/pressure_sim.py --step-alarms 0.06,0.12,5
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import argparse
 import statistics
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from sitsmesh.chains.pipeline import pipeline_from
-from sitsmesh.pressure.simulate import SERVICE_KINDS, profile_from, simulate
+from sitsmesh.pressure.simulate import SERVICE_KINDS, profile_from, simulate, summary
 from sitsmesh.pressure.thresholds import thresholds_from
 
 PIPELINE = pipeline_from("demo", {"stages": [
@@ -68,12 +70,55 @@ def one(kind: str, fanout: int, flush: tuple[float, float], seed: int) -> dict[s
             "low_after": good0 / offered0 if offered0 else 1.0}
 
 
+def onset_late(kind: str, alarm_s: float, seed: int) -> tuple[int, int]:
+    """(late by others, protected) in the first 2 s of the step, fan-out 1, 20 ms flush."""
+    profile = profile_from({"duration_s": 30, "steps": [{"at_s": t, "rps": r} for t, r in STEPS],
+                            "priorities": {0: 0.7, 9: 0.3}, "service_ms": {"model": 20},
+                            "service": kind, "sla_ms": 250, "seed": seed,
+                            "log_flush_s": 0.02}, PIPELINE)
+    seconds = [s for s in simulate(PIPELINE, replace(thresholds(1), step_alarm_s=alarm_s),
+                                   profile) if 6 <= s.at < 8]
+    return sum(s.late_by_others for s in seconds), sum(s.protected for s in seconds)
+
+
+def seventy_shed(kind: str, flush: float, alarm_s: float, seed: int) -> float:
+    """The shed share at a steady 70 % of capacity for 60 s (tests/unit/
+    test_pressure_signals.py's no-false-shed case: exponential times get the 400 ms SLA
+    they meet at that load)."""
+    sla = 250 if kind == "fixed" else 400
+    pipeline = pipeline_from("plain", {"stages": [
+        {"name": "svc", "match": {"upstream_cluster": "svc"}, "sla_p99_ms": sla}]})
+    profile = profile_from({"duration_s": 60, "steps": [{"at_s": 0, "rps": 35}],
+                            "priorities": {0: 0.7, 9: 0.3}, "service_ms": {"svc": 20},
+                            "service": kind, "log_flush_s": flush, "seed": seed}, pipeline)
+    chosen = thresholds_from({"stages": {"svc": {"parallelism": 1}},
+                              "step_alarm_s": alarm_s})
+    return float(summary(simulate(pipeline, chosen, profile))["shed_fraction"])
+
+
+def sweep(alarms: Sequence[float], seeds: int) -> None:
+    print("| step_alarm_s | onset: late by others / protected | sheds at 70 % load: worst run |")
+    print("|---:|---:|---:|")
+    for alarm_s in alarms:
+        pairs = [onset_late(kind, alarm_s, seed) for kind in ("exp", "lognormal", "bimodal")
+                 for seed in range(1, seeds + 1)]
+        worst = max(seventy_shed(kind, flush, alarm_s, seed) for kind in ("fixed", "exp")
+                    for flush in (0.02, 1.0) for seed in (1, 2, 3))
+        print(f"| {alarm_s:g} | {sum(p[0] for p in pairs)} / {sum(p[1] for p in pairs)} | "
+              f"{worst:.2%} |", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--fanouts", default="1,2,4")
     p.add_argument("--kinds", default=",".join(SERVICE_KINDS))
+    p.add_argument("--step-alarms", default="",
+                   help="instead: sweep step_alarm_s over these values (onset against 70 %%)")
     args = p.parse_args(argv)
+    if args.step_alarms:
+        sweep([float(a) for a in args.step_alarms.split(",")], args.seeds)
+        return 0
     print("| service | fan-out | log flush | high on time (min, median) | high late by others "
           "(max) | high late alone (max) | false sheds at 0.5x (max) | goodput at 2x / "
           "capacity (min, median) | overload p99 ms (max) | low priority after the drop "
