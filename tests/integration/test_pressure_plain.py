@@ -12,6 +12,7 @@ sitsmesh's RLQS process (rlqs_addr): the controller's decisions cross to it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -62,8 +63,15 @@ class Stack:
 
 @pytest.fixture(params=["calls", "rlqs", "rlqs-process"])
 def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    admission, _, process = str(request.param).partition("-")
-    stage = StageService(name="svc", parallelism=1, service_ms=20).start()
+    with _stack(tmp_path, str(request.param)) as made:
+        yield made
+
+
+@contextlib.contextmanager
+def _stack(tmp_path: Path, param: str, distribution: str = "fixed") -> Iterator[Stack]:
+    admission, _, process = param.partition("-")
+    stage = StageService(name="svc", parallelism=1, service_ms=20,
+                         distribution=distribution, seed=29).start()
     node = envoy = None
     limits = ["rate_limit_quota"] if admission == "rlqs" else []
     rlqs_addr = f"127.0.0.1:{harness.free_port()}" if process else ""
@@ -188,3 +196,39 @@ def test_half_load_sheds_nothing_twice_sheds_low_priority_and_it_recovers(
         time.sleep(0.05)
     after = _drive(stack, rate=25, seconds=2, high_share=0.0)
     assert sum(r.status == 200 for r in after) >= 0.995 * len(after)
+
+
+def test_a_noisy_stage_gets_a_cap_sized_to_the_tail_of_its_service_times(
+        tmp_path: Path) -> None:
+    """Issue 29 through real Envoy: exponential service times (20 ms mean). sitsmesh
+    learns their spread, and under overload caps low priority at the queue that drains
+    within the SLA at their tail (about 2 in flight), not at the mean-sized queue a
+    fixed stage gets (6): high priority, never shed, finds little ahead of it."""
+    with _stack(tmp_path, "calls", "exp") as stack:
+        _drive(stack, rate=25, seconds=5)
+        seen: list[admin_pb2.PipelinePressure] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                seen.append(stack.node.pressure("plain"))
+                done.wait(0.2)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            results = _drive(stack, rate=100, seconds=7)
+        finally:
+            done.set()
+            watcher.join(10)
+    overloaded = [p for p in seen if p.level == admin_pb2.PRESSURE_LEVEL_OVERLOADED]
+    assert len(overloaded) >= 5, [word(admin_pb2.PressureLevel, p.level) for p in seen]
+    stage = overloaded[-1].stages[0]
+    assert stage.capacity_samples >= 10 and stage.service_cs2 >= 0.5, stage
+    caps = sorted(p.concurrency for p in overloaded)
+    assert 1 <= caps[len(caps) // 2] <= 3, caps
+    steady = [r for r in results if r.sent >= 2.0]
+    assert all(r.status == 200 for r in steady if r.priority == HIGH)
+    low = [r for r in steady if r.priority == LOW]
+    assert sum(r.status == 429 for r in low) > 0.3 * len(low)
+    assert sum(r.status == 200 for r in steady) / 5.0 >= 0.6 * 50  # still busy
