@@ -1,14 +1,21 @@
 """Offline: the controller against a queueing model of the pipeline, on a simulated clock.
 
 Stages are queues in series with `parallelism` servers each and fixed, exponential,
-log-normal or bimodal service times (SERVICE_KINDS). Arrivals are Poisson at a rate that follows the
-load profile, with priorities drawn from its mix. Every arrival meets the same
+log-normal or bimodal service times (SERVICE_KINDS); a stage with `fanout` f takes f
+calls per request, in parallel, and the request moves on when the last one ends.
+Arrivals are Poisson at a rate that follows the load profile, with priorities drawn
+from its mix. Every arrival meets the same
 shedding rule Check applies; the controller ticks on the simulated clock and
 reads signals fed as production feeds them, with their delays: access-log
 entries arrive in batches every `log_flush_s` (Envoy's default is 1 s), Triton
 stages are scraped every `scrape_s`, and Envoy's per-cluster gauges come every
 `stats_flush_s` when that is set. An SRE sees what a setting costs before
 changing it.
+
+Each protected request (never shed) is also followed through the stages as if only
+protected work came, with the service times it met: one late in the simulation but in
+time there was made late by the work admitted ahead of it (`late_by_others`), the share
+of lateness a controller answers for.
 """
 
 from __future__ import annotations
