@@ -364,7 +364,8 @@ def _stepped(tick: Tick, arrived: int) -> bool:
                                             state.stages[v.name].samples)
                     / thresholds.stage(v.name).fanout for v in tick.views if v.capacity),
                    default=0.0)
-    if not capacity:
+    if not capacity or tick.dt <= 0:
+        # (The first tick's count runs from the process's start: not a step.)
         state.cusum = 0.0
         return False
     alarm_s = thresholds.step_alarm_s
