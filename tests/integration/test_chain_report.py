@@ -74,8 +74,9 @@ def test_chain_show_names_the_trace_of_the_slowest_requests(
     for chain in slowest[:4]:
         delay = SLOW[chain["request_id"]][0]
         # Envoy's timer fires the delay a little early, as its logs measure it (1.5 ms
-        # seen on a loaded 2-core machine).
-        assert delay - 3 <= chain["e2e_ms"] <= delay + 100, chain
+        # seen on a loaded 2-core machine, 4.2 ms once under make test's load); the
+        # order above is what the check is for, this only that the delay is the e2e.
+        assert delay - 10 <= chain["e2e_ms"] <= delay + 100, chain
         stages = {s["name"]: s for s in chain["stages"]}
         assert list(stages) == ["pre", "feat", "model"]
         assert stages["pre"]["offset_ms"] == 0.0
