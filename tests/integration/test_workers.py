@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -96,13 +97,18 @@ def test_workers_refuse_what_needs_one_process_instead_of_answering_wrong(
             admin_pb2.ApplyPipelineRequest(yaml=PIPELINE), metadata=single.admin_metadata(),
             timeout=5)
     single.stop()
-    result = harness.run_cli("serve", "--workers", "2", "--state-dir", str(single.state_dir),
-                             "--data-addr", f"127.0.0.1:{harness.free_port()}",
-                             "--admin-addr", f"127.0.0.1:{harness.free_port()}",
-                             "--metrics-addr", f"127.0.0.1:{harness.free_port()}")
+    result = _serve_two_workers(single.state_dir)
     assert result.returncode == 2
     assert "--workers 2: the state holds pipelines twostage, which needs --workers 1" in (
         result.stderr)
+
+
+def _serve_two_workers(state_dir: Path) -> subprocess.CompletedProcess[str]:
+    """`serve --workers 2` on a state directory one process wrote: it must refuse."""
+    return harness.run_cli("serve", "--workers", "2", "--state-dir", str(state_dir),
+                           "--data-addr", f"127.0.0.1:{harness.free_port()}",
+                           "--admin-addr", f"127.0.0.1:{harness.free_port()}",
+                           "--metrics-addr", f"127.0.0.1:{harness.free_port()}")
 
 
 BUDGET = ("apiVersion: sitsmesh.io/v1alpha1\nkind: TokenBudget\nmetadata: {name: acme}\n"
@@ -125,10 +131,7 @@ def test_workers_on_the_memory_store_refuse_token_budgets(start_sitsmesh: Start,
     single = start_sitsmesh(name="single")
     assert single.cli("apply", "-f", str(tmp_path / "budget.yaml")).returncode == 0
     single.stop()
-    result = harness.run_cli("serve", "--workers", "2", "--state-dir", str(single.state_dir),
-                             "--data-addr", f"127.0.0.1:{harness.free_port()}",
-                             "--admin-addr", f"127.0.0.1:{harness.free_port()}",
-                             "--metrics-addr", f"127.0.0.1:{harness.free_port()}")
+    result = _serve_two_workers(single.state_dir)
     assert result.returncode == 2
     assert "--workers 2: the state holds token budgets of acme, which need " \
            "--ratelimit-store redis" in result.stderr
