@@ -25,12 +25,6 @@ from sitsmesh.authz.model import InvalidObject
 BUDGET_KIND = "token-budget"
 # What Check tells the request's later hops: the input tokens its budget reserved for.
 ESTIMATE_HEADER = "x-sits-token-estimate"
-
-
-def estimate_from_header(value: str) -> int:
-    """ESTIMATE_HEADER as Check set it; 0 where absent or not a small count (a header
-    anyone upstream could have written is read, never trusted past 12 digits)."""
-    return int(value) if value.isdigit() and len(value) <= 12 else 0
 WINDOWS = {"minute": 60, "hour": 3600, "day": 86400}
 EACH = ("tenant", "api_key", "model")
 MAX_LIMITS = 16
@@ -44,6 +38,12 @@ _TENANT_NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 _SPEC_KEYS = {"limits", "weights", "default_max_tokens", "chars_per_token"}
 _LIMIT_KEYS = {"tokens", "per", "each", "models"}
 _WEIGHTS = ("input", "output", "cached_input")
+
+
+def estimate_from_header(value: str) -> int:
+    """ESTIMATE_HEADER as Check set it; 0 where absent or not a small count (a header
+    anyone upstream could have written is read, never trusted past 12 digits)."""
+    return int(value) if value.isdigit() and len(value) <= 12 else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -278,7 +278,7 @@ class Controller:
         return views
 
     @staticmethod
-    def _concurrency(tick: Tick, share: float, *, calm: bool, surge: bool = True) -> int:
+    def _concurrency(tick: Tick, share: float, *, calm: bool, surge: bool) -> int:
         """Little's law on the bottleneck: in flight = capacity x the time the SLA leaves
         for waiting, so an admitted request is not queued past its SLA. The count it
         meets is the whole pipeline's, so what the other stages hold is added."""
