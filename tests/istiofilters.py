@@ -41,13 +41,13 @@ def one(found_in: Sequence[Doc], kind: str) -> Doc:
     return found[0]
 
 
-def sitsmesh_cluster(kube_docs: Sequence[Doc]) -> str:
-    """Istio's outbound cluster for the sitsmesh Service's grpc-data port."""
+def sitsmesh_cluster(kube_docs: Sequence[Doc], port: int | None = None) -> str:
+    """Istio's outbound cluster for the sitsmesh Service's grpc-data port (or `port`)."""
     service = one(kube_docs, "Service")
     namespace = one(kube_docs, "Kustomization").get("namespace") or "default"
     host = f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
     data_port = {p["name"]: p["port"] for p in service["spec"]["ports"]}["grpc-data"]
-    return f"outbound|{data_port}||{host}"
+    return f"outbound|{port or data_port}||{host}"
 
 
 def entry_policy(istio_docs: Sequence[Doc], envoy_filter: Doc) -> Doc:

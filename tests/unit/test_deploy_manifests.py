@@ -72,12 +72,11 @@ def test_kustomization_lists_every_manifest_beside_it(kustomization: Path) -> No
 
 
 # Beside deploy/istio's kustomization.yaml but not applied by it (its header says why):
-# mesh config for the Istio install, the RLQS alternative to rate-limit.yaml, token
-# streams (copied by ext_proc or timed in Envoy), applied only where responses stream,
-# and per-message checks, applied where gRPC streams enter (each needs its port or
-# workload edited).
-NOT_RESOURCES = {"istio": {"extension-provider.yaml", "rate-limit-quota.yaml",
-                           "ext-proc.yaml", "token-timing.yaml", "grpc-stream-check.yaml"}}
+# mesh config for the Istio install, token streams (copied by ext_proc or timed in
+# Envoy), applied only where responses stream, and per-message checks, applied where
+# gRPC streams enter (each needs its port or workload edited).
+NOT_RESOURCES = {"istio": {"extension-provider.yaml", "ext-proc.yaml", "token-timing.yaml",
+                           "grpc-stream-check.yaml"}}
 
 
 def test_service_ports_match_container_ports_and_defaults() -> None:

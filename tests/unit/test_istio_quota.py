@@ -1,6 +1,7 @@
-"""deploy/istio/rate-limit-quota.yaml (issue 16): the Istio form of Envoy's
+"""deploy/overlays/istio-rlqs/rate-limit-quota.yaml (issue 16): the Istio form of Envoy's
 rate_limit_quota filter is the plain-Envoy fragment's config apart from where sitsmesh
-is (Istio's cluster for the Service) and the domain, goes right after ext_authz on the
+is (Istio's cluster for the Service's port of the RLQS process, which the overlay adds
+and has sitsmesh listen on) and the domain, goes right after ext_authz on the
 workload the CUSTOM policy sends through ext_authz, and passes the real Envoy binary
 (`--mode validate`, a fraction of a second) inside a bootstrap laid out as Istio would.
 
@@ -23,6 +24,7 @@ from tests.istiofilters import (
     HCM,
     Doc,
     break_at,
+    docs,
     entry_policy,
     istio_docs,
     istio_like_bootstrap,
@@ -32,10 +34,26 @@ from tests.istiofilters import (
 )
 
 FRAGMENT = harness.REPO / "filters" / "fragments" / "rate_limit_quota.yaml"
+OVERLAY = harness.REPO / "deploy" / "overlays" / "istio-rlqs"
 QUOTA = "envoy.filters.http.rate_limit_quota"
 ALLOW_ALL = {"blanket_rule": "ALLOW_ALL"}
 # Where sitsmesh is and which rules apply: the only fields the two forms may differ in.
 SITE_FIELDS = ("rlqs_server", "domain")
+
+
+def _istio() -> list[Doc]:
+    """deploy/istio's objects with the overlay's quota filter."""
+    return istio_docs() + docs(OVERLAY / "rate-limit-quota.yaml")
+
+
+def _rlqs_port() -> int:
+    """The port the overlay has sitsmesh serve RLQS on (SITSMESH_RLQS_ADDR)."""
+    patches = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())["patches"]
+    [addr] = [op["value"]["value"] for p in patches
+              if p.get("target", {}).get("kind") == "Deployment"
+              for op in yaml.safe_load(p["patch"])
+              if op["value"].get("name") == "SITSMESH_RLQS_ADDR"]
+    return int(addr.rpartition(":")[2])
 
 
 def _fragment_filter() -> Doc:
@@ -58,7 +76,7 @@ def _bucket_settings(typed_config: Doc) -> list[Doc]:
 def check_quota_filter(fragment: Doc, kube: Sequence[Doc], istio: Sequence[Doc]) -> None:
     """One EnvoyFilter adds rate_limit_quota: right after ext_authz, on the workload the
     CUSTOM policy covers in full, with the fragment's config, pointed at the sitsmesh
-    Service's data port, failing open."""
+    Service's RLQS port, failing open."""
     patches = _quota_patches(istio)
     assert len(patches) == 1, f"one patch adds {QUOTA}, found {len(patches)}"
     [(envoy_filter, patch)] = patches
@@ -73,7 +91,8 @@ def check_quota_filter(fragment: Doc, kube: Sequence[Doc], istio: Sequence[Doc])
     value = patch["patch"]["value"]
     config = value["typed_config"]
     assert config["rlqs_server"] == {"envoy_grpc": {
-        "cluster_name": sitsmesh_cluster(kube)}}, "Istio's cluster for sitsmesh"
+        "cluster_name": sitsmesh_cluster(kube, _rlqs_port())}}, \
+        "Istio's cluster for sitsmesh's RLQS port"
     domain = config["domain"]
     assert isinstance(domain, str) and domain and "${" not in domain, domain
     for settings in _bucket_settings(config):
@@ -93,7 +112,7 @@ def check_quota_filter(fragment: Doc, kube: Sequence[Doc], istio: Sequence[Doc])
 
 
 def test_quota_filter_is_the_fragment_after_ext_authz_on_the_checked_workload() -> None:
-    check_quota_filter(_fragment_filter(), kube_docs(), istio_docs())
+    check_quota_filter(_fragment_filter(), kube_docs(), _istio())
 
 
 _P = "spec.configPatches.0"
@@ -136,7 +155,7 @@ QUOTA_BREAKS: list[tuple[str, str, object]] = [
                               for w, p, v in QUOTA_BREAKS])
 def test_quota_check_rejects_a_drifted_or_misplaced_filter(where: str, path: str,
                                                            value: object) -> None:
-    fragment, kube, istio = _fragment_filter(), kube_docs(), istio_docs()
+    fragment, kube, istio = _fragment_filter(), kube_docs(), _istio()
     if where == "fragment":
         target = fragment
     elif where == "policy":
@@ -150,7 +169,7 @@ def test_quota_check_rejects_a_drifted_or_misplaced_filter(where: str, path: str
 
 
 def test_the_envoy_filter_config_passes_the_real_envoy(tmp_path: Path) -> None:
-    [(_, patch)] = _quota_patches(istio_docs())
+    [(_, patch)] = _quota_patches(_istio())
     value = patch["patch"]["value"]
     config = istio_like_bootstrap(value, value["typed_config"]["rlqs_server"]["envoy_grpc"][
         "cluster_name"])
@@ -162,7 +181,7 @@ def test_the_envoy_filter_config_passes_the_real_envoy(tmp_path: Path) -> None:
 
 def test_envoy_validation_reads_the_bucket_settings(tmp_path: Path) -> None:
     """The check above can fail: a bad value deep in the bucket settings is refused."""
-    [(_, patch)] = _quota_patches(istio_docs())
+    [(_, patch)] = _quota_patches(_istio())
     value = copy.deepcopy(patch["patch"]["value"])
     _bucket_settings(value["typed_config"])[0]["no_assignment_behavior"][
         "fallback_rate_limit"] = {"blanket_rule": "ALLOW_SOME"}

@@ -33,7 +33,8 @@ DEPLOY = ROOT / "deploy"
 ISTIO_VALIDATOR = ROOT / "tests" / "istio" / "validate.mjs"
 ISTIO_SCHEMAS = ROOT / "tests" / "istio" / "node_modules" / "@kubernetes-models" / "istio"
 OVERLAYS = {"base": "kubernetes", "dev": "overlays/dev",
-            "production-ha": "overlays/production-ha", "istio": "istio"}
+            "production-ha": "overlays/production-ha", "istio": "istio",
+            "istio-rlqs": "overlays/istio-rlqs"}
 # Values for the Secret-backed variables, so sitsmesh's own parser reads the rest.
 SECRET_STANDINS = {"SITSMESH_STATE_URL": "postgresql://u:p@db:5432/sitsmesh",
                    "SITSMESH_REDIS_URL": "redis://redis:6379/0"}
@@ -122,6 +123,16 @@ def _strings(node: Any) -> Iterator[str]:
         yield node
 
 
+def _env(container: Doc) -> dict[str, str]:
+    return {e["name"]: e.get("value", SECRET_STANDINS.get(e["name"], "set"))
+            for e in container["env"]}
+
+
+def _settings(deployment: Doc) -> config.Settings:
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return config.load_settings(env=_env(container))
+
+
 def check_sitsmesh(objects: Sequence[Doc]) -> None:
     """sitsmesh's own objects reach each other, name the release image, and its settings
     are ones sitsmesh accepts and that fit the replica count."""
@@ -153,12 +164,15 @@ def check_sitsmesh(objects: Sequence[Doc]) -> None:
     assert name.rsplit("/", 1)[-1] == "sitsmesh" and tag == pyproject_version(), \
         f"image {container['image']}: the release is {pyproject_version()} (pyproject.toml)"
 
-    env = {e["name"]: e.get("value", SECRET_STANDINS.get(e["name"], "set"))
-           for e in container["env"]}
+    env = _env(container)
     unknown = {n for n in env if n.startswith("SITSMESH_")} - NOT_SETTINGS - {
         config.env_name(key) for key in config.PARSERS}
     assert not unknown, f"not sitsmesh settings: {sorted(unknown)}"
     settings = config.load_settings(env=env)
+    for addr in (a for a in (settings.data_addr, settings.admin_addr, settings.rlqs_addr)
+                 if a is not None):
+        assert str(addr.port) in {str(p["containerPort"]) for p in container["ports"]}, \
+            f"{addr}: no container port"
     replicas = deployment["spec"].get("replicas", 1)
     assert settings.store_replicas == replicas, \
         f"SITSMESH_STORE_REPLICAS {settings.store_replicas}, replicas {replicas}"
@@ -179,7 +193,14 @@ def check_istio(objects: Sequence[Doc], providers: dict[str, Doc]) -> None:
     deployment, service = _only(objects, "Deployment"), _only(objects, "Service")
     namespace = service["metadata"]["namespace"]
     host = f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
-    port = {p["name"]: p["port"] for p in service["spec"]["ports"]}["grpc-data"]
+    service_ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    port = service_ports["grpc-data"]
+    settings = _settings(deployment)
+    # RLQS streams go to the RLQS process's port when it has one (rlqs_addr).
+    quota_port = service_ports["grpc-rlqs"] if settings.rlqs_addr is not None else port
+    if settings.rlqs_addr is not None:
+        assert quota_port == settings.rlqs_addr.port, \
+            f"grpc-rlqs {quota_port}, SITSMESH_RLQS_ADDR {settings.rlqs_addr}"
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     container_ports = {str(p["containerPort"]) for c in
                        deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
@@ -208,18 +229,27 @@ def check_istio(objects: Sequence[Doc], providers: dict[str, Doc]) -> None:
                                 r"\.local(?::\d+)?", text):
             assert found in (host, f"{host}:{port}"), f"{found}: the Service is {host}:{port}"
         if text.startswith("outbound|"):
-            assert text == f"outbound|{port}||{host}", f"{text}: no such cluster"
+            assert text in {f"outbound|{p}||{host}" for p in (port, quota_port)}, \
+                f"{text}: no such cluster"
     filters = [d for d in istio if d["kind"] == "EnvoyFilter"]
     added = {p["patch"]["value"].get("name"): d for d in filters for p in d["spec"]["configPatches"]
              if p["patch"]["operation"] == "INSERT_AFTER"}
     assert (RATELIMIT in added) != (QUOTA in added), "one of rate-limit(-quota).yaml"
+    if QUOTA in added:
+        [server] = [p["patch"]["value"]["typed_config"]["rlqs_server"]
+                    for p in added[QUOTA]["spec"]["configPatches"]
+                    if p["patch"]["value"].get("name") == QUOTA]
+        assert server["envoy_grpc"]["cluster_name"] == f"outbound|{quota_port}||{host}", \
+            f"the quota filter streams to {server}, sitsmesh serves RLQS on {quota_port}"
+        assert settings.admission == "rlqs", "the quota filter and Check would both shed"
     for doc in added.values():
         assert doc["metadata"]["namespace"] == entry_ns, "the filter misses the entry workload"
         assert doc["spec"]["workloadSelector"]["labels"] == entry_labels, \
             "the filter lands on a workload without ext_authz"
     for patch in (p for d in filters for p in d["spec"]["configPatches"]
                   if p["applyTo"] == "CLUSTER"):
-        assert patch["match"]["cluster"] == {"service": host, "portNumber": port}
+        assert patch["match"]["cluster"]["service"] == host
+        assert patch["match"]["cluster"]["portNumber"] in (port, quota_port)
     rule = _only(istio, "DestinationRule")
     assert rule["spec"]["host"] == host
 
@@ -285,6 +315,19 @@ def test_each_overlay_is_what_it_says(tmp_path: Path) -> None:
     assert RATELIMIT in added
     assert any("stats_sinks" in p["patch"]["value"] for d in istio if d["kind"] == "EnvoyFilter"
                for p in d["spec"]["configPatches"])
+    quota = render(DEPLOY / OVERLAYS["istio-rlqs"])
+    _, s = settings(quota)
+    assert s.admission == "rlqs" and s.rlqs_addr is not None and s.rlqs_addr.port == 50053
+    patches = [p for d in quota if d["kind"] == "EnvoyFilter" for p in d["spec"]["configPatches"]]
+    added = {p["patch"]["value"].get("name") for p in patches}
+    assert QUOTA in added and RATELIMIT not in added
+    assert {p["match"]["cluster"]["portNumber"] for p in patches
+            if p["applyTo"] == "CLUSTER"} == {50051, 50053}, "health checks on both ports"
+    callers = next(d for d in quota if d["kind"] == "AuthorizationPolicy"
+                   and d["spec"].get("action") == "ALLOW")
+    assert callers["spec"]["rules"][0]["to"][0]["operation"]["ports"] == ["50051", "50053"]
+    ingress = _only(quota, "NetworkPolicy")["spec"]["ingress"][0]["ports"]
+    assert [p["port"] for p in ingress] == [50051, 50053]
 
 
 def test_the_image_tag_is_set_in_one_place() -> None:
@@ -326,6 +369,17 @@ BROKEN = [
     ("istio", {"patches": [_patch("EnvoyFilter", "sitsmesh-rate-limit", [
         {"op": "replace", "path": "/spec/workloadSelector/labels", "value": {"app": "other"}}])]},
      "the filter lands on a workload without ext_authz"),
+    ("overlays/istio-rlqs", {"patches": [_patch("EnvoyFilter", "sitsmesh-rate-limit-quota", [
+        {"op": "replace", "path": "/spec/configPatches/0/patch/value/typed_config/rlqs_server/"
+         "envoy_grpc/cluster_name",
+         "value": "outbound|50051||sitsmesh.sitsmesh.svc.cluster.local"}])]},
+     "sitsmesh serves RLQS on 50053"),
+    ("overlays/istio-rlqs", {"patches": [_patch("Deployment", "sitsmesh", [
+        {"op": "remove", "path": f"{_CONTAINER}/env/-1"}])]},
+     "outbound|50053||sitsmesh.sitsmesh.svc.cluster.local: no such cluster"),
+    ("overlays/istio-rlqs", {"patches": [_patch("Service", "sitsmesh", [
+        {"op": "replace", "path": "/spec/ports/3/port", "value": 50054}])]},
+     "grpc-rlqs 50054, SITSMESH_RLQS_ADDR 0.0.0.0:50053"),
     ("istio", {"patches": [_patch("AuthorizationPolicy", "sitsmesh-callers", [
         {"op": "replace", "path": "/spec/rules/0/to/0/operation/ports", "value": ["50061"]}])]},
      "sitsmesh-callers: ports"),
@@ -360,6 +414,9 @@ def test_a_broken_overlay_fails(base: str, change: Doc, error: str, tmp_path: Pa
 def test_listing_both_rate_limit_filters_fails(tmp_path: Path) -> None:
     shutil.copytree(DEPLOY, tmp_path / "deploy")
     kustomization = tmp_path / "deploy" / "istio" / "kustomization.yaml"
+    quota = (DEPLOY / "overlays" / "istio-rlqs" / "rate-limit-quota.yaml").read_text()
+    (kustomization.parent / "rate-limit-quota.yaml").write_text(  # on the data port
+        quota.replace("outbound|50053|", "outbound|50051|"))
     kustomization.write_text(kustomization.read_text() + "  - rate-limit-quota.yaml\n")
     with pytest.raises(AssertionError, match="one of rate-limit"):
         check(kustomization.parent, tmp_path)
