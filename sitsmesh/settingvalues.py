@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sitsmesh import redisclients
 from sitsmesh.keyvalues import split_pairs
 from sitsmesh.netsettings import parse_address
 
@@ -84,8 +85,9 @@ def paths(raw: Any) -> tuple[Path, ...]:
 
 
 def redis_url(raw: Any) -> str:
-    if not isinstance(raw, str) or not raw.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {raw!r}")
+    if not isinstance(raw, str):
+        raise ValueError(f"expected a Redis URL, got {raw!r}")
+    redisclients.parse(raw)
     return raw
 
 

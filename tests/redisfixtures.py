@@ -1,6 +1,7 @@
 """A redis-server per test (fixture `redis_server`) and an admin client on it (`admin`),
-for the tests of Redis-backed stores (rate-limit counters, token-budget ledgers): import
-the two functions; the fixtures keep the short names."""
+for the tests of Redis-backed stores (rate-limit counters, token-budget ledgers), and a
+Redis Cluster (`redis_cluster`, `cluster`, and `shared_redis` for both): import the
+functions; the fixtures keep the short names."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from sitsmesh.dev import redis as redisproc
+from sitsmesh.dev import rediscluster
 
 
 @pytest.fixture(name="redis_server")
@@ -26,3 +28,31 @@ async def redis_admin_fixture(redis_server: redisproc.RedisServer) -> AsyncItera
     client = Redis(host="127.0.0.1", port=redis_server.port, decode_responses=True)
     yield client
     await client.aclose()
+
+
+@pytest.fixture(name="redis_cluster", scope="session")
+def redis_cluster_fixture(tmp_path_factory: pytest.TempPathFactory
+                          ) -> Iterator[rediscluster.RedisClusterNodes]:
+    """A real 3-master Redis Cluster with a replica per master, shared by the session's
+    tests (it takes seconds to form); `cluster` empties it for each test. Tests that
+    kill nodes make their own (`rediscluster.redis_cluster`)."""
+    with rediscluster.redis_cluster(tmp_path_factory.mktemp("redis-cluster")) as nodes:
+        yield nodes
+
+
+@pytest.fixture(name="cluster")
+def cluster_fixture(redis_cluster: rediscluster.RedisClusterNodes
+                    ) -> rediscluster.RedisClusterNodes:
+    redis_cluster.flush()
+    return redis_cluster
+
+
+@pytest.fixture(name="shared_redis", params=["server", "cluster"])
+def shared_redis_fixture(request: pytest.FixtureRequest, tmp_path: Path
+                         ) -> Iterator[redisproc.RedisServer | rediscluster.RedisClusterNodes]:
+    """The same test on one redis-server and on a Redis Cluster: anything with `.url`."""
+    if request.param == "cluster":
+        yield request.getfixturevalue("cluster")
+        return
+    with redisproc.redis_server(tmp_path / "redis") as server:
+        yield server

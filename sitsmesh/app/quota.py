@@ -11,9 +11,8 @@ from envoy.service.rate_limit_quota.v3 import rlqs_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from redis.asyncio import Redis
 
-from sitsmesh import logs
+from sitsmesh import logs, redisclients
 from sitsmesh.app.background import Background, DataService
 from sitsmesh.app.components import ChainsComponent, RateLimitComponent
 from sitsmesh.app.tls import redis_url
@@ -142,7 +141,7 @@ class QuotaComponent:
         # Replicas split each global rate over every Envoy of the fleet, through the
         # Redis the rate limits or the shared runtime already use.
         if settings.shared_runtime == "redis" or settings.ratelimit_store == "redis":
-            self.peers = QuotaPeers(Redis.from_url(redis_url(settings)), holder_id())
+            self.peers = QuotaPeers(redisclients.connect(redis_url(settings)), holder_id())
 
     def attach(self, chains: ChainsComponent) -> None:
         """Buckets are matched to pipelines once; again (a step at a time) when the

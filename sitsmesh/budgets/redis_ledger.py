@@ -41,6 +41,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError
 
+from sitsmesh import redisclients
 from sitsmesh.budgets.counting import check_amount, spent, window_start
 from sitsmesh.budgets.ledger import AlreadyReserved, Spent
 from sitsmesh.budgets.model import Counter
@@ -190,20 +191,13 @@ class RedisLedger:
         self.untracked = 0
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, timeout_s: float = 0.05,
-                 cluster: bool = False) -> RedisLedger:
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX,
+                 timeout_s: float = 0.05) -> RedisLedger:
         # As RedisStore.from_url: no retries (the caller's error policy answers), and
         # RESP2 so pooled connections a restarted server closed are noticed.
-        retry = Retry(NoBackoff(), 0)
-        client: Redis | RedisCluster
-        if cluster:
-            client = RedisCluster.from_url(url, socket_timeout=timeout_s,
-                                           socket_connect_timeout=timeout_s, retry=retry,
-                                           protocol=2)
-        else:
-            client = Redis.from_url(url, socket_timeout=timeout_s,
-                                    socket_connect_timeout=timeout_s, retry=retry,
-                                    protocol=2)
+        client = redisclients.connect(url, socket_timeout=timeout_s,
+                                      socket_connect_timeout=timeout_s,
+                                      retry=Retry(NoBackoff(), 0), protocol=2)
         return cls(client, prefix=prefix)
 
     def record_key(self, request_id: str) -> str:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from sitsmesh import logs
 
@@ -29,7 +30,7 @@ Members = Mapping[str, Mapping[str, float | None]]
 
 
 class QuotaPeers:
-    def __init__(self, client: Redis, replica: str) -> None:
+    def __init__(self, client: Redis | RedisCluster, replica: str) -> None:
         self._client = client
         self._replica = replica
         self.failures = 0

@@ -28,6 +28,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
 
+from sitsmesh import redisclients
 from sitsmesh.ratelimit.config import Algorithm
 from sitsmesh.ratelimit.store import Count, Hit, fixed_window, gcra, sliding_window
 
@@ -177,23 +178,17 @@ class RedisStore:
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, timeout_s: float = 0.05,
-                 cluster: bool = False, count_rejected: bool = True,
-                 jitter_s: int = 0) -> RedisStore:
+                 count_rejected: bool = True, jitter_s: int = 0) -> RedisStore:
+        """A store on the server or cluster `url` names (sitsmesh.redisclients)."""
         # No retries: a retry would multiply the time a request waits on a sick
         # Redis; the caller's error policy answers instead. RESP2: under RESP3,
         # redis-py 8 turns on maintenance notifications and then skips its check
         # for pooled connections the server closed, so after a Redis restart
         # every idle pooled connection would fail one request.
-        retry = Retry(NoBackoff(), 0)
-        if cluster:
-            return cls(RedisCluster.from_url(url, socket_timeout=timeout_s,
-                                             socket_connect_timeout=timeout_s, retry=retry,
-                                             protocol=2),
-                       prefix=prefix, timeout_s=timeout_s, count_rejected=count_rejected,
-                       jitter_s=jitter_s)
-        return cls(Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                  retry=retry, protocol=2),
-                   prefix=prefix, timeout_s=timeout_s, count_rejected=count_rejected,
+        client = redisclients.connect(url, socket_timeout=timeout_s,
+                                      socket_connect_timeout=timeout_s,
+                                      retry=Retry(NoBackoff(), 0), protocol=2)
+        return cls(client, prefix=prefix, timeout_s=timeout_s, count_rejected=count_rejected,
                    jitter_s=jitter_s)
 
     def _call(self, hit: Hit, now: float) -> _Call | None:

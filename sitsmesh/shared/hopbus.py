@@ -23,8 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
-from sitsmesh import logs
+from sitsmesh import logs, redisclients
 from sitsmesh.chains.assembler import Hop
 from sitsmesh.chains.trace import valid_trace_id
 
@@ -96,9 +97,9 @@ class HopBus:
     @classmethod
     def from_url(cls, url: str, *, deliver: Callable[[Hop], None],
                  release: Callable[[str, float | None], bool]) -> HopBus:
-        return cls(Redis.from_url(url, protocol=2), deliver=deliver, release=release)
+        return cls(redisclients.connect(url, protocol=2), deliver=deliver, release=release)
 
-    def __init__(self, client: Redis, *, deliver: Callable[[Hop], None],
+    def __init__(self, client: Redis | RedisCluster, *, deliver: Callable[[Hop], None],
                  release: Callable[[str, float | None], bool], key: str = DEFAULT_KEY) -> None:
         self._client = client
         self._deliver = deliver
@@ -125,7 +126,7 @@ class HopBus:
         return True
 
     @property
-    def client(self) -> Redis:
+    def client(self) -> Redis | RedisCluster:
         return self._client
 
     def on(self, kind: str, handler: Callable[[list[Any]], None]) -> None:

@@ -6,6 +6,12 @@ the leader writes goes through `publish`, which Redis refuses when the writer's
 token is no longer the newest: a stalled ex-leader that wakes up cannot
 overwrite its successor's decision. Redis's own single-threaded scripts make the
 check and the write one step.
+
+On Redis Cluster the lease, its token counter and everything published under it
+share one hash tag, so they live in one slot on one master and each script stays
+one atomic step. A failover can lose the newest writes to that master (replication
+is asynchronous), the token's INCR among them, so a token alone could repeat; a
+write is therefore also refused unless the lease key still names the writer.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import socket
 from collections.abc import Callable
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from sitsmesh import logs
 
@@ -37,9 +44,11 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return redis.call('INCR', KEYS[2])
 """
 
-# KEYS[1] token counter, KEYS[2] value. ARGV: token, value, ttl_ms. 1 when written.
+# KEYS[1] token counter, KEYS[2] value, KEYS[3] lease. ARGV: token, value, ttl_ms,
+# holder. 1 when written.
 _PUBLISH = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') ~= tonumber(ARGV[1]) then return 0 end
+if redis.call('GET', KEYS[3]) ~= ARGV[4] then return 0 end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 return 1
 """
@@ -57,17 +66,24 @@ def holder_id() -> str:
 
 
 class Lease:
-    def __init__(self, client: Redis, name: str, *, ttl_ms: int = DEFAULT_TTL_MS,
+    def __init__(self, client: Redis | RedisCluster, name: str, *, ttl_ms: int = DEFAULT_TTL_MS,
                  holder: str | None = None,
                  on_change: Callable[[bool], None] | None = None) -> None:
+        if "{" in name or "}" in name:
+            raise ValueError(f"lease name must not contain braces: {name!r}")
         self._client = client
-        self._key = f"sitsmesh:lease:{name}"
-        self._tokens = f"sitsmesh:lease:{name}:token"
+        self._tag = f"sitsmesh:{{{name}}}:"
+        self._key = self.key("lease")
+        self._tokens = self.key("lease:token")
         self._ttl_ms = ttl_ms
         self.holder = holder or holder_id()
         self._on_change = on_change
         self.token = 0          # the fencing token while we lead, else 0
         self.terms = 0          # how many times this process became leader
+
+    def key(self, suffix: str) -> str:
+        """A key in the lease's hash slot: what `publish` may write."""
+        return self._tag + suffix
 
     @property
     def leading(self) -> bool:
@@ -110,8 +126,11 @@ class Lease:
                     _log.debug("lease release failed", error=str(exc))
 
     async def publish(self, key: str, value: str | bytes, ttl_ms: int) -> bool:
-        """Write `value` only while our token is the newest (fencing)."""
+        """Write `value` only while our token is the newest and the lease is ours
+        (fencing). `key` comes from `key()`: one slot with the lease."""
+        if not key.startswith(self._tag):
+            raise ValueError(f"{key!r} is outside the lease's slot {self._tag!r}")
         if not self.token:
             return False
-        return bool(await self._client.eval(_PUBLISH, 2, self._tokens, key, self.token,
-                                            value, ttl_ms))
+        return bool(await self._client.eval(_PUBLISH, 3, self._tokens, key, self._key,
+                                            self.token, value, ttl_ms, self.holder))

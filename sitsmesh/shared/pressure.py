@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from sitsmesh import logs
 from sitsmesh.pressure.controller import Decision, Snapshot
@@ -33,7 +34,6 @@ from sitsmesh.pressure.thresholds import PRIORITIES
 from sitsmesh.shared.hopbus import HopBus
 from sitsmesh.shared.lease import Lease
 
-DECISION_KEY = "sitsmesh:pressure:decision"
 DECISION_TTL_MS = 2_000   # a decision nobody renews stops applying within two seconds
 SHARE_ALPHA = 0.2          # smoothing of this replica's share of the arrivals
 _log = logs.get("sitsmesh.shared.pressure")
@@ -110,12 +110,13 @@ def cap_parts(cap: int, shares: Mapping[str, float]) -> dict[str, int]:
 
 
 class SharedPressure:
-    def __init__(self, runtime: PressureRuntime, bus: HopBus, client: Redis,
+    def __init__(self, runtime: PressureRuntime, bus: HopBus, client: Redis | RedisCluster,
                  lease: Lease) -> None:
         self._runtime = runtime
         self._bus = bus
         self._client = client
         self.lease = lease
+        self._decision_key = lease.key("decision")  # fenced by the lease, in its slot
         self._sent: dict[str, _Counts] = {}
         self._local_arrivals: dict[str, float] = {}   # since the last share update
         self._all_arrivals: dict[str, float] = {}
@@ -248,11 +249,11 @@ class SharedPressure:
         live: Snapshot | None = None
         try:
             if self.lease.leading and await self.lease.publish(
-                    DECISION_KEY, encode_snapshot(mine, offset), DECISION_TTL_MS):
+                    self._decision_key, encode_snapshot(mine, offset), DECISION_TTL_MS):
                 live = mine
                 self.published += 1
             else:
-                raw = await self._client.get(DECISION_KEY)
+                raw = await self._client.get(self._decision_key)
                 live = decode_snapshot(raw, offset) if raw is not None else None
         except ValueError as exc:
             _log.warning("published decision unreadable; deciding alone", error=str(exc))

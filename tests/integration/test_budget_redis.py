@@ -75,12 +75,12 @@ def cluster_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 def cluster_url(cluster_node: int) -> str:
     with redis.Redis(host="127.0.0.1", port=cluster_node) as setup:
         setup.flushall()
-    return f"redis://127.0.0.1:{cluster_node}/0"
+    return f"redis+cluster://127.0.0.1:{cluster_node}"
 
 
-def test_the_cluster_node_refuses_keys_across_slots(cluster_url: str) -> None:
+def test_the_cluster_node_refuses_keys_across_slots(cluster_node: int) -> None:
     # What makes the cluster runs below mean something.
-    with redis.Redis.from_url(cluster_url) as client, pytest.raises(
+    with redis.Redis(host="127.0.0.1", port=cluster_node) as client, pytest.raises(
             redis.ResponseError, match="same slot"):
         client.mget("{a}x", "{b}y")
 
@@ -88,14 +88,14 @@ def test_the_cluster_node_refuses_keys_across_slots(cluster_url: str) -> None:
 class TestRedisClusterLedger(LedgerContract):
     @pytest.fixture
     async def ledger(self, cluster_url: str) -> AsyncIterator[RedisLedger]:
-        ledger = RedisLedger.from_url(cluster_url, timeout_s=2.0, cluster=True)
+        ledger = RedisLedger.from_url(cluster_url, timeout_s=2.0)
         yield ledger
         await ledger.close()
 
 
 async def test_cluster_replicas_settle_each_others_reservations(cluster_url: str) -> None:
-    a = RedisLedger.from_url(cluster_url, timeout_s=2.0, cluster=True)
-    b = RedisLedger.from_url(cluster_url, timeout_s=2.0, cluster=True)
+    a = RedisLedger.from_url(cluster_url, timeout_s=2.0)
+    b = RedisLedger.from_url(cluster_url, timeout_s=2.0)
     try:
         for i in range(10):
             assert (await (a if i % 2 else b).reserve(f"r{i}", TWO, 10, T0, 30.0)).ok

@@ -18,6 +18,12 @@ from redis.asyncio import Redis
 from sitsmesh.app.components import STORE_HEALTH
 from sitsmesh.dev import harness
 from sitsmesh.dev.redis import RedisServer, redis_server
+from sitsmesh.dev.rediscluster import RedisClusterNodes
+from tests.redisfixtures import (  # noqa: F401 - fixtures
+    cluster_fixture,
+    redis_cluster_fixture,
+    shared_redis_fixture,
+)
 
 Start = Callable[..., harness.Sitsmesh]
 OK, OVER = rls_pb2.RateLimitResponse.OK, rls_pb2.RateLimitResponse.OVER_LIMIT
@@ -65,7 +71,7 @@ async def _admitted(addrs: list[str], user: str, total: int, concurrency: int = 
     return admitted
 
 
-def _start_pair(start: Start, tmp_path: Path, redis: RedisServer,
+def _start_pair(start: Start, tmp_path: Path, redis: RedisServer | RedisClusterNodes,
                 policy: str = "allow") -> list[harness.Sitsmesh]:
     config = tmp_path / "shared.yaml"
     config.write_text(CONFIG)
@@ -78,9 +84,10 @@ def _start_pair(start: Start, tmp_path: Path, redis: RedisServer,
 
 
 async def test_two_replicas_never_admit_more_than_the_shared_limit(
-    start_sitsmesh: Start, tmp_path: Path, redis: RedisServer
+    start_sitsmesh: Start, tmp_path: Path, shared_redis: RedisServer | RedisClusterNodes
 ) -> None:
-    nodes = _start_pair(start_sitsmesh, tmp_path, redis)
+    """On one redis-server and on a Redis Cluster (--redis-url redis+cluster://)."""
+    nodes = _start_pair(start_sitsmesh, tmp_path, shared_redis)
     admitted = await _admitted([n.data_addr for n in nodes], "alice", LIMIT * 3)
     assert admitted == LIMIT
     # Each replica alone would have admitted LIMIT; together they admitted LIMIT in total.

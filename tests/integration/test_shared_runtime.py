@@ -19,6 +19,12 @@ from google.rpc import code_pb2
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.dev.redis import RedisServer, redis_server
+from sitsmesh.dev.rediscluster import RedisClusterNodes
+from tests.redisfixtures import (  # noqa: F401 - fixtures
+    cluster_fixture,
+    redis_cluster_fixture,
+    shared_redis_fixture,
+)
 from tests.sharedstack import check, replicas
 
 Start = Callable[..., harness.Sitsmesh]
@@ -37,7 +43,7 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
 
 
-def _pair(start: Start, tmp_path: Path, redis: RedisServer, shared: str
+def _pair(start: Start, tmp_path: Path, redis: RedisServer | RedisClusterNodes, shared: str
           ) -> tuple[harness.Sitsmesh, harness.Sitsmesh]:
     a, b = replicas(start, tmp_path / f"state-{shared}", redis.url,
                                 "--admission-hold-seconds", "30", shared=shared,
@@ -78,8 +84,11 @@ def _apply_pipeline(a: harness.Sitsmesh, b: harness.Sitsmesh) -> None:
 
 
 def test_a_chain_reported_through_two_replicas_is_whole_on_both(
-        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
-    a, b = _pair(start_sitsmesh, tmp_path, redis, "redis")
+        start_sitsmesh: Start, tmp_path: Path,
+        shared_redis: RedisServer | RedisClusterNodes) -> None:
+    """On one redis-server and on a Redis Cluster: the bus, the lease and the
+    controller's decision all reach it through --redis-url."""
+    a, b = _pair(start_sitsmesh, tmp_path, shared_redis, "redis")
     _apply_pipeline(a, b)
     for n in range(5):
         _report(a, f"req-{n}", "pre")

@@ -79,7 +79,8 @@ def _replica(wall_minus_mono: float, clock: list[float]
     runtime.set_pipelines({"demo": PIPELINE})
     runtime.gate.wall_offset = wall_minus_mono
     bus = _Bus()
-    lease = type("Lease", (), {"holder": f"replica-{wall_minus_mono}"})()
+    lease = type("Lease", (), {"holder": f"replica-{wall_minus_mono}",
+                               "key": lambda self, suffix: f"sitsmesh:{{t}}:{suffix}"})()
     shared = SharedPressure(runtime, cast(Any, bus), cast(Any, None), cast(Any, lease))
     return shared, bus, runtime
 
