@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,23 @@ from sitsmesh.dev import harness
 from sitsmesh.dev.redis import ping, redis_server_binary
 
 NODE_TIMEOUT_MS = 1000
+BUS_OFFSET = 10000  # Redis's cluster bus listens here, above the node's port
+
+
+def _free_node_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too: a node whose bus
+    port is taken exits at start."""
+    for _ in range(100):
+        port = harness.free_port()
+        if port + BUS_OFFSET >= 65536:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port + BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a redis cluster node")
 
 
 class RedisClusterNodes:
@@ -28,7 +46,7 @@ class RedisClusterNodes:
     def __init__(self, workdir: Path, masters: int = 3) -> None:
         self.workdir = workdir
         self.masters = masters
-        self.ports = [harness.free_port() for _ in range(2 * masters)]
+        self.ports = [_free_node_port() for _ in range(2 * masters)]
         self.procs: dict[int, harness.Proc] = {}
 
     @property
@@ -59,7 +77,14 @@ class RedisClusterNodes:
                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS)]
         proc = harness.spawn(argv, workdir / "redis.log")
         self.procs[port] = proc
-        harness.wait_until(lambda: ping(port), 10, f"redis cluster node {port}")
+
+        def up() -> bool:
+            if proc.proc.poll() is not None:
+                raise RuntimeError(f"redis cluster node {port} exited "
+                                   f"{proc.proc.returncode}:\n{proc.output()}")
+            return ping(port)
+
+        harness.wait_until(up, 10, f"redis cluster node {port}")
 
     def info(self, port: int, section: str) -> dict[str, str]:
         with redis.Redis(host="127.0.0.1", port=port, decode_responses=True,
