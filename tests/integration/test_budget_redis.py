@@ -18,8 +18,14 @@ from sitsmesh.budgets.model import budget_from
 from sitsmesh.budgets.redis_ledger import RECORD_GRACE_S, WINDOW_SLACK_S, RedisLedger
 from sitsmesh.dev import harness
 from sitsmesh.dev import redis as redisproc
+from sitsmesh.dev.rediscluster import RedisClusterNodes
 from tests.ledger_contract import HOLD, T0, TWO, LedgerContract
-from tests.redisfixtures import redis_admin_fixture, redis_server_fixture  # noqa: F401 - fixtures
+from tests.redisfixtures import (  # noqa: F401 - fixtures
+    cluster_fixture,
+    redis_admin_fixture,
+    redis_cluster_fixture,
+    redis_server_fixture,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -89,6 +95,16 @@ class TestRedisClusterLedger(LedgerContract):
     @pytest.fixture
     async def ledger(self, cluster_url: str) -> AsyncIterator[RedisLedger]:
         ledger = RedisLedger.from_url(cluster_url, timeout_s=2.0)
+        yield ledger
+        await ledger.close()
+
+
+class TestThreeMasterClusterLedger(LedgerContract):
+    """The same contract on a real 3-master cluster with replicas (redis+cluster://)."""
+
+    @pytest.fixture
+    async def ledger(self, cluster: RedisClusterNodes) -> AsyncIterator[RedisLedger]:
+        ledger = RedisLedger.from_url(cluster.url, timeout_s=2.0)
         yield ledger
         await ledger.close()
 

@@ -1,8 +1,9 @@
-"""Rate-limit counters on a real 3-master Redis Cluster: spread over every master, and
-a master killed under load. Redis replicates asynchronously, so a crash can lose what
-its replica had not received yet: the counts of the other masters lose nothing, the
-killed master's lose at most what was acknowledged in the second before its death
-(README "Redis Cluster"), and counting resumes on the promoted replica by itself."""
+"""Rate-limit counters and RLQS peers on a real 3-master Redis Cluster: spread over
+every master, and a master killed under load. Redis replicates asynchronously, so a
+crash can lose what its replica had not received yet: the counts of the other masters
+lose nothing, the killed master's lose at most what was acknowledged in the second
+before its death (README "Redis Cluster"), and counting resumes on the promoted replica
+by itself."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import asyncio
 import time
 from pathlib import Path
 
+from sitsmesh import redisclients
 from sitsmesh.dev import rediscluster
 from sitsmesh.dev.rediscluster import RedisClusterNodes
+from sitsmesh.quota.peers import QuotaPeers
 from sitsmesh.ratelimit.config import Algorithm
 from sitsmesh.ratelimit.redis_store import DEFAULT_PREFIX, RedisStore
 from sitsmesh.ratelimit.store import Hit
@@ -94,3 +97,20 @@ async def test_a_master_killed_under_load_loses_only_its_last_second(tmp_path: P
         assert all(stored[u] <= tried[u] for u in USERS)  # nothing counted twice
         lost = sum(acked[u] - stored[u] for u in USERS if masters[u] == victim)
         assert 0 <= lost <= in_last_second, (lost, in_last_second)
+
+
+async def test_rlqs_replicas_read_each_others_demand_on_the_cluster(
+        cluster: RedisClusterNodes) -> None:
+    """Each replica's demand hash and the replica index live in different slots: the
+    cluster pipeline splits the write, and each replica reads the other's."""
+    a = QuotaPeers(redisclients.connect(cluster.url), "replica-a")
+    b = QuotaPeers(redisclients.connect(cluster.url), "replica-b")
+    try:
+        assert await a.sync({"tenant-x": {"envoy-1": 4.0}}) == {}
+        seen_by_b = await b.sync({"tenant-x": {"envoy-2": 1.0, "envoy-3": None}})
+        assert seen_by_b == {"tenant-x": {"replica-a\x1fenvoy-1": 4.0}}
+        assert await a.sync({"tenant-x": {"envoy-1": 5.0}}) == {
+            "tenant-x": {"replica-b\x1fenvoy-2": 1.0, "replica-b\x1fenvoy-3": None}}
+    finally:
+        await a.close()
+        await b.close()
