@@ -31,6 +31,7 @@ run: $(STAMP)
 # caches the wheel after the first ~5 min build).
 TEST_SYSDEPS  := "$(PYTHON) -c 'import ensurepip, venv'=python3-venv" \
                  "command -v redis-server=redis-server" \
+                 "command -v redis-cli=redis-tools" \
                  "ls /usr/lib/postgresql/*/bin/pg_ctl=postgresql" \
                  "command -v openssl=openssl" \
                  "command -v promtool=prometheus" \

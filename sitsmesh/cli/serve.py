@@ -30,7 +30,8 @@ _FLAG_HELP = {
                         "random bytes",
     "ratelimit_config": "rate-limit config file or directory (repeatable)",
     "ratelimit_store": "counter store: memory (per process) or redis (shared)",
-    "redis_url": "redis://HOST:PORT/DB for --ratelimit-store redis (password: use "
+    "redis_url": "redis://HOST:PORT/DB for shared state, or a Redis Cluster as "
+                 "redis+cluster://HOST:PORT[,HOST:PORT...] (password: use "
                  "--redis-password-file)",
     "redis_timeout_ms": "bound on each Redis round trip (default 50)",
     "on_store_error": "when Redis fails: allow, deny, or local (per-replica counting)",

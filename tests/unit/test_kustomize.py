@@ -25,7 +25,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from sitsmesh import config
+from sitsmesh import config, redisclients
 from tests.unit.test_deploy_validation import KUBERNETES_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +34,7 @@ ISTIO_VALIDATOR = ROOT / "tests" / "istio" / "validate.mjs"
 ISTIO_SCHEMAS = ROOT / "tests" / "istio" / "node_modules" / "@kubernetes-models" / "istio"
 OVERLAYS = {"base": "kubernetes", "dev": "overlays/dev",
             "production-ha": "overlays/production-ha", "istio": "istio",
+            "production-redis-cluster": "overlays/production-redis-cluster",
             "istio-rlqs": "overlays/istio-rlqs"}
 # Values for the Secret-backed variables, so sitsmesh's own parser reads the rest.
 SECRET_STANDINS = {"SITSMESH_STATE_URL": "postgresql://u:p@db:5432/sitsmesh",
@@ -306,6 +307,17 @@ def test_each_overlay_is_what_it_says(tmp_path: Path) -> None:
     secrets = {e["valueFrom"]["secretKeyRef"]["name"]
                for e in spec["template"]["spec"]["containers"][0]["env"] if "valueFrom" in e}
     assert secrets == {"sitsmesh-admin-token", "sitsmesh-state", "sitsmesh-redis"}
+    cluster = render(DEPLOY / OVERLAYS["production-redis-cluster"])
+    replicas, s = settings(cluster)
+    assert replicas >= 3 and s.ratelimit_store == s.shared_runtime == "redis"
+    target = redisclients.parse(s.redis_url)
+    assert target.cluster and len(target.seeds) == 3 and target.url.startswith("rediss://")
+    pod = _only(cluster, "Deployment")["spec"]["template"]["spec"]
+    [mount] = [m for m in pod["containers"][0]["volumeMounts"]
+               if str(s.redis_password_file).startswith(m["mountPath"] + "/")]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "sitsmesh-redis-cluster"
+    assert volume["secret"]["defaultMode"] & 0o040, "the pod's fsGroup must read it"
     istio = render(DEPLOY / OVERLAYS["istio"])
     kinds = {d["kind"] for d in istio}
     assert {"AuthorizationPolicy", "Telemetry", "EnvoyFilter", "PeerAuthentication",
