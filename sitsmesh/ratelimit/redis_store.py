@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from sitsmesh import redisclients
 from sitsmesh.ratelimit.config import Algorithm
@@ -210,24 +210,53 @@ class RedisStore:
         return _SLIDING, (f"{base}{int(start)}", f"{base}{int(start - window)}", hit.addend,
                           hit.limit, weight, _ttl_ms(start + 2 * window + jitter - now))
 
+    @property
+    def sharded(self) -> bool:
+        """On a Redis Cluster: a failure belongs to one master (see shard_of)."""
+        return not isinstance(self._client, Redis)
+
+    def shard_of(self, hit: Hit) -> str:
+        """The master that holds a hit's counters now, by name ('' when unknown)."""
+        client = self._client
+        if isinstance(client, Redis):
+            return ""
+        try:
+            node = client.get_node_from_key(f"{self._tag_open}{hit.key}}}")
+        except (RedisError, RedisClusterException):  # no slot table yet, or no master
+            return ""
+        return node.name if node is not None else ""
+
     async def hit(self, hits: Sequence[Hit], now: float) -> list[Count]:
         calls = [self._call(hit, now) for hit in hits]
         queued = [call for call in calls if call is not None]
-        replies: list[object] = []
-        if queued:
-            loop = asyncio.get_running_loop()
-            future: asyncio.Future[list[object]] = loop.create_future()
-            self._pending.append((queued, future))
-            if not self._flush_scheduled:
-                self._flush_scheduled = True
-                loop.call_soon(self._flush)
-            replies = await future
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
+        replies = await self._queue(queued) if queued else []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
         answers = iter(replies)
         return [_count(hit, now, None if call is None else next(answers))
                 for hit, call in zip(hits, calls, strict=True)]
+
+    async def hit_each(self, hits: Sequence[Hit], now: float) -> list[Count | Exception]:
+        """As `hit`, with a failed hit's error in its place instead of raised: on a
+        cluster, the hits on the other masters still count."""
+        calls = [self._call(hit, now) for hit in hits]
+        queued = [call for call in calls if call is not None]
+        answers = iter(await self._queue(queued) if queued else [])
+        out: list[Count | Exception] = []
+        for hit, call in zip(hits, calls, strict=True):
+            reply = None if call is None else next(answers)
+            out.append(reply if isinstance(reply, Exception) else _count(hit, now, reply))
+        return out
+
+    async def _queue(self, queued: list[_Call]) -> list[object]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[object]] = loop.create_future()
+        self._pending.append((queued, future))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return await future
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -250,7 +279,9 @@ class RedisStore:
                     ) -> None:
         queued = [call for calls, _ in batch for call in calls]
         try:
-            async with asyncio.timeout(self._timeout_s):
+            # On a cluster each master's pipeline has its own deadline (_exchange_cluster):
+            # one master that stalls must not time out the others' counters.
+            async with asyncio.timeout(None if self.sharded else self._timeout_s):
                 replies = await self._exchange(queued)
         except BaseException as exc:
             for _, future in batch:
@@ -270,14 +301,43 @@ class RedisStore:
         replies: list[object]
         if isinstance(self._client, Redis):
             replies = await self._send_packed(self._client, queued)
-        else:  # a cluster pipeline splits the batch by node
-            pipe = self._client.pipeline(transaction=False)
-            for script, args in queued:
-                pipe.evalsha(script.sha, script.numkeys, *args)
-            replies = await pipe.execute(raise_on_error=False)
+        else:
+            replies = await self._exchange_cluster(self._client, queued, self._timeout_s)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             await self._resend(queued, replies, missing)
+        return replies
+
+    @staticmethod
+    async def _exchange_cluster(client: RedisCluster, queued: list[_Call],
+                                timeout_s: float) -> list[object]:
+        """One pipeline per master, side by side. One pipeline for the whole batch
+        would fail as a whole while any master it touches fails over, and take every
+        other master's counters down with it."""
+        await client.initialize()  # the slot table, once (a no-op after the first)
+        groups: dict[str, list[int]] = {}
+        for i, (_, args) in enumerate(queued):
+            try:  # KEYS[1]: the counter's slot
+                node = client.get_node_from_key(str(args[0]))
+            except (RedisError, RedisClusterException):  # its pipeline will say why
+                node = None
+            groups.setdefault(node.name if node is not None else "", []).append(i)
+        replies: list[object] = [None] * len(queued)
+
+        async def send(indices: list[int]) -> None:
+            pipe = client.pipeline(transaction=False)
+            for i in indices:
+                script, args = queued[i]
+                pipe.evalsha(script.sha, script.numkeys, *args)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    got: list[object] = await pipe.execute(raise_on_error=False)
+            except Exception as exc:  # this master only: the others' replies stand
+                got = [exc] * len(indices)
+            for i, reply in zip(indices, got, strict=True):
+                replies[i] = reply
+
+        await asyncio.gather(*(send(indices) for indices in groups.values()))
         return replies
 
     @staticmethod

@@ -3,7 +3,9 @@
 Every primary call is bounded by `timeout_s`. After a failure the primary is
 left alone for `backoff_s`, so an outage costs one timeout per backoff period
 rather than one per request; then a single call probes it, and a successful
-probe puts it back in use. While it is down, `policy` answers:
+probe puts it back in use. On a Redis Cluster (a primary that is `sharded`) each
+master is left alone and probed on its own: while one fails over, the hits on the
+others are still counted. While it is down, `policy` answers:
 
 - ALLOW: every hit passes (fail open).
 - DENY: every hit is over the limit (fail closed).
@@ -19,12 +21,21 @@ import asyncio
 import enum
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol, cast
 
 from sitsmesh import logs
 from sitsmesh.ratelimit.memory import MemoryStore
 from sitsmesh.ratelimit.store import Count, CounterStore, Hit
 
 _log = logs.get("sitsmesh.ratelimit.store")
+
+
+class ShardedStore(CounterStore, Protocol):
+    """A primary whose failures belong to one shard each (RedisStore on a cluster)."""
+
+    def shard_of(self, hit: Hit) -> str: ...
+
+    async def hit_each(self, hits: Sequence[Hit], now: float) -> list[Count | Exception]: ...
 
 
 class StoreErrorPolicy(enum.Enum):
@@ -40,9 +51,9 @@ class ResilientStore:
     counts `hit()` calls answered by the policy instead of the primary.
     """
 
-    __slots__ = ("_backoff_s", "_clock", "_healthy", "_local", "_on_health", "_policy",
-                 "_primary", "_replicas", "_retry_at", "_timeout_s", "errors", "fallbacks",
-                 "name")
+    __slots__ = ("_backoff_s", "_clock", "_down", "_healthy", "_local", "_on_health",
+                 "_policy", "_primary", "_replicas", "_retry_at", "_sharded", "_timeout_s",
+                 "errors", "fallbacks", "name")
 
     name: str
 
@@ -67,6 +78,9 @@ class ResilientStore:
         self._healthy = True
         # While unhealthy: the clock time at which the next call may probe the primary.
         self._retry_at = 0.0
+        # A cluster's masters, each with its own back-off: shard -> next probe time.
+        self._sharded = bool(getattr(primary, "sharded", False))
+        self._down: dict[str, float] = {}
         self.errors = 0
         self.fallbacks = 0
 
@@ -75,6 +89,8 @@ class ResilientStore:
         return self._healthy
 
     async def hit(self, hits: Sequence[Hit], now: float) -> list[Count]:
+        if self._sharded:
+            return await self._hit_sharded(hits, now)
         probing = not self._healthy
         if probing:
             if self._clock() < self._retry_at:
@@ -96,6 +112,57 @@ class ResilientStore:
             self._set_healthy(True)
             _log.info("counter store recovered", store=self.name)
         return counts
+
+    async def _hit_sharded(self, hits: Sequence[Hit], now: float) -> list[Count]:
+        primary = cast("ShardedStore", self._primary)
+        shards = [primary.shard_of(h) for h in hits]
+        clock = self._clock()
+        down = self._down
+        probes: set[str] = set()
+        send = []
+        for i, shard in enumerate(shards):
+            retry_at = down.get(shard)
+            if retry_at is not None and shard not in probes:
+                if clock < retry_at:
+                    continue
+                down[shard] = clock + self._backoff_s  # claim the probe
+                probes.add(shard)
+            send.append(i)
+        counts: list[Count | None] = [None] * len(hits)
+        if send:
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    got: list[Count | Exception] = await primary.hit_each(
+                        [hits[i] for i in send], now)
+            except Exception as exc:
+                got = [exc] * len(send)
+            for i, result in zip(send, got, strict=True):
+                if isinstance(result, Exception):
+                    self._shard_failed(shards[i], result)
+                else:
+                    counts[i] = result
+                    if shards[i] in probes and down.pop(shards[i], None) is not None:
+                        _log.info("counter store recovered", store=self.name,
+                                  shard=shards[i])
+                        if not down:
+                            self._set_healthy(True)
+        missing = [i for i, count in enumerate(counts) if count is None]
+        if missing:
+            for i, count in zip(missing, self._fallback([hits[i] for i in missing], now),
+                                strict=True):
+                counts[i] = count
+        return cast("list[Count]", counts)
+
+    def _shard_failed(self, shard: str, exc: Exception) -> None:
+        self.errors += 1
+        fresh = shard not in self._down
+        self._down[shard] = self._clock() + self._backoff_s
+        if fresh:
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            _log.warning("counter store unavailable", store=self.name, shard=shard,
+                         error=error, policy=self._policy.value, backoff_s=self._backoff_s)
+            if self._healthy:
+                self._set_healthy(False)
 
     def _failed(self, exc: Exception) -> None:
         self.errors += 1

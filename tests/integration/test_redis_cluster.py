@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from grpc import aio
+
 from sitsmesh import redisclients
-from sitsmesh.dev import rediscluster
+from sitsmesh.dev import harness, rediscluster
 from sitsmesh.dev.rediscluster import RedisClusterNodes
 from sitsmesh.quota.peers import QuotaPeers
 from sitsmesh.ratelimit.config import Algorithm
@@ -20,6 +25,8 @@ from sitsmesh.ratelimit.redis_store import DEFAULT_PREFIX, RedisStore
 from sitsmesh.ratelimit.store import Hit
 from tests.redisfixtures import cluster_fixture, redis_cluster_fixture  # noqa: F401 - fixtures
 
+Start = Callable[..., harness.Sitsmesh]
+OK = rls_pb2.RateLimitResponse.OK
 USERS = [f"user-{n}" for n in range(30)]
 HOUR = 3600
 
@@ -114,3 +121,62 @@ async def test_rlqs_replicas_read_each_others_demand_on_the_cluster(
     finally:
         await a.close()
         await b.close()
+
+
+CONFIG = """\
+domain: fleet
+descriptors:
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 100000}
+"""
+
+
+def _ask(user: str) -> rls_pb2.RateLimitRequest:
+    return rls_pb2.RateLimitRequest(domain="fleet", descriptors=[
+        ratelimit_pb2.RateLimitDescriptor(entries=[
+            ratelimit_pb2.RateLimitDescriptor.Entry(key="user", value=user)])])
+
+
+async def test_serve_rides_out_a_master_failover(start_sitsmesh: Start, tmp_path: Path) -> None:
+    """`sitsmesh serve --redis-url redis+cluster://...` with on_store_error deny: while a
+    master fails over, only its own counters answer by the policy; the other masters'
+    keep counting, and the killed master's count again, without a restart."""
+    with rediscluster.redis_cluster(tmp_path / "cluster") as nodes:
+        config = tmp_path / "fleet.yaml"
+        config.write_text(CONFIG)
+        node = start_sitsmesh("--ratelimit-config", str(config), "--ratelimit-store", "redis",
+                              "--redis-url", nodes.url, "--on-store-error", "deny",
+                              "--redis-timeout-ms", "300", name="fleet")
+        window = time.time()
+        start = int(window - window % HOUR)
+        masters = {u: nodes.master_of(f"{DEFAULT_PREFIX}{{fleet_user_{u}}}:{start}")
+                   for u in USERS}
+        assert len(set(masters.values())) == 3
+        victim = masters[USERS[0]]
+        async with aio.insecure_channel(node.data_addr) as channel:
+            stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+
+            async def codes() -> dict[str, int]:
+                answered = {}
+                for i in range(0, len(USERS), 10):  # within sitsmesh's streams per connection
+                    users = USERS[i:i + 10]
+                    replies = await asyncio.gather(*(stub.ShouldRateLimit(_ask(u), timeout=5)
+                                                     for u in users))
+                    answered.update({u: r.overall_code
+                                     for u, r in zip(users, replies, strict=True)})
+                return answered
+
+            assert set((await codes()).values()) == {OK}
+            nodes.kill(victim)
+            killed = time.monotonic()
+            denied: set[str] = set()
+            while True:
+                answered = await codes()
+                denied |= {u for u, code in answered.items() if code != OK}
+                if denied and set(answered.values()) == {OK}:
+                    break
+                assert time.monotonic() - killed < 30, f"still denied: {answered}"
+                await asyncio.sleep(0.1)
+        assert denied, "the killed master's counters never answered by the policy"
+        assert all(masters[u] == victim for u in denied), \
+            {u: masters[u] for u in denied}

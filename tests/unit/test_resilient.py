@@ -244,3 +244,59 @@ async def test_close_closes_the_primary() -> None:
     store, primary, _, _ = make(StoreErrorPolicy.LOCAL)
     await store.close()
     assert primary.closed
+
+
+class FakeCluster(FakePrimary):
+    """A sharded primary: a hit's shard is its key's first letter; `down` shards fail."""
+
+    sharded = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down: set[str] = set()
+        self.sent: list[list[str]] = []
+
+    def shard_of(self, hit: Hit) -> str:
+        return hit.key[0]
+
+    async def hit_each(self, hits: Sequence[Hit], now: float) -> list[Count | Exception]:
+        self.sent.append([h.key for h in hits])
+        return [ConnectionError(f"master {h.key[0]} is down") if h.key[0] in self.down
+                else self._memory.hit_sync([h], now)[0] for h in hits]
+
+
+async def test_a_cluster_master_down_costs_only_its_own_counters() -> None:
+    primary, clock = FakeCluster(), Clock()
+    health: list[bool] = []
+    store = ResilientStore(primary, StoreErrorPolicy.DENY, clock=clock, backoff_s=1.0,
+                           on_health=health.append)
+    primary.down = {"a"}
+    counts = await store.hit([fixed("a1"), fixed("b1")], NOW)
+    assert [c.over for c in counts] == [True, False]  # the policy for a, b counted
+    assert counts[1].used == 1 and health == [False] and not store.healthy
+    # Within the back-off, a's hits are not sent at all; b's still are.
+    primary.sent.clear()
+    counts = await store.hit([fixed("a1"), fixed("b1")], NOW)
+    assert primary.sent == [["b1"]] and [c.over for c in counts] == [True, False]
+    assert counts[1].used == 2
+    # After it, one call probes a; while a is still down, it stays down.
+    clock.t += 1.0
+    assert [c.over for c in await store.hit([fixed("a1")], NOW)] == [True]
+    assert primary.sent[-1] == ["a1"] and not store.healthy
+    # Back up: the next probe counts, and the store is healthy again.
+    primary.down.clear()
+    clock.t += 1.0
+    assert [c.used for c in await store.hit([fixed("a1"), fixed("b1")], NOW)] == [1, 3]
+    assert store.healthy and health == [False, True]
+    assert store.errors == 2 and store.fallbacks == 3
+
+
+async def test_a_probe_of_a_cluster_master_is_claimed_by_one_call() -> None:
+    primary, clock = FakeCluster(), Clock()
+    store = ResilientStore(primary, StoreErrorPolicy.ALLOW, clock=clock, backoff_s=1.0)
+    primary.down = {"a"}
+    await store.hit([fixed("a1")], NOW)
+    clock.t += 1.0
+    primary.sent.clear()
+    await asyncio.gather(*(store.hit([fixed("a1")], NOW) for _ in range(5)))
+    assert primary.sent == [["a1"]]  # one probe; the other four answered by the policy
