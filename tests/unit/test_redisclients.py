@@ -3,10 +3,13 @@ its seeds, and every malformed one is refused with what is wrong, at settings lo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from sitsmesh import config, redisclients
+from sitsmesh.app import tls
 from sitsmesh.errors import ConfigError
 
 
@@ -61,3 +64,14 @@ async def test_connect_builds_a_cluster_client_with_every_seed() -> None:
             ("127.0.0.1", 1), ("127.0.0.1", 2)}
     finally:
         await client.aclose()
+
+
+def test_the_password_file_reaches_a_cluster_url(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("s3cr@t\n")
+    settings = config.load_settings(env={
+        "SITSMESH_REDIS_URL": "rediss+cluster://r0:7000,r1:7000",
+        "SITSMESH_REDIS_PASSWORD_FILE": str(secret)})
+    target = redisclients.parse(tls.redis_url(settings))
+    assert target.url == "rediss://:s3cr%40t@r0:7000/0"
+    assert target.seeds == (("r0", 7000), ("r1", 7000))
