@@ -267,6 +267,7 @@ def sitsmesh_target(name: str, workdir: Path, args: argparse.Namespace, load: Lo
     data = servers[0][1]
 
     most_clients = [0]
+    calls_and_reads: list[tuple[float, float]] = []  # at every counters() read
 
     def counters() -> dict[str, float]:
         try:
@@ -277,6 +278,7 @@ def sitsmesh_target(name: str, workdir: Path, args: argparse.Namespace, load: Lo
             if backend is not None:
                 out.update(rs.redis_calls(backend.masters))
                 most_clients[0] = max(most_clients[0], int(out["redis connected clients"]))
+                calls_and_reads.append((out["redis evalsha calls"], out["redis reads"]))
         except OSError as exc:
             raise bl.BenchError(f"cannot read counters: {exc}") from exc
         return out
@@ -288,6 +290,12 @@ def sitsmesh_target(name: str, workdir: Path, args: argparse.Namespace, load: Lo
                                for port in backend.masters)
             out.append(f"descriptor values per master, of {len(users)} (each master's "
                        f"EVALSHA count checked every round): {shares}")
+        if len(calls_and_reads) > 1:
+            calls = calls_and_reads[-1][0] - calls_and_reads[0][0]
+            reads = calls_and_reads[-1][1] - calls_and_reads[0][1]
+            if reads > 0:
+                out.append(f"{calls / reads:.2f} EVALSHAs per socket read on the Redis "
+                           "side over the run (about the store's batch size per node)")
         if most_clients[0]:
             where = "the masters" if isinstance(backend, rs.RedisCluster) else "redis-server"
             out.append(f"{where} had up to {most_clients[0]} client connections open "

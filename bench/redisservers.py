@@ -140,15 +140,17 @@ def _pings(proc: bl.Proc, port: int) -> bool:
 
 def redis_calls(ports: Sequence[int]) -> dict[str, float]:
     """Script calls the redis-servers on `ports` have executed (INFO commandstats), each and
-    summed, and their open connections, summed."""
+    summed; their open connections and socket reads, summed."""
     import redis as redis_py
 
-    out = {"redis evalsha calls": 0.0, "redis eval calls": 0.0, "redis connected clients": 0.0}
+    out = {"redis evalsha calls": 0.0, "redis eval calls": 0.0, "redis connected clients": 0.0,
+           "redis reads": 0.0}
     for port in ports:
         client = redis_py.Redis(host="127.0.0.1", port=port, socket_timeout=5)
         try:
             info: dict[str, Any] = client.info("commandstats")
             clients: dict[str, Any] = client.info("clients")
+            stats: dict[str, Any] = client.info("stats")
         except redis_py.RedisError as exc:
             raise bl.BenchError(f"cannot read redis-server INFO on {port}: {exc}") from exc
         finally:
@@ -158,4 +160,6 @@ def redis_calls(ports: Sequence[int]) -> dict[str, float]:
             out[f"redis {cmd} calls"] += calls
             out[f"redis {cmd} calls on :{port}"] = calls
         out["redis connected clients"] += float(clients["connected_clients"]) - 1  # minus us
+        # Socket reads the server made: a batch sent in one write arrives in about one.
+        out["redis reads"] += float(stats["total_reads_processed"])
     return out
