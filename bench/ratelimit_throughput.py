@@ -48,8 +48,9 @@ Latency p50 and p99 come from h2load's `--log-file` (one line per request with
 its duration), so they are per-request under the full load (`-c` x `-m`
 streams in flight), not an unloaded round trip. At HEAD f49e9cd, `-c16 -m10` on
 sitsmesh's default 16 streams per connection gets RST_STREAM REFUSED_STREAM for
-0.5-2% of Redis-store requests under load (gRPC releases a stream's slot after the
-client has seen it end), which fails the round: `--clients 32 --streams 5` does not.
+0.5-2% of Redis-store requests under load (likely: gRPC frees a stream's slot only
+after the client has seen it end), which fails the round; `--clients 32 --streams 5`
+does not.
 
 Rounds interleave the targets (order rotated each round); the table reports
 medians per target and the ratio to the baseline's median. The exit status is 1 if
