@@ -261,6 +261,10 @@ class Target:
     # More servers loaded at once with `url` (replicas): the requests and clients are
     # split evenly, one h2load each, started together; rates are the sum.
     extra_urls: list[str] = field(default_factory=list)
+    # Several h2loads on each URL at once, each adding one of these argument sets to
+    # h2load_args (h2load sends one -d body, so one set per request body); requests and
+    # clients are split evenly as for extra_urls. Empty: one h2load per URL.
+    arg_sets: list[list[str]] = field(default_factory=list)
     notes: Callable[[], list[str]] = list  # facts observed during the run, printed at the end
     # Wait before reading a round's baseline counters; 0 when every counter is immediate.
     flush_wait_s: float = FLUSH_WAIT_S
@@ -344,19 +348,26 @@ def _checked_rate(code: int, out: str, err: str, target: Target, requests: int) 
     return float(finished.group(1))
 
 
+def split_requests(requests: int, parts: int) -> list[int]:
+    """How run_h2load shares a round among its h2loads (in URL, then argument-set order):
+    evenly, the remainder to the first."""
+    share, extra = divmod(requests, parts)
+    return [share + (extra if n == 0 else 0) for n in range(parts)]
+
+
 def run_h2load(h2load: str, target: Target, args: argparse.Namespace, requests: int,
                workdir: Path, extra_args: Sequence[str] = ()) -> LoadResult:
     """One checked h2load run; `extra_args` (e.g. `--rps=N`) go before the target's own."""
-    urls = [target.url, *target.extra_urls]
-    share, extra = divmod(requests, len(urls))
-    clients = max(1, args.clients // len(urls))
+    loads = [(url, arg_set) for url in [target.url, *target.extra_urls]
+             for arg_set in target.arg_sets or [[]]]
+    clients = max(1, args.clients // len(loads))
     runs = []
-    for n, url in enumerate(urls):
+    for n, ((url, arg_set), count) in enumerate(
+            zip(loads, split_requests(requests, len(loads)), strict=True)):
         log_file = workdir / f"h2load-{n}.log"
         log_file.unlink(missing_ok=True)  # h2load appends; a stale log would skew the count
-        count = share + (extra if n == 0 else 0)
         argv = [h2load, "-n", str(count), "-c", str(clients), "-m", str(args.streams),
-                "-t", str(args.threads), *extra_args, *target.h2load_args,
+                "-t", str(args.threads), *extra_args, *target.h2load_args, *arg_set,
                 "--log-file", str(log_file), url]
         runs.append((argv, log_file, count))
     before = target.settled_counters()
@@ -395,7 +406,7 @@ def run_h2load(h2load: str, target: Target, args: argparse.Namespace, requests: 
     target.check_counters(before, after, requests)
     durations.sort()
     # Several started together: the slowest one bounds the combined rate.
-    finished_rate = rate if len(urls) == 1 else requests / wall
+    finished_rate = rate if len(runs) == 1 else requests / wall
     return LoadResult(finished_rate, percentile(durations, 50) / 1000,
                       percentile(durations, 99) / 1000, wall, client_cpu, server_cpu)
 
