@@ -16,20 +16,19 @@ key set with an absolute time in the server's past would vanish at once.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from sitsmesh import redisclients
 from sitsmesh.ratelimit.config import Algorithm
+from sitsmesh.ratelimit.rediswire import Call, script, send_cluster, send_single
 from sitsmesh.ratelimit.store import Count, Hit, fixed_window, gcra, sliding_window
 
 DEFAULT_PREFIX = "sitsmesh:rl:"
@@ -83,52 +82,9 @@ return raw
 """
 
 
-@dataclass(frozen=True, slots=True)
-class _Script:
-    text: str
-    sha: str
-    numkeys: int
-    # "*<argc>\r\n$7\r\nEVALSHA\r\n$40\r\n<sha>\r\n$n\r\n<numkeys>\r\n", argc left open.
-    head: bytes
-
-
-def _script(text: str, numkeys: int) -> _Script:
-    sha = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
-    keys = b"%d" % numkeys
-    head = (b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n" + sha.encode()
-            + b"\r\n$%d\r\n" % len(keys) + keys + b"\r\n")
-    return _Script(text, sha, numkeys, head)
-
-
-_FIXED = _script(_FIXED_LUA, 1)
-_SLIDING = _script(_SLIDING_LUA, 2)
-_GCRA = _script(_GCRA_LUA, 1)
-
-_Call = tuple[_Script, tuple[str | int | float, ...]]
-
-
-def _encode(arg: str | int | float) -> bytes:
-    if isinstance(arg, str):
-        return arg.encode()
-    if isinstance(arg, int):
-        return b"%d" % arg
-    return repr(arg).encode()  # shortest exact form, as redis-py writes floats
-
-
-def _pack(calls: Sequence[_Call]) -> bytes:
-    """RESP for a batch of EVALSHA commands.
-
-    redis-py's pack_command costs ~30 µs a command in pure Python, more than the
-    round trip itself; these commands have a fixed shape, so a few bytes
-    formats do the same job. Replies are still read by redis-py (hiredis).
-    """
-    out: list[bytes] = []
-    for script, args in calls:
-        out.append(script.head % (len(args) + 3))
-        for arg in args:
-            raw = _encode(arg)
-            out.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
-    return b"".join(out)
+_FIXED = script(_FIXED_LUA, 1)
+_SLIDING = script(_SLIDING_LUA, 2)
+_GCRA = script(_GCRA_LUA, 1)
 
 
 def _ttl_ms(seconds: float) -> int:
@@ -172,7 +128,7 @@ class RedisStore:
         # While MAX_IN_FLIGHT batches are on the wire, new requests wait for the next
         # batch: under load batches grow with the arrival rate; when idle a request
         # goes out at once, so batching adds no latency.
-        self._pending: list[tuple[list[_Call], asyncio.Future[list[object]]]] = []
+        self._pending: list[tuple[list[Call], asyncio.Future[list[object]]]] = []
         self._flush_scheduled = False
         self._in_flight = 0
 
@@ -191,7 +147,7 @@ class RedisStore:
         return cls(client, prefix=prefix, timeout_s=timeout_s, count_rejected=count_rejected,
                    jitter_s=jitter_s)
 
-    def _call(self, hit: Hit, now: float) -> _Call | None:
+    def _call(self, hit: Hit, now: float) -> Call | None:
         window = hit.window_s
         if hit.algorithm is Algorithm.GCRA:
             if hit.limit <= 0:
@@ -249,7 +205,7 @@ class RedisStore:
             out.append(reply if isinstance(reply, Exception) else _count(hit, now, reply))
         return out
 
-    async def _queue(self, queued: list[_Call]) -> list[object]:
+    async def _queue(self, queued: list[Call]) -> list[object]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[object]] = loop.create_future()
         self._pending.append((queued, future))
@@ -275,11 +231,11 @@ class RedisStore:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
-    async def _send(self, batch: list[tuple[list[_Call], asyncio.Future[list[object]]]]
+    async def _send(self, batch: list[tuple[list[Call], asyncio.Future[list[object]]]]
                     ) -> None:
         queued = [call for calls, _ in batch for call in calls]
         try:
-            # On a cluster each master's pipeline has its own deadline (_exchange_cluster):
+            # On a cluster each master's share has its own deadline (send_cluster):
             # one master that stalls must not time out the others' counters.
             async with asyncio.timeout(None if self.sharded else self._timeout_s):
                 replies = await self._exchange(queued)
@@ -297,70 +253,18 @@ class RedisStore:
                 future.set_result(replies[start:start + len(calls)])
             start += len(calls)
 
-    async def _exchange(self, queued: list[_Call]) -> list[object]:
+    async def _exchange(self, queued: list[Call]) -> list[object]:
         replies: list[object]
         if isinstance(self._client, Redis):
-            replies = await self._send_packed(self._client, queued)
+            replies = await send_single(self._client, queued)
         else:
-            replies = await self._exchange_cluster(self._client, queued, self._timeout_s)
+            replies = await send_cluster(self._client, queued, self._timeout_s)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             await self._resend(queued, replies, missing)
         return replies
 
-    @staticmethod
-    async def _exchange_cluster(client: RedisCluster, queued: list[_Call],
-                                timeout_s: float) -> list[object]:
-        """One pipeline per master, side by side. One pipeline for the whole batch
-        would fail as a whole while any master it touches fails over, and take every
-        other master's counters down with it."""
-        await client.initialize()  # the slot table, once (a no-op after the first)
-        groups: dict[str, list[int]] = {}
-        for i, (_, args) in enumerate(queued):
-            try:  # KEYS[1]: the counter's slot
-                node = client.get_node_from_key(str(args[0]))
-            except (RedisError, RedisClusterException):  # its pipeline will say why
-                node = None
-            groups.setdefault(node.name if node is not None else "", []).append(i)
-        replies: list[object] = [None] * len(queued)
-
-        async def send(indices: list[int]) -> None:
-            pipe = client.pipeline(transaction=False)
-            for i in indices:
-                script, args = queued[i]
-                pipe.evalsha(script.sha, script.numkeys, *args)
-            try:
-                async with asyncio.timeout(timeout_s):
-                    got: list[object] = await pipe.execute(raise_on_error=False)
-            except Exception as exc:  # this master only: the others' replies stand
-                got = [exc] * len(indices)
-            for i, reply in zip(indices, got, strict=True):
-                replies[i] = reply
-
-        await asyncio.gather(*(send(indices) for indices in groups.values()))
-        return replies
-
-    @staticmethod
-    async def _send_packed(client: Redis, queued: list[_Call]) -> list[object]:
-        pool = client.connection_pool
-        conn = await pool.get_connection()  # type: ignore[no-untyped-call]
-        try:
-            await conn.send_packed_command(_pack(queued))
-            replies: list[object] = []
-            for _ in queued:
-                try:
-                    replies.append(await conn.read_response())
-                except ResponseError as exc:  # NOSCRIPT and script errors, per command
-                    replies.append(exc)
-        except BaseException:
-            # Replies may still be on the wire: never hand this socket to another caller.
-            await conn.disconnect()
-            raise
-        finally:
-            await pool.release(conn)
-        return replies
-
-    async def _resend(self, queued: list[_Call], replies: list[object],
+    async def _resend(self, queued: list[Call], replies: list[object],
                       missing: list[int]) -> None:
         # The server lost its script cache (restart, failover, SCRIPT FLUSH). A
         # NOSCRIPT reply ran nothing, so resending only those is safe; EVAL goes
