@@ -163,5 +163,9 @@ async def send_cluster(client: RedisCluster, calls: Sequence[Call],
         for i, reply in zip(indices, got, strict=True):
             replies[i] = reply
 
-    await asyncio.gather(*(send(node, indices) for node, indices in groups.items()))
+    if len(groups) == 1:  # the usual batch at low concurrency: no task to make
+        [(node, indices)] = groups.items()
+        await send(node, indices)
+    else:
+        await asyncio.gather(*(send(node, indices) for node, indices in groups.items()))
     return replies
