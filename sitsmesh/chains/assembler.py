@@ -140,7 +140,7 @@ class Assembler:
         self._index = index
         self.pipelines = dict(pipelines)
 
-    def _match(self, hop: Hop) -> tuple[Pipeline, Stage] | None:
+    def match(self, hop: Hop) -> tuple[Pipeline, Stage] | None:
         index = self._index
         if hop.stage:
             return index.get(("report:" + hop.pipeline, hop.stage))
@@ -149,7 +149,7 @@ class Assembler:
                 or (index.get(("header", hop.stage_header)) if hop.stage_header else None))
 
     def add(self, hop: Hop) -> None:
-        matched = self._match(hop)
+        matched = self.match(hop)
         if matched is None or not hop.request_id:
             self.unmatched += 1
             return
@@ -292,6 +292,14 @@ class Assembler:
 
     def slot_index(self) -> int:
         return int(self._clock() // self._slot_s)
+
+    def slot_count(self) -> int:
+        return len(self._slots)
+
+    @property
+    def kept_limit(self) -> int:
+        """Slowest chains kept whole per pipeline and slot."""
+        return self._keep
 
 
 def _slow_chain(request_id: str, chain: _Chain, own: Mapping[str, float], e2e: float,

@@ -53,8 +53,11 @@ class Tally:
         top = heapq.nlargest(top_k, self.slowest + other.slowest, key=_key)
         top.reverse()  # ascending: a valid min-heap
         self.slowest = top
-        for e2e, negative_sequence, chain in other.kept.heap:
-            self.kept.push(e2e, -negative_sequence, chain)
+        # Two replicas' sequences may tie too: ranked by key, never by the chains.
+        kept = heapq.nlargest(self.kept.limit, self.kept.heap + other.kept.heap,
+                              key=lambda e: (e[0], e[1]))
+        kept.reverse()
+        self.kept.heap = kept
 
 
 def _key(entry: SlowEntry) -> tuple[float, int]:

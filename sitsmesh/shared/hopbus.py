@@ -150,9 +150,18 @@ class HopBus:
     async def room(self) -> None:
         """Wait while the publisher is behind: a stream that calls this between messages
         slows its sender (Envoy) through gRPC flow control instead of growing the buffer."""
-        while len(self._pending) > HIGH_WATER:
+        while self.queued() > HIGH_WATER:
             self._drained.clear()
             await self._drained.wait()
+
+    def queued(self) -> int:
+        """Events waiting to be published."""
+        return len(self._pending)
+
+    def caught_up(self) -> None:
+        """Let paced streams go on once the publisher is back under the high water."""
+        if self.queued() <= HIGH_WATER:
+            self._drained.set()
 
     # --- background ------------------------------------------------------------
 
@@ -171,8 +180,7 @@ class HopBus:
                     await self._client.xadd(self._key, {"b": json.dumps(batch)},
                                             maxlen=STREAM_LENGTH, approximate=True)
                     self.published += len(batch)
-                    if len(self._pending) <= HIGH_WATER:
-                        self._drained.set()
+                    self.caught_up()
                 except Exception as exc:  # Redis down or slow: keep this process right
                     self.fallbacks += len(batch)
                     _log.warning("hop bus publish failed; applying here only",
@@ -181,15 +189,21 @@ class HopBus:
                     self._drained.set()
 
     async def _read_forever(self) -> None:
-        last = "$"
-        while True:
+        await self.read_stream(self._key)
+
+    async def read_stream(self, key: str, last: str = "$",
+                          seen: Callable[[str], None] | None = None,
+                          stop: asyncio.Event | None = None) -> None:
+        """Apply `key`'s entries after `last` ("$": after what it holds now) until
+        cancelled or `stop` is set; `seen` gets each entry's id once applied."""
+        while stop is None or not stop.is_set():
             try:
                 if last == "$":
                     # Start after what the stream holds now, and remember where, so a
                     # reconnect resumes there rather than at the new end.
-                    newest = await self._client.xrevrange(self._key, count=1)
+                    newest = await self._client.xrevrange(key, count=1)
                     last = _id(newest[0][0]) if newest else "0-0"
-                replies: Any = await self._client.xread({self._key: last}, count=READ_COUNT,
+                replies: Any = await self._client.xread({key: last}, count=READ_COUNT,
                                                         block=READ_BLOCK_MS)
             except asyncio.CancelledError:
                 raise
@@ -197,10 +211,16 @@ class HopBus:
                 _log.warning("hop bus read failed; retrying", error=str(exc))
                 await asyncio.sleep(RETRY_S)
                 continue
+            if stop is not None and stop.is_set():
+                # A cancel that redis-py turned into an error (a timeout racing it) must
+                # still stop the reader: the partition has another owner now.
+                return
             for _, entries in replies or ():
                 for entry_id, fields in entries:
                     last = _id(entry_id)
                     self._apply_raw(fields)
+                    if seen is not None:
+                        seen(last)
 
     def _apply_raw(self, fields: Any) -> None:
         try:
@@ -210,6 +230,10 @@ class HopBus:
         except (AttributeError, TypeError, ValueError):
             self.malformed += 1
             return
+        self._apply(batch)
+
+    def apply(self, batch: list[Any]) -> None:
+        """Events as if read from the bus (here when Redis did not take them)."""
         self._apply(batch)
 
     def _apply(self, batch: list[Any]) -> None:

@@ -144,3 +144,15 @@ def test_a_tally_survives_json_and_malformed_ones_are_refused() -> None:
                 [-1, 0, 0, [0.0], {}, {}, {}, {}, [], []]):
         with pytest.raises((ValueError, TypeError)):
             decode(bad, 3)
+
+
+def test_replicas_chains_alike_in_time_and_sequence_merge_without_comparing_chains() -> None:
+    clock = Clock()
+    a, b = (Assembler(PIPELINES, clock=clock) for _ in range(2))
+    for asm, rid in ((a, "on-a"), (b, "on-b")):  # each one's first chain, equally slow
+        asm.add(Hop(rid, 0.0, 0.05, route_name="a"))
+        asm.add(Hop(rid, 0.0, 0.02, route_name="b"))
+    a.shares = _shares([b], 10)  # type: ignore[assignment]
+    report = a.report("other", 60)
+    assert report is not None and report.chains == 2
+    assert sorted(c.request_id for c in report.slowest) == ["on-a", "on-b"]

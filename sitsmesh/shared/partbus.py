@@ -1,0 +1,252 @@
+"""The hop bus split by request id: each replica assembles only the chains it owns.
+
+A hop goes to its request's partition stream (sitsmesh.shared.partitions), read by
+that partition's one owner. What every replica still needs from every hop rides on
+the broadcast stream of HopBus, small: the stage completion the controller counts
+(matched to its stage here, where the hop arrived) and, as before, hold releases and
+the replicas' reports.
+
+Ownership: every second each replica renews its heartbeat, computes the owners from
+the live replicas (the same on each), gives up the partitions it no longer owns and
+takes those it does. One lease per partition (in the stream's hash slot) makes the
+reader exactly one even while two replicas disagree on the members: the old owner
+stops reading, writes where it stopped (fenced by the lease) and frees the lease;
+the new owner takes the lease and resumes there. A chain open at a move is split
+(counted incomplete on both sides); one open at a crash is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+from sitsmesh import logs, redisclients
+from sitsmesh.chains.assembler import Assembler, Hop
+from sitsmesh.chains.pipeline import Pipeline, Stage
+from sitsmesh.shared.chainshares import ChainShares
+from sitsmesh.shared.hopbus import MAX_BATCH, MAX_PENDING, STREAM_LENGTH, HopBus, encode_hop
+from sitsmesh.shared.lease import Lease, holder_id
+from sitsmesh.shared.partitions import PARTITIONS, Membership, owned, partition_of, stream_key
+
+BEAT_S = 1.0
+STOP_S = 1.0
+LEASE_TTL_MS = 4_000
+CURSOR_TTL_MS = 3_600_000  # where a partition's last owner stopped, for its next one
+_log = logs.get("sitsmesh.shared.partbus")
+
+Match = Callable[[Hop], "tuple[Pipeline, Stage] | None"]
+
+
+class PartitionedBus(HopBus):
+    @classmethod
+    def for_assembler(cls, url: str, assembler: Assembler,
+                      release: Callable[[str, float | None], bool],
+                      registry: CollectorRegistry | None) -> PartitionedBus:
+        """The bus of `assembler`, which then reports on every replica's chains."""
+        client = redisclients.connect(url, protocol=2)
+        replica = holder_id()
+        shares = ChainShares(client, replica, assembler)
+        assembler.shares = shares.shares
+        bus = cls(client, deliver=assembler.add, release=release, match=assembler.match,
+                  membership=Membership(client, replica), shares=shares)
+        Gauge("sitsmesh_hop_partitions_owned", "Hop partitions whose chains this process "
+              "assembles", registry=registry).set_function(lambda: len(bus.owned))
+        Gauge("sitsmesh_hop_partition_replicas", "Live replicas the hop partitions are "
+              "split over, as this process sees them",
+              registry=registry).set_function(lambda: len(bus.members))
+        return bus
+
+    def __init__(self, client: Redis | RedisCluster, *, deliver: Callable[[Hop], None],
+                 release: Callable[[str, float | None], bool], match: Match,
+                 membership: Membership, shares: ChainShares | None = None,
+                 partitions: int = PARTITIONS) -> None:
+        super().__init__(client, deliver=deliver, release=release)
+        self.shares = shares
+        self._match = match
+        self._membership = membership
+        self._partitions = partitions
+        self._parts: list[list[Hop]] = [[] for _ in range(partitions)]
+        self._queued = 0
+        self._parts_wake = asyncio.Event()
+        self._leases = [Lease(client, f"hops:{p}", ttl_ms=LEASE_TTL_MS,
+                              holder=membership.replica, announce=False)
+                        for p in range(partitions)]
+        self._readers: dict[int, asyncio.Task[None]] = {}
+        self._cursors: dict[int, str] = {}
+        self._stops: dict[int, asyncio.Event] = {}
+        # The controller's per-stage completions, from every replica's hops.
+        self.on_stage: Callable[[str, str, Hop], None] | None = None
+        self.on("c", self._completed)
+        self.unmatched = 0
+        self.moves = 0  # partitions taken or given up
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self._membership.members
+
+    @property
+    def owned(self) -> frozenset[int]:
+        """The partitions this replica reads now."""
+        return frozenset(self._readers)
+
+    # --- the ingestion path: no I/O -----------------------------------------
+
+    def add(self, hop: Hop) -> None:
+        matched = self._match(hop)
+        if matched is None or not hop.request_id:
+            self.unmatched += 1  # the owner could not place it either
+            return
+        pipeline, stage = matched
+        self.publish(["c", pipeline.name, stage.name, hop.request_id, hop.start, hop.duration,
+                      hop.failed])
+        if self._queued >= MAX_PENDING:
+            self.overflowed += 1
+            self._deliver(hop)  # as HopBus does: this process stays right, and counts it
+            return
+        self._parts[partition_of(hop.request_id, self._partitions)].append(hop)
+        self._queued += 1
+        self._parts_wake.set()
+
+    def _completed(self, event: list[Any]) -> None:
+        _, pipeline, stage, request_id, start, duration, failed = event
+        if self.on_stage is not None:
+            self.on_stage(pipeline, stage, Hop(request_id, float(start), float(duration),
+                                               failed=bool(failed)))
+
+    def queued(self) -> int:
+        return super().queued() + self._queued
+
+    # --- background ------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            await asyncio.gather(super().run(), self._publish_parts(), self._own_forever(),
+                                 *([self.shares.run()] if self.shares is not None else []))
+        finally:
+            await self._leave()
+
+    async def _publish_parts(self) -> None:
+        while True:
+            await self._parts_wake.wait()
+            self._parts_wake.clear()
+            while self._queued:
+                batches: list[tuple[int, list[Hop]]] = []
+                for p, part in enumerate(self._parts):
+                    if part:
+                        batches.append((p, part[:MAX_BATCH]))
+                        del part[:MAX_BATCH]
+                sent = sum(len(b) for _, b in batches)
+                self._queued -= sent
+                try:
+                    async with self._client.pipeline(transaction=False) as pipe:
+                        for p, batch in batches:
+                            pipe.xadd(stream_key(p),
+                                      {"b": json.dumps([encode_hop(h) for h in batch])},
+                                      maxlen=STREAM_LENGTH, approximate=True)
+                        await pipe.execute()
+                    self.published += sent
+                    self.caught_up()
+                except Exception as exc:  # Redis down or slow: keep this process right
+                    self.fallbacks += sent
+                    _log.warning("hop bus publish failed; applying here only",
+                                 events=sent, error=str(exc))
+                    for _, batch in batches:
+                        for hop in batch:
+                            self._deliver(hop)
+                    self.caught_up()
+
+    # --- ownership -------------------------------------------------------------
+
+    async def _own_forever(self) -> None:
+        while True:
+            try:
+                members = await self._membership.beat()
+                await self.rebalance(owned(self._membership.replica, members,
+                                           self._partitions))
+            except Exception as exc:
+                # Redis down: keep reading what we own (the readers retry on their own).
+                _log.warning("hop partition heartbeat failed", error=str(exc))
+            await asyncio.sleep(BEAT_S)
+
+    async def rebalance(self, desired: frozenset[int]) -> None:
+        """Give up what is no longer ours, take what is (once its lease is free)."""
+        for p in sorted(set(self._readers) - desired):
+            await self._give_up(p)
+        for p in sorted(desired):
+            lease = self._leases[p]
+            if not await lease.step():
+                if p in self._readers:  # lost it (Redis lapsed): another may read it now
+                    await self._stop(p)
+                    self._forget(p)
+                continue
+            if p not in self._readers:
+                await self._take(p)
+            else:
+                await self._save(p)
+
+    async def _take(self, p: int) -> None:
+        raw = await self._client.get(self._leases[p].key("cursor"))
+        start = raw.decode() if isinstance(raw, bytes) else raw
+        if not start:
+            # No owner before: the stream's end now, named, so that giving the partition
+            # up before a hop arrives still hands over this place and not a later "$".
+            newest = await self._client.xrevrange(stream_key(p), count=1)
+            start = _id(newest[0][0]) if newest else "0-0"
+        self._cursors[p] = start
+        self.moves += 1
+        _log.info("hop partition taken", partition=p, resume=start)
+        def seen(last: str) -> None:
+            self._cursors[p] = last
+
+        stop = self._stops[p] = asyncio.Event()
+        self._readers[p] = asyncio.create_task(self.read_stream(stream_key(p), start, seen,
+                                                                stop))
+
+    def _forget(self, p: int) -> None:
+        self._cursors.pop(p, None)
+
+    async def _stop(self, p: int) -> None:
+        task = self._readers.pop(p)
+        self._stops.pop(p).set()
+        task.cancel()
+        # Bounded: a cancelled blocking XREAD has been seen to take its time (it stops at
+        # its `stop` then), and this loop must go on renewing the other leases.
+        done, _ = await asyncio.wait({task}, timeout=STOP_S)
+        if not done:
+            _log.warning("hop partition reader slow to stop", partition=p)
+
+    async def _save(self, p: int) -> None:
+        last = self._cursors.get(p)
+        if last is not None:
+            lease = self._leases[p]
+            await lease.publish(lease.key("cursor"), last, CURSOR_TTL_MS)
+
+    async def _give_up(self, p: int) -> None:
+        await self._stop(p)
+        self.moves += 1
+        try:
+            await self._save(p)
+        except Exception as exc:  # the next owner resumes from the last saved cursor
+            _log.warning("hop partition cursor not saved", partition=p, error=str(exc))
+        await self._leases[p].release()
+        self._forget(p)
+        _log.info("hop partition given up", partition=p)
+
+    async def _leave(self) -> None:
+        """Shutting down: hand every partition over now, not when the leases lapse."""
+        with contextlib.suppress(Exception):
+            await self._membership.leave()
+        for p in list(self._readers):
+            with contextlib.suppress(Exception):
+                await self._give_up(p)
+
+
+def _id(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
