@@ -158,6 +158,9 @@ class HopBus:
         """Events waiting to be published."""
         return len(self._pending)
 
+    def sealed(self) -> None:
+        """The pending events were just encoded: one still being filled is sent as is."""
+
     def caught_up(self) -> None:
         """Let paced streams go on once the publisher is back under the high water."""
         if self.queued() <= HIGH_WATER:
@@ -176,8 +179,10 @@ class HopBus:
             while self._pending:
                 batch = self._pending[:MAX_BATCH]
                 del self._pending[:MAX_BATCH]
+                body = json.dumps(batch)
+                self.sealed()
                 try:
-                    await self._client.xadd(self._key, {"b": json.dumps(batch)},
+                    await self._client.xadd(self._key, {"b": body},
                                             maxlen=STREAM_LENGTH, approximate=True)
                     self.published += len(batch)
                     self.caught_up()
@@ -189,21 +194,15 @@ class HopBus:
                     self._drained.set()
 
     async def _read_forever(self) -> None:
-        await self.read_stream(self._key)
-
-    async def read_stream(self, key: str, last: str = "$",
-                          seen: Callable[[str], None] | None = None,
-                          stop: asyncio.Event | None = None) -> None:
-        """Apply `key`'s entries after `last` ("$": after what it holds now) until
-        cancelled or `stop` is set; `seen` gets each entry's id once applied."""
-        while stop is None or not stop.is_set():
+        last = "$"
+        while True:
             try:
                 if last == "$":
                     # Start after what the stream holds now, and remember where, so a
                     # reconnect resumes there rather than at the new end.
-                    newest = await self._client.xrevrange(key, count=1)
+                    newest = await self._client.xrevrange(self._key, count=1)
                     last = _id(newest[0][0]) if newest else "0-0"
-                replies: Any = await self._client.xread({key: last}, count=READ_COUNT,
+                replies: Any = await self._client.xread({self._key: last}, count=READ_COUNT,
                                                         block=READ_BLOCK_MS)
             except asyncio.CancelledError:
                 raise
@@ -211,16 +210,14 @@ class HopBus:
                 _log.warning("hop bus read failed; retrying", error=str(exc))
                 await asyncio.sleep(RETRY_S)
                 continue
-            if stop is not None and stop.is_set():
-                # A cancel that redis-py turned into an error (a timeout racing it) must
-                # still stop the reader: the partition has another owner now.
-                return
             for _, entries in replies or ():
                 for entry_id, fields in entries:
                     last = _id(entry_id)
                     self._apply_raw(fields)
-                    if seen is not None:
-                        seen(last)
+
+    def apply_raw(self, fields: Any) -> None:
+        """A stream entry's batch of events, applied."""
+        self._apply_raw(fields)
 
     def _apply_raw(self, fields: Any) -> None:
         try:
@@ -230,10 +227,6 @@ class HopBus:
         except (AttributeError, TypeError, ValueError):
             self.malformed += 1
             return
-        self._apply(batch)
-
-    def apply(self, batch: list[Any]) -> None:
-        """Events as if read from the bus (here when Redis did not take them)."""
         self._apply(batch)
 
     def _apply(self, batch: list[Any]) -> None:

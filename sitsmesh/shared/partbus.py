@@ -31,12 +31,20 @@ from sitsmesh import logs, redisclients
 from sitsmesh.chains.assembler import Assembler, Hop
 from sitsmesh.chains.pipeline import Pipeline, Stage
 from sitsmesh.shared.chainshares import ChainShares
-from sitsmesh.shared.hopbus import MAX_BATCH, MAX_PENDING, STREAM_LENGTH, HopBus, encode_hop
+from sitsmesh.shared.hopbus import (
+    MAX_BATCH,
+    MAX_PENDING,
+    READ_BLOCK_MS,
+    READ_COUNT,
+    RETRY_S,
+    STREAM_LENGTH,
+    HopBus,
+    encode_hop,
+)
 from sitsmesh.shared.lease import Lease, holder_id
 from sitsmesh.shared.partitions import PARTITIONS, Membership, owned, partition_of, stream_key
 
 BEAT_S = 1.0
-STOP_S = 1.0
 LEASE_TTL_MS = 4_000
 CURSOR_TTL_MS = 3_600_000  # where a partition's last owner stopped, for its next one
 _log = logs.get("sitsmesh.shared.partbus")
@@ -78,12 +86,19 @@ class PartitionedBus(HopBus):
         self._leases = [Lease(client, f"hops:{p}", ttl_ms=LEASE_TTL_MS,
                               holder=membership.replica, announce=False)
                         for p in range(partitions)]
-        self._readers: dict[int, asyncio.Task[None]] = {}
+        # The partitions read now, each with the id of its last entry applied.
         self._cursors: dict[int, str] = {}
-        self._stops: dict[int, asyncio.Event] = {}
+        self._taken = asyncio.Event()
+        # One XREAD over every partition on one Redis; on a cluster a reader per partition,
+        # since a command's keys must share a slot there.
+        self._groups: list[frozenset[int]] = (
+            [frozenset([p]) for p in range(partitions)] if isinstance(client, RedisCluster)
+            else [frozenset(range(partitions))])
+        self._key_partition = {stream_key(p): p for p in range(partitions)}
         # The controller's per-stage completions, from every replica's hops.
         self.on_stage: Callable[[str, str, Hop], None] | None = None
-        self.on("c", self._completed)
+        self.on("C", self._completed)
+        self._columns: dict[tuple[str, str], list[Any]] = {}
         self.unmatched = 0
         self.moves = 0  # partitions taken or given up
 
@@ -94,7 +109,7 @@ class PartitionedBus(HopBus):
     @property
     def owned(self) -> frozenset[int]:
         """The partitions this replica reads now."""
-        return frozenset(self._readers)
+        return frozenset(self._cursors)
 
     # --- the ingestion path: no I/O -----------------------------------------
 
@@ -104,8 +119,23 @@ class PartitionedBus(HopBus):
             self.unmatched += 1  # the owner could not place it either
             return
         pipeline, stage = matched
-        self.publish(["c", pipeline.name, stage.name, hop.request_id, hop.start, hop.duration,
-                      hop.failed])
+        # Columns per stage, filled until the publisher encodes them: a few bytes and no
+        # list of its own per hop, since every replica decodes every one.
+        key = (pipeline.name, stage.name)
+        columns = self._columns.get(key)
+        if columns is None:
+            columns = ["C", pipeline.name, stage.name, [hop.request_id], [hop.start],
+                       [hop.duration], [0] if hop.failed else []]
+            overflowed = self.overflowed
+            self.publish(columns)
+            if self.overflowed == overflowed:  # else applied here already: start anew
+                self._columns[key] = columns
+        else:
+            columns[3].append(hop.request_id)
+            columns[4].append(hop.start)
+            columns[5].append(hop.duration)
+            if hop.failed:
+                columns[6].append(len(columns[3]) - 1)
         if self._queued >= MAX_PENDING:
             self.overflowed += 1
             self._deliver(hop)  # as HopBus does: this process stays right, and counts it
@@ -114,11 +144,22 @@ class PartitionedBus(HopBus):
         self._queued += 1
         self._parts_wake.set()
 
+    def sealed(self) -> None:
+        self._columns.clear()
+
     def _completed(self, event: list[Any]) -> None:
-        _, pipeline, stage, request_id, start, duration, failed = event
-        if self.on_stage is not None:
-            self.on_stage(pipeline, stage, Hop(request_id, float(start), float(duration),
-                                               failed=bool(failed)))
+        _, pipeline, stage, request_ids, starts, durations, failed = event
+        on_stage = self.on_stage
+        if on_stage is None:
+            return
+        if not (isinstance(pipeline, str) and isinstance(stage, str)
+                and len(request_ids) == len(starts) == len(durations)):
+            raise ValueError("a stage's completions are columns of one length")
+        failed = set(failed)
+        for i, (request_id, start, duration) in enumerate(zip(request_ids, starts, durations,
+                                                              strict=True)):
+            on_stage(pipeline, stage, Hop(str(request_id), float(start), float(duration),
+                                          failed=i in failed))
 
     def queued(self) -> int:
         return super().queued() + self._queued
@@ -128,6 +169,7 @@ class PartitionedBus(HopBus):
     async def run(self) -> None:
         try:
             await asyncio.gather(super().run(), self._publish_parts(), self._own_forever(),
+                                 *(self._read_owned(group) for group in self._groups),
                                  *([self.shares.run()] if self.shares is not None else []))
         finally:
             await self._leave()
@@ -162,6 +204,33 @@ class PartitionedBus(HopBus):
                             self._deliver(hop)
                     self.caught_up()
 
+    async def _read_owned(self, group: frozenset[int]) -> None:
+        """Apply the entries of the partitions of `group` that this replica owns. A
+        partition given up while an XREAD is out is skipped when its reply comes (it is
+        checked before every batch), so giving up never waits for this reader."""
+        cursors = self._cursors
+        while True:
+            keys: dict[Any, Any] = {stream_key(p): cursors[p] for p in group if p in cursors}
+            if not keys:
+                self._taken.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._taken.wait(), BEAT_S)
+                continue
+            try:
+                replies: Any = await self._client.xread(keys, count=READ_COUNT,
+                                                        block=READ_BLOCK_MS)
+            except Exception as exc:
+                _log.warning("hop partition read failed; retrying", error=str(exc))
+                await asyncio.sleep(RETRY_S)
+                continue
+            for key, entries in replies or ():
+                p = self._key_partition.get(_id(key))
+                for entry_id, fields in entries:
+                    if p is None or p not in cursors:
+                        break  # given up meanwhile: its next owner applies the rest
+                    self.apply_raw(fields)
+                    cursors[p] = _id(entry_id)
+
     # --- ownership -------------------------------------------------------------
 
     async def _own_forever(self) -> None:
@@ -177,16 +246,15 @@ class PartitionedBus(HopBus):
 
     async def rebalance(self, desired: frozenset[int]) -> None:
         """Give up what is no longer ours, take what is (once its lease is free)."""
-        for p in sorted(set(self._readers) - desired):
+        for p in sorted(set(self._cursors) - desired):
             await self._give_up(p)
         for p in sorted(desired):
             lease = self._leases[p]
             if not await lease.step():
-                if p in self._readers:  # lost it (Redis lapsed): another may read it now
-                    await self._stop(p)
-                    self._forget(p)
+                # Lost it (Redis lapsed): another may read it now.
+                self._cursors.pop(p, None)
                 continue
-            if p not in self._readers:
+            if p not in self._cursors:
                 await self._take(p)
             else:
                 await self._save(p)
@@ -199,28 +267,10 @@ class PartitionedBus(HopBus):
             # up before a hop arrives still hands over this place and not a later "$".
             newest = await self._client.xrevrange(stream_key(p), count=1)
             start = _id(newest[0][0]) if newest else "0-0"
-        self._cursors[p] = start
         self.moves += 1
         _log.info("hop partition taken", partition=p, resume=start)
-        def seen(last: str) -> None:
-            self._cursors[p] = last
-
-        stop = self._stops[p] = asyncio.Event()
-        self._readers[p] = asyncio.create_task(self.read_stream(stream_key(p), start, seen,
-                                                                stop))
-
-    def _forget(self, p: int) -> None:
-        self._cursors.pop(p, None)
-
-    async def _stop(self, p: int) -> None:
-        task = self._readers.pop(p)
-        self._stops.pop(p).set()
-        task.cancel()
-        # Bounded: a cancelled blocking XREAD has been seen to take its time (it stops at
-        # its `stop` then), and this loop must go on renewing the other leases.
-        done, _ = await asyncio.wait({task}, timeout=STOP_S)
-        if not done:
-            _log.warning("hop partition reader slow to stop", partition=p)
+        self._cursors[p] = start
+        self._taken.set()
 
     async def _save(self, p: int) -> None:
         last = self._cursors.get(p)
@@ -229,21 +279,22 @@ class PartitionedBus(HopBus):
             await lease.publish(lease.key("cursor"), last, CURSOR_TTL_MS)
 
     async def _give_up(self, p: int) -> None:
-        await self._stop(p)
+        last = self._cursors.pop(p, None)  # from here on the reader skips it
         self.moves += 1
-        try:
-            await self._save(p)
-        except Exception as exc:  # the next owner resumes from the last saved cursor
-            _log.warning("hop partition cursor not saved", partition=p, error=str(exc))
+        if last is not None:
+            lease = self._leases[p]
+            try:
+                await lease.publish(lease.key("cursor"), last, CURSOR_TTL_MS)
+            except Exception as exc:  # the next owner resumes from the last saved cursor
+                _log.warning("hop partition cursor not saved", partition=p, error=str(exc))
         await self._leases[p].release()
-        self._forget(p)
         _log.info("hop partition given up", partition=p)
 
     async def _leave(self) -> None:
         """Shutting down: hand every partition over now, not when the leases lapse."""
         with contextlib.suppress(Exception):
             await self._membership.leave()
-        for p in list(self._readers):
+        for p in list(self._cursors):
             with contextlib.suppress(Exception):
                 await self._give_up(p)
 
