@@ -1,12 +1,15 @@
-"""Hops and hold releases shared by every replica and worker through one Redis stream.
+"""Hold releases, stage completions and the replicas' reports, shared by every replica
+and worker through one broadcast Redis stream.
 
 Envoy sends a request's Check to one sitsmesh process and the access-log entries
 of its hops (over one long-lived stream per Envoy) to whichever process that
 stream reached, and stage reports come through any replica's admin API. So every
-process publishes what it receives, and every process reads the whole stream
-back and applies it, its own entries included: each one assembles every chain
-(GetLatencyChain answers the same on any replica) and frees the admission holds
-it owns, whichever process the access-log entry reached.
+process publishes what every other one needs, and every process reads the whole
+stream back and applies it, its own entries included: it frees the admission holds
+it owns, whichever process the access-log entry reached, and feeds its controller.
+The hops themselves go to their partition's owner (sitsmesh.shared.partbus, which
+extends this bus); a hop on this stream (a replica from before partitions) is
+assembled by every reader.
 
 Publishing only appends to a list; a background task sends the batch with one
 XADD per event-loop turn, and a reader task applies entries in stream order.
