@@ -161,6 +161,10 @@ class HopBus:
         """Events waiting to be published."""
         return len(self._pending)
 
+    def pending_events(self) -> list[_Event]:
+        """The events waiting to be published, oldest first."""
+        return list(self._pending)
+
     def sealed(self) -> None:
         """The pending events were just encoded: one still being filled is sent as is."""
 
