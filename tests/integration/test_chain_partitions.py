@@ -97,3 +97,35 @@ def test_each_replica_assembles_its_share_and_both_answer_as_one_process(
     harness.wait_until(lambda: _chain_report(a) == one == _chain_report(b), 5,
                        "both replicas report what one process does")
 
+
+
+def _owned(node: harness.Sitsmesh) -> float:
+    return harness.metric_value(node.metrics(), "sitsmesh_hop_partitions_owned")
+
+
+def test_a_replica_that_stops_hands_its_partitions_over_and_its_chains_still_count(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    a, b = replicas(start_sitsmesh, tmp_path / "state", redis.url)
+    _apply(a)
+    harness.wait_until(lambda: len(_admin(b).ListPipelines(
+        admin_pb2.ListPipelinesRequest(), metadata=b.admin_metadata(), timeout=5).pipelines)
+        == 1, 5, "the pipeline on b")
+    t0 = time.time()
+    spans = [("pre", 0.0, 0.004), ("feat", 0.004, 0.008), ("model", 0.012, 0.02)]
+    for n in range(20):
+        _timed_report(a, f"before-{n}", t0 + n * 0.01, spans[:1])
+        _timed_report(b, f"before-{n}", t0 + n * 0.01, spans[1:])
+    harness.wait_until(lambda: _chain_report(a).chains == 20 == _chain_report(b).chains, 5,
+                       "every chain on both")
+    on_b = _assembled(b)
+    assert 0 < on_b < 20
+    assert b.stop() == 0
+    # b left the members and freed its leases on the way out: a takes over at its next beat.
+    harness.wait_until(lambda: _owned(a) == PARTITIONS, 5, "a owns every partition")
+    for n in range(20):
+        _timed_report(a, f"after-{n}", t0 + n * 0.01, spans)
+    harness.wait_until(lambda: _chain_report(a).chains == 40, 5, "the new chains on a")
+    report = _chain_report(a)
+    assert (report.chains, report.incomplete) == (40, 0)  # b's chains still count
+    assert _assembled(a) == 40 - on_b
+
