@@ -23,7 +23,7 @@ from redis.asyncio.cluster import RedisCluster
 
 PARTITIONS = 16
 MEMBERS_KEY = "sitsmesh:{hops}:members"
-HEARTBEAT_TTL_S = 10.0
+HEARTBEAT_TTL_S = 5.0  # beats every second: a dead replica drops out within 5 s
 MAX_MEMBERS = 1_000  # read back, at most: bounds what a bad entry can cost
 
 

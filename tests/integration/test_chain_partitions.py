@@ -16,7 +16,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.dev.redis import RedisServer, redis_server
-from sitsmesh.shared.partitions import MEMBERS_KEY, PARTITIONS, owned, partition_of
+from sitsmesh.shared.partitions import MEMBERS_KEY, PARTITIONS, owned, partition_of, stream_key
 from tests.integration.test_shared_runtime import PIPELINE
 from tests.sharedstack import replicas
 
@@ -129,3 +129,41 @@ def test_a_replica_that_stops_hands_its_partitions_over_and_its_chains_still_cou
     assert (report.chains, report.incomplete) == (40, 0)  # b's chains still count
     assert _assembled(a) == 40 - on_b
 
+
+
+def test_a_replica_killed_loses_no_hop_published_after_its_death(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    """Its heartbeat and leases lapse, the other takes its partitions over where it had
+    read to, and the hops that waited meanwhile are assembled whole."""
+    a, b = replicas(start_sitsmesh, tmp_path / "state", redis.url)
+    _apply(a)
+    harness.wait_until(lambda: len(_admin(b).ListPipelines(
+        admin_pb2.ListPipelinesRequest(), metadata=b.admin_metadata(), timeout=5).pipelines)
+        == 1, 5, "the pipeline on b")
+    client = redis_py.Redis.from_url(redis.url, decode_responses=True)
+    t0 = time.time()
+    spans = [("pre", 0.0, 0.004), ("feat", 0.004, 0.008), ("model", 0.012, 0.02)]
+    for n in range(20):
+        _timed_report(a, f"before-{n}", t0 + n * 0.01, spans)
+    harness.wait_until(lambda: _chain_report(a).chains == 20 == _chain_report(b).chains, 5,
+                       "every chain on both")
+
+    def saved_to_the_end() -> bool:
+        """Every partition's cursor names its stream's last entry: nothing is read twice."""
+        for p in range(PARTITIONS):
+            newest = client.xrevrange(stream_key(p), count=1)
+            cursor = client.get(f"sitsmesh:{{hops:{p}}}:cursor")
+            if newest and cursor != newest[0][0]:
+                return False
+        return True
+
+    harness.wait_until(saved_to_the_end, 5, "the cursors saved")
+    on_b = _assembled(b)
+    b.kill()
+    for n in range(20):  # published while b's partitions have no reader
+        _timed_report(a, f"after-{n}", t0 + n * 0.01, spans)
+    harness.wait_until(lambda: _owned(a) == PARTITIONS, 15, "a owns every partition")
+    harness.wait_until(lambda: _chain_report(a).chains == 40, 5, "the waiting hops assembled")
+    report = _chain_report(a)
+    assert (report.chains, report.incomplete) == (40, 0)
+    assert _assembled(a) == 40 - on_b
