@@ -201,6 +201,9 @@ class Assembler:
     def open_chains(self) -> int:
         return len(self._open)
 
+    def open_request_ids(self) -> list[str]:
+        return list(self._open)
+
     def open_bytes(self) -> int:
         """The open chains' estimated size."""
         return self._open_bytes

@@ -12,7 +12,8 @@ takes those it does. One lease per partition (in the stream's hash slot) makes t
 reader exactly one even while two replicas disagree on the members: the old owner
 stops reading, writes where it stopped (fenced by the lease) and frees the lease;
 the new owner takes the lease and resumes there. A chain open at a move is split
-(counted incomplete on both sides); one open at a crash is lost.
+(counted incomplete on both sides); one open at a crash is lost, and counted by the
+successor from the open count each owner saves with its place.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import Counter as Counter_
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
@@ -62,8 +65,12 @@ class PartitionedBus(HopBus):
         replica = holder_id()
         shares = ChainShares(client, replica, assembler)
         assembler.shares = shares.shares
+        lost = Counter_("sitsmesh_chains_lost_total", "Chains open on a replica that died "
+                        "(as of its last save, a second before), taken over here; their later "
+                        "hops show up as incomplete chains", registry=registry)
         bus = cls(client, deliver=assembler.add, release=release, match=assembler.match,
-                  membership=Membership(client, replica), shares=shares)
+                  membership=Membership(client, replica), shares=shares,
+                  open_ids=assembler.open_request_ids, on_lost=lost.inc)
         Gauge("sitsmesh_hop_partitions_owned", "Hop partitions whose chains this process "
               "assembles", registry=registry).set_function(lambda: len(bus.owned))
         Gauge("sitsmesh_hop_partition_replicas", "Live replicas the hop partitions are "
@@ -74,9 +81,14 @@ class PartitionedBus(HopBus):
     def __init__(self, client: Redis | RedisCluster, *, deliver: Callable[[Hop], None],
                  release: Callable[[str, float | None], bool], match: Match,
                  membership: Membership, shares: ChainShares | None = None,
-                 partitions: int = PARTITIONS) -> None:
+                 partitions: int = PARTITIONS,
+                 open_ids: Callable[[], Iterable[str]] | None = None,
+                 on_lost: Callable[[int], None] | None = None) -> None:
         super().__init__(client, deliver=deliver, release=release)
         self.shares = shares
+        self._open_ids = open_ids  # the request ids of the chains open here
+        self._on_lost = on_lost
+        self.lost = 0  # chains open on a replica that died, as its last save counted
         self._match = match
         self._membership = membership
         self._partitions = partitions
@@ -244,10 +256,19 @@ class PartitionedBus(HopBus):
                 _log.warning("hop partition heartbeat failed", error=str(exc))
             await asyncio.sleep(BEAT_S)
 
+    def _open_by_partition(self) -> Counter[int]:
+        if self._open_ids is None or not self._cursors:
+            return Counter()
+        n = self._partitions
+        return Counter(partition_of(rid, n) for rid in self._open_ids())
+
     async def rebalance(self, desired: frozenset[int]) -> None:
         """Give up what is no longer ours, take what is (once its lease is free)."""
         for p in sorted(set(self._cursors) - desired):
-            await self._give_up(p)
+            # This process goes on: the chains it has open there expire here, counted
+            # incomplete, and are not the next owner's to count as lost.
+            await self._give_up(p, 0)
+        opened = self._open_by_partition()
         for p in sorted(desired):
             lease = self._leases[p]
             if not await lease.step():
@@ -257,11 +278,18 @@ class PartitionedBus(HopBus):
             if p not in self._cursors:
                 await self._take(p)
             else:
-                await self._save(p)
+                await self._save(p, opened[p])
 
     async def _take(self, p: int) -> None:
         raw = await self._client.get(self._leases[p].key("cursor"))
-        start = raw.decode() if isinstance(raw, bytes) else raw
+        start, _, opened = (raw.decode() if isinstance(raw, bytes) else raw or "").partition(" ")
+        if opened.isdigit() and int(opened):
+            # Its last owner died with these chains open (as of its last save): their hops
+            # read so far died with it. Later hops of theirs show up as incomplete chains.
+            self.lost += int(opened)
+            if self._on_lost is not None:
+                self._on_lost(int(opened))
+            _log.warning("chains lost with a replica", partition=p, chains=int(opened))
         if not start:
             # No owner before: the stream's end now, named, so that giving the partition
             # up before a hop arrives still hands over this place and not a later "$".
@@ -272,19 +300,20 @@ class PartitionedBus(HopBus):
         self._cursors[p] = start
         self._taken.set()
 
-    async def _save(self, p: int) -> None:
-        last = self._cursors.get(p)
+    async def _save(self, p: int, opened: int, last: str | None = None) -> None:
+        """Where this replica has read `p` to, and how many of its chains it has open (the
+        next owner's count of the lost, should this replica die before its next save)."""
+        last = last or self._cursors.get(p)
         if last is not None:
             lease = self._leases[p]
-            await lease.publish(lease.key("cursor"), last, CURSOR_TTL_MS)
+            await lease.publish(lease.key("cursor"), f"{last} {opened}", CURSOR_TTL_MS)
 
-    async def _give_up(self, p: int) -> None:
+    async def _give_up(self, p: int, opened: int) -> None:
         last = self._cursors.pop(p, None)  # from here on the reader skips it
         self.moves += 1
         if last is not None:
-            lease = self._leases[p]
             try:
-                await lease.publish(lease.key("cursor"), last, CURSOR_TTL_MS)
+                await self._save(p, opened, last)
             except Exception as exc:  # the next owner resumes from the last saved cursor
                 _log.warning("hop partition cursor not saved", partition=p, error=str(exc))
         await self._leases[p].release()
@@ -294,9 +323,10 @@ class PartitionedBus(HopBus):
         """Shutting down: hand every partition over now, not when the leases lapse."""
         with contextlib.suppress(Exception):
             await self._membership.leave()
+        opened = self._open_by_partition()  # they end with this process: lost
         for p in list(self._cursors):
             with contextlib.suppress(Exception):
-                await self._give_up(p)
+                await self._give_up(p, opened[p])
 
 
 def _id(value: Any) -> str:
