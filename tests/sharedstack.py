@@ -10,6 +10,7 @@ import grpc
 from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
 
 from sitsmesh.dev import harness
+from sitsmesh.shared.partitions import PARTITIONS
 
 Start = Callable[..., harness.Sitsmesh]
 
@@ -20,7 +21,25 @@ def replicas(start: Start, state: Path, redis_url: str, *extra: str, shared: str
     creates the admin token they share."""
     args = ("--redis-url", redis_url, "--shared-runtime", shared,
             "--reload-interval-seconds", "0.2", *extra)
-    return [start(*args, name=name, state_dir=state) for name in names]
+    nodes = [start(*args, name=name, state_dir=state) for name in names]
+    if shared == "redis":
+        settled(*nodes)
+    return nodes
+
+
+def settled(*nodes: harness.Sitsmesh) -> None:
+    """Wait until the replicas split the hop partitions among themselves: a chain whose
+    hops straddle a move is counted incomplete on both sides."""
+    def owned(node: harness.Sitsmesh) -> tuple[float, float]:
+        text = node.metrics()
+        return (harness.metric_value(text, "sitsmesh_hop_partitions_owned"),
+                harness.metric_value(text, "sitsmesh_hop_partition_replicas"))
+
+    def split() -> bool:
+        seen = [owned(n) for n in nodes]
+        return (sum(o for o, _ in seen) == PARTITIONS and all(o > 0 for o, _ in seen)
+                and all(r == len(nodes) for _, r in seen))
+    harness.wait_until(split, 10, "the hop partitions split over the replicas")
 
 
 def check(node: harness.Sitsmesh, key: str, request_id: str) -> int:

@@ -39,8 +39,8 @@ from sitsmesh.ratelimit.metrics import RuleMetrics, StoreCounters, store_up_gaug
 from sitsmesh.ratelimit.reload import ConfigManager
 from sitsmesh.ratelimit.store import CounterStore, Hit
 from sitsmesh.shared.admission import SharedAdmission
-from sitsmesh.shared.hopbus import HopBus
 from sitsmesh.shared.lease import Lease
+from sitsmesh.shared.partbus import PartitionedBus
 from sitsmesh.shared.pressure import SharedPressure
 from sitsmesh.state import StateStore
 from sitsmesh.status import Serving, StatusBoard
@@ -219,12 +219,12 @@ class PressureComponent:
         if self.runtime is None:
             return
         chains.pipelines.on_change(self.runtime.set_pipelines)
-        if chains.assembler is not None:
+        if chains.bus is not None:  # every replica's stage completions and reports
+            chains.bus.on_stage = self.runtime.on_hop
+            self.shared = SharedPressure(self.runtime, chains.bus, chains.bus.client,
+                                         Lease(chains.bus.client, "pressure"))
+        elif chains.assembler is not None:
             chains.assembler.on_hop = self.runtime.on_hop
-        if chains.bus is not None:  # every replica's reports; one leader decides
-            client = chains.bus.client
-            self.shared = SharedPressure(self.runtime, chains.bus, client,
-                                         Lease(client, "pressure"))
 
     async def start(self) -> None:
         await self.thresholds.refresh()
@@ -307,7 +307,7 @@ class AuthzComponent:
         if self.shared is not None:
             self._background.spawn(self.shared.run())
 
-    def share(self, bus: HopBus) -> None:
+    def share(self, bus: PartitionedBus) -> None:
         """Count tenant caps over every process that reports on `bus`."""
         if self.authorizer is not None:
             self.shared = SharedAdmission(self.authorizer.admission, bus)
@@ -328,17 +328,19 @@ class ChainsComponent:
         self._release = release
         self._background = Background()
         self._metrics: ChainMetrics | None = None
-        self.bus: HopBus | None = None
+        self.bus: PartitionedBus | None = None
         if serve:
+            shared = settings.shared_runtime == "redis"  # slots on the wall clock, aligned
             metrics = self._metrics = ChainMetrics(registry)
             assembler = Assembler({}, on_chain=metrics.observe, on_evict=metrics.evicted,
                                   ttl_s=settings.chain_ttl_seconds,
-                                  max_bytes=settings.chain_max_bytes)
+                                  max_bytes=settings.chain_max_bytes,
+                                  clock=time.time if shared else time.monotonic)
             self.pipelines.on_change(assembler.set_pipelines)
             self.assembler = assembler
-            if settings.shared_runtime == "redis":
-                self.bus = HopBus.from_url(redis_url(settings), deliver=assembler.add,
-                                           release=release)
+            if shared:
+                self.bus = PartitionedBus.for_assembler(redis_url(settings), assembler, release,
+                                                        registry)
 
     @property
     def report(self) -> Callable[[Hop], None] | None:

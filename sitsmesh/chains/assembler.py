@@ -11,22 +11,15 @@ kept whole, with their request and trace ids, for a person to look up.
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from sitsmesh.chains.histogram import Histogram
 from sitsmesh.chains.pipeline import Pipeline, Stage
-from sitsmesh.chains.slowest import (
-    DEFAULT_SLOWEST,
-    SlowChain,
-    Slowest,
-    SlowStage,
-    checked_limit,
-    slowest_of,
-)
+from sitsmesh.chains.slowest import DEFAULT_SLOWEST, SlowChain, Slowest, SlowStage, checked_limit
+from sitsmesh.chains.tally import ChainReport, Tally, build_report, ms
 
 EPSILON_S = 0.0005  # Envoy timestamps are microseconds; tolerate rounding at the edges
 DEFAULT_MAX_BYTES = 32 << 20
@@ -73,62 +66,10 @@ def _hop_bytes(hop: Hop) -> int:
 
 
 @dataclass(slots=True)
-class _Tally:
-    """One pipeline's finished chains in one time slot."""
-
-    # its slowest chains kept whole (request id, trace id, waterfall)
-    kept: Slowest
-    chains: int = 0
-    incomplete: int = 0
-    failed: int = 0
-    e2e: Histogram = field(default_factory=Histogram)
-    queue: dict[str, Histogram] = field(default_factory=dict)
-    own: dict[str, Histogram] = field(default_factory=dict)
-    ttfb: dict[str, Histogram] = field(default_factory=dict)
-    total: dict[str, Histogram] = field(default_factory=dict)
-    # min-heap of (e2e, sequence, {stage: own seconds}): the slowest chains of the slot
-    slowest: list[tuple[float, int, dict[str, float]]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class _Slot:
     index: int
     # Per pipeline: two pipelines may name stages alike, and each reports only its own.
-    pipelines: dict[str, _Tally] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class StageReport:
-    name: str
-    p50_ms: float
-    p90_ms: float
-    p99_ms: float
-    ttfb_p99_ms: float | None
-    total_p99_ms: float | None
-    queue_p99_ms: float | None  # before the hop's first byte went upstream, where known
-    attributed_ms: float       # mean own time in the slowest 1 % of chains
-    share_of_e2e_p99: float    # attributed_ms / mean end-to-end time of those chains
-
-
-@dataclass(frozen=True, slots=True)
-class ChainReport:
-    pipeline: str
-    window_s: int
-    chains: int
-    incomplete: int
-    failed: int                # finished chains with a failed hop
-    e2e_p50_ms: float
-    e2e_p99_ms: float
-    stages: tuple[StageReport, ...]
-    bottleneck: str
-    slowest: tuple[SlowChain, ...] = ()         # slowest first
-    histograms: tuple[StageHistogram, ...] = ()  # own time, in the pipeline's stage order
-
-
-@dataclass(frozen=True, slots=True)
-class StageHistogram:
-    name: str
-    buckets: tuple[tuple[float, int], ...]  # non-empty: (upper bound ms, count), ascending
+    pipelines: dict[str, Tally] = field(default_factory=dict)
 
 
 def own_times(hops: Mapping[str, Hop]) -> tuple[dict[str, float], float]:
@@ -182,6 +123,9 @@ class Assembler:
         # streams join it there (sitsmesh.chains.tokenjoin).
         self.on_close: Callable[[str, Pipeline, Mapping[str, Hop], float, str], None] | None \
             = None
+        # The other replicas' tallies of (pipeline, oldest slot, newest slot), by slot index,
+        # when each assembles a share of the chains (sitsmesh.shared.partitions).
+        self.shares: Callable[[str, int, int], Iterable[tuple[int, Tally]]] | None = None
         self.duplicates = 0
         self.unmatched = 0
         self.set_pipelines(pipelines)
@@ -196,7 +140,7 @@ class Assembler:
         self._index = index
         self.pipelines = dict(pipelines)
 
-    def _match(self, hop: Hop) -> tuple[Pipeline, Stage] | None:
+    def match(self, hop: Hop) -> tuple[Pipeline, Stage] | None:
         index = self._index
         if hop.stage:
             return index.get(("report:" + hop.pipeline, hop.stage))
@@ -205,7 +149,7 @@ class Assembler:
                 or (index.get(("header", hop.stage_header)) if hop.stage_header else None))
 
     def add(self, hop: Hop) -> None:
-        matched = self._match(hop)
+        matched = self.match(hop)
         if matched is None or not hop.request_id:
             self.unmatched += 1
             return
@@ -257,6 +201,9 @@ class Assembler:
     def open_chains(self) -> int:
         return len(self._open)
 
+    def open_request_ids(self) -> list[str]:
+        return list(self._open)
+
     def open_bytes(self) -> int:
         """The open chains' estimated size."""
         return self._open_bytes
@@ -286,7 +233,7 @@ class Assembler:
         pipelines = self._slot().pipelines
         tally = pipelines.get(chain.pipeline.name)
         if tally is None:
-            tally = pipelines[chain.pipeline.name] = _Tally(Slowest(self._keep))
+            tally = pipelines[chain.pipeline.name] = Tally(Slowest(self._keep))
         if not complete:
             tally.incomplete += 1
             return
@@ -324,63 +271,48 @@ class Assembler:
             return None
         newest = int(self._clock() // self._slot_s)
         oldest = newest - max(1, window_s // self._slot_s) + 1
-        slots = [tally for s in self._slots if s is not None and oldest <= s.index <= newest
+        slots = [(s.index, tally) for s in self._slots
+                 if s is not None and oldest <= s.index <= newest
                  for tally in (s.pipelines.get(pipeline_name),) if tally is not None]
-        e2e = Histogram()
-        chains = incomplete = failed = 0
-        own: dict[str, Histogram] = {}
-        ttfb: dict[str, Histogram] = {}
-        total: dict[str, Histogram] = {}
-        queue: dict[str, Histogram] = {}
-        slowest: list[tuple[float, int, dict[str, float]]] = []
-        for slot in slots:
-            chains += slot.chains
-            incomplete += slot.incomplete
-            failed += slot.failed
-            e2e.merge(slot.e2e)
-            for target, source in ((own, slot.own), (ttfb, slot.ttfb), (total, slot.total),
-                                   (queue, slot.queue)):
-                for name, hist in source.items():
-                    target.setdefault(name, Histogram()).merge(hist)
-            slowest.extend(slot.slowest)
-        # Critical path over the slowest 1 % (at least one chain).
-        slow = heapq.nlargest(max(1, math.ceil(chains / 100)), slowest)
-        slow_e2e = sum(c[0] for c in slow) / len(slow) if slow else 0.0
-        stages: list[StageReport] = []
-        for stage in pipeline.stages:
-            hist = own.get(stage.name, Histogram())
-            attributed = sum(c[2].get(stage.name, 0.0) for c in slow) / len(slow) if slow else 0.0
-            stage_ttfb = ttfb.get(stage.name)
-            stage_total = total.get(stage.name)
-            stage_queue = queue.get(stage.name)
-            stages.append(StageReport(
-                stage.name, _ms(hist.quantile(0.5)), _ms(hist.quantile(0.9)),
-                _ms(hist.quantile(0.99)),
-                _ms(stage_ttfb.quantile(0.99)) if stage_ttfb and stage_ttfb.total else None,
-                _ms(stage_total.quantile(0.99)) if stage_total and stage_total.total else None,
-                _ms(stage_queue.quantile(0.99)) if stage_queue and stage_queue.total else None,
-                round(attributed * 1000, 3),
-                round(attributed / slow_e2e, 4) if slow_e2e else 0.0))
-        bottleneck = max(stages, key=lambda s: s.attributed_ms).name if chains else ""
-        kept = slowest_of((s.kept for s in slots), self._keep)
-        histograms = tuple(
-            StageHistogram(stage.name, tuple((_ms(upper), n) for upper, n in hist.buckets()))
-            for stage in pipeline.stages
-            for hist in (own.get(stage.name, Histogram()),))
-        return ChainReport(pipeline_name, window_s, chains, incomplete, failed,
-                           _ms(e2e.quantile(0.5)),
-                           _ms(e2e.quantile(0.99)), tuple(stages), bottleneck,
-                           kept, histograms)
+        if self.shares is not None:
+            slots = self._merged(slots, self.shares(pipeline_name, oldest, newest))
+        return build_report(pipeline, window_s, [tally for _, tally in slots], self._keep)
+
+    def _merged(self, mine: list[tuple[int, Tally]],
+                theirs: Iterable[tuple[int, Tally]]) -> list[tuple[int, Tally]]:
+        """Each slot's shares in one tally, as one process would have kept it."""
+        by_index: dict[int, Tally] = {}
+        for index, tally in (*mine, *theirs):
+            into = by_index.get(index)
+            if into is None:
+                into = by_index[index] = Tally(Slowest(self._keep))
+            into.merge(tally, self._top_k)
+        return sorted(by_index.items())
+
+    def tallies(self, oldest: int) -> list[tuple[int, dict[str, Tally]]]:
+        """This assembler's slots from index `oldest` on, for the other replicas."""
+        return [(s.index, s.pipelines) for s in self._slots if s is not None and s.index >= oldest]
+
+    def slot_index(self) -> int:
+        return int(self._clock() // self._slot_s)
+
+    def slot_count(self) -> int:
+        return len(self._slots)
+
+    @property
+    def kept_limit(self) -> int:
+        """Slowest chains kept whole per pipeline and slot."""
+        return self._keep
 
 
 def _slow_chain(request_id: str, chain: _Chain, own: Mapping[str, float], e2e: float,
                 failed: bool) -> SlowChain:
     first = min(hop.start for hop in chain.hops.values())
-    stages = tuple(SlowStage(stage.name, _ms(hop.start - first), _ms(own.get(stage.name, 0.0)),
-                             _ms(hop.duration))
+    stages = tuple(SlowStage(stage.name, ms(hop.start - first), ms(own.get(stage.name, 0.0)),
+                             ms(hop.duration))
                    for stage in chain.pipeline.stages
                    for hop in (chain.hops.get(stage.name),) if hop is not None)
-    return SlowChain(request_id, chain.trace_id, _ms(e2e), stages, failed)
+    return SlowChain(request_id, chain.trace_id, ms(e2e), stages, failed)
 
 
 def _hist(table: dict[str, Histogram], name: str) -> Histogram:
@@ -390,5 +322,3 @@ def _hist(table: dict[str, Histogram], name: str) -> Histogram:
     return hist
 
 
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000, 3)

@@ -1,12 +1,15 @@
-"""Hops and hold releases shared by every replica and worker through one Redis stream.
+"""Hold releases, stage completions and the replicas' reports, shared by every replica
+and worker through one broadcast Redis stream.
 
 Envoy sends a request's Check to one sitsmesh process and the access-log entries
 of its hops (over one long-lived stream per Envoy) to whichever process that
 stream reached, and stage reports come through any replica's admin API. So every
-process publishes what it receives, and every process reads the whole stream
-back and applies it, its own entries included: each one assembles every chain
-(GetLatencyChain answers the same on any replica) and frees the admission holds
-it owns, whichever process the access-log entry reached.
+process publishes what every other one needs, and every process reads the whole
+stream back and applies it, its own entries included: it frees the admission holds
+it owns, whichever process the access-log entry reached, and feeds its controller.
+The hops themselves go to their partition's owner (sitsmesh.shared.partbus, which
+extends this bus); a hop on this stream (a replica from before partitions) is
+assembled by every reader.
 
 Publishing only appends to a list; a background task sends the batch with one
 XADD per event-loop turn, and a reader task applies entries in stream order.
@@ -150,9 +153,25 @@ class HopBus:
     async def room(self) -> None:
         """Wait while the publisher is behind: a stream that calls this between messages
         slows its sender (Envoy) through gRPC flow control instead of growing the buffer."""
-        while len(self._pending) > HIGH_WATER:
+        while self.queued() > HIGH_WATER:
             self._drained.clear()
             await self._drained.wait()
+
+    def queued(self) -> int:
+        """Events waiting to be published."""
+        return len(self._pending)
+
+    def pending_events(self) -> list[_Event]:
+        """The events waiting to be published, oldest first."""
+        return list(self._pending)
+
+    def sealed(self) -> None:
+        """The pending events were just encoded: one still being filled is sent as is."""
+
+    def caught_up(self) -> None:
+        """Let paced streams go on once the publisher is back under the high water."""
+        if self.queued() <= HIGH_WATER:
+            self._drained.set()
 
     # --- background ------------------------------------------------------------
 
@@ -167,12 +186,13 @@ class HopBus:
             while self._pending:
                 batch = self._pending[:MAX_BATCH]
                 del self._pending[:MAX_BATCH]
+                body = json.dumps(batch)
+                self.sealed()
                 try:
-                    await self._client.xadd(self._key, {"b": json.dumps(batch)},
+                    await self._client.xadd(self._key, {"b": body},
                                             maxlen=STREAM_LENGTH, approximate=True)
                     self.published += len(batch)
-                    if len(self._pending) <= HIGH_WATER:
-                        self._drained.set()
+                    self.caught_up()
                 except Exception as exc:  # Redis down or slow: keep this process right
                     self.fallbacks += len(batch)
                     _log.warning("hop bus publish failed; applying here only",
@@ -201,6 +221,10 @@ class HopBus:
                 for entry_id, fields in entries:
                     last = _id(entry_id)
                     self._apply_raw(fields)
+
+    def apply_raw(self, fields: Any) -> None:
+        """A stream entry's batch of events, applied."""
+        self._apply_raw(fields)
 
     def _apply_raw(self, fields: Any) -> None:
         try:

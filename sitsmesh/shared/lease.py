@@ -68,7 +68,8 @@ def holder_id() -> str:
 class Lease:
     def __init__(self, client: Redis | RedisCluster, name: str, *, ttl_ms: int = DEFAULT_TTL_MS,
                  holder: str | None = None,
-                 on_change: Callable[[bool], None] | None = None) -> None:
+                 on_change: Callable[[bool], None] | None = None,
+                 announce: bool = True) -> None:
         if "{" in name or "}" in name:
             raise ValueError(f"lease name must not contain braces: {name!r}")
         self._client = client
@@ -78,6 +79,7 @@ class Lease:
         self._ttl_ms = ttl_ms
         self.holder = holder or holder_id()
         self._on_change = on_change
+        self._announce = announce  # log taking and losing it (not for the many small ones)
         self.token = 0          # the fencing token while we lead, else 0
         self.terms = 0          # how many times this process became leader
 
@@ -102,12 +104,14 @@ class Lease:
         if got > 0:
             self.token = got
             self.terms += 1
-            _log.info("leading", lease=self._key, holder=self.holder, token=got)
+            if self._announce:
+                _log.info("leading", lease=self._key, holder=self.holder, token=got)
             if self._on_change is not None:
                 self._on_change(True)
         elif got == 0 and self.token:
             self.token = 0
-            _log.info("lost the lease", lease=self._key, holder=self.holder)
+            if self._announce:
+                _log.info("lost the lease", lease=self._key, holder=self.holder)
             if self._on_change is not None:
                 self._on_change(False)
         return self.leading
@@ -120,10 +124,15 @@ class Lease:
                 await asyncio.sleep(self._ttl_ms / 3000)
         finally:
             if self.token:
-                try:
-                    await self._client.eval(_RELEASE, 1, self._key, self.holder)
-                except Exception as exc:  # shutting down: the TTL frees it anyway
-                    _log.debug("lease release failed", error=str(exc))
+                await self.release()
+
+    async def release(self) -> None:
+        """Free the lease now if it is ours (else its TTL does)."""
+        self.token = 0
+        try:
+            await self._client.eval(_RELEASE, 1, self._key, self.holder)
+        except Exception as exc:  # the TTL frees it anyway
+            _log.debug("lease release failed", error=str(exc))
 
     async def publish(self, key: str, value: str | bytes, ttl_ms: int) -> bool:
         """Write `value` only while our token is the newest and the lease is ours

@@ -1,0 +1,333 @@
+"""The hop bus split by request id: each replica assembles only the chains it owns.
+
+A hop goes to its request's partition stream (sitsmesh.shared.partitions), read by
+that partition's one owner. What every replica still needs from every hop rides on
+the broadcast stream of HopBus, small: the stage completion the controller counts
+(matched to its stage here, where the hop arrived) and, as before, hold releases and
+the replicas' reports.
+
+Ownership: every second each replica renews its heartbeat, computes the owners from
+the live replicas (the same on each), gives up the partitions it no longer owns and
+takes those it does. One lease per partition (in the stream's hash slot) makes the
+reader exactly one even while two replicas disagree on the members: the old owner
+stops reading, writes where it stopped (fenced by the lease) and frees the lease;
+the new owner takes the lease and resumes there. A chain open at a move is split
+(counted incomplete on both sides); one open at a crash is lost, and counted by the
+successor from the open count each owner saves with its place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import Counter as Counter_
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+from sitsmesh import logs, redisclients
+from sitsmesh.chains.assembler import Assembler, Hop
+from sitsmesh.chains.pipeline import Pipeline, Stage
+from sitsmesh.shared.chainshares import ChainShares
+from sitsmesh.shared.hopbus import (
+    MAX_BATCH,
+    MAX_PENDING,
+    READ_BLOCK_MS,
+    READ_COUNT,
+    RETRY_S,
+    STREAM_LENGTH,
+    HopBus,
+    encode_hop,
+)
+from sitsmesh.shared.lease import Lease, holder_id
+from sitsmesh.shared.partitions import PARTITIONS, Membership, owned, partition_of, stream_key
+
+BEAT_S = 1.0
+LEASE_TTL_MS = 4_000
+CURSOR_TTL_MS = 3_600_000  # where a partition's last owner stopped, for its next one
+_log = logs.get("sitsmesh.shared.partbus")
+
+Match = Callable[[Hop], "tuple[Pipeline, Stage] | None"]
+
+
+class PartitionedBus(HopBus):
+    @classmethod
+    def for_assembler(cls, url: str, assembler: Assembler,
+                      release: Callable[[str, float | None], bool],
+                      registry: CollectorRegistry | None) -> PartitionedBus:
+        """The bus of `assembler`, which then reports on every replica's chains."""
+        client = redisclients.connect(url, protocol=2)
+        replica = holder_id()
+        shares = ChainShares(client, replica, assembler)
+        assembler.shares = shares.shares
+        lost = Counter_("sitsmesh_chains_lost_total", "Chains open on a replica that died "
+                        "(as of its last save, a second before), taken over here; their later "
+                        "hops show up as incomplete chains", registry=registry)
+        bus = cls(client, deliver=assembler.add, release=release, match=assembler.match,
+                  membership=Membership(client, replica), shares=shares,
+                  open_ids=assembler.open_request_ids, on_lost=lost.inc)
+        Gauge("sitsmesh_hop_partitions_owned", "Hop partitions whose chains this process "
+              "assembles", registry=registry).set_function(lambda: len(bus.owned))
+        Gauge("sitsmesh_hop_partition_replicas", "Live replicas the hop partitions are "
+              "split over, as this process sees them",
+              registry=registry).set_function(lambda: len(bus.members))
+        return bus
+
+    def __init__(self, client: Redis | RedisCluster, *, deliver: Callable[[Hop], None],
+                 release: Callable[[str, float | None], bool], match: Match,
+                 membership: Membership, shares: ChainShares | None = None,
+                 partitions: int = PARTITIONS,
+                 open_ids: Callable[[], Iterable[str]] | None = None,
+                 on_lost: Callable[[int], None] | None = None) -> None:
+        super().__init__(client, deliver=deliver, release=release)
+        self.shares = shares
+        self._open_ids = open_ids  # the request ids of the chains open here
+        self._on_lost = on_lost
+        self.lost = 0  # chains open on a replica that died, as its last save counted
+        self._match = match
+        self._membership = membership
+        self._partitions = partitions
+        self._parts: list[list[Hop]] = [[] for _ in range(partitions)]
+        self._queued = 0
+        self._parts_wake = asyncio.Event()
+        self._leases = [Lease(client, f"hops:{p}", ttl_ms=LEASE_TTL_MS,
+                              holder=membership.replica, announce=False)
+                        for p in range(partitions)]
+        # The partitions read now, each with the id of its last entry applied.
+        self._cursors: dict[int, str] = {}
+        self._taken = asyncio.Event()
+        # One XREAD over every partition on one Redis; on a cluster a reader per partition,
+        # since a command's keys must share a slot there.
+        self._groups: list[frozenset[int]] = (
+            [frozenset([p]) for p in range(partitions)] if isinstance(client, RedisCluster)
+            else [frozenset(range(partitions))])
+        self._key_partition = {stream_key(p): p for p in range(partitions)}
+        # The controller's per-stage completions, from every replica's hops.
+        self.on_stage: Callable[[str, str, Hop], None] | None = None
+        self.on("C", self._completed)
+        self._columns: dict[tuple[str, str], list[Any]] = {}
+        self.unmatched = 0
+        self.moves = 0  # partitions taken or given up
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self._membership.members
+
+    @property
+    def owned(self) -> frozenset[int]:
+        """The partitions this replica reads now."""
+        return frozenset(self._cursors)
+
+    # --- the ingestion path: no I/O -----------------------------------------
+
+    def add(self, hop: Hop) -> None:
+        matched = self._match(hop)
+        if matched is None or not hop.request_id:
+            self.unmatched += 1  # the owner could not place it either
+            return
+        pipeline, stage = matched
+        # Columns per stage, filled until the publisher encodes them: a few bytes and no
+        # list of its own per hop, since every replica decodes every one.
+        key = (pipeline.name, stage.name)
+        columns = self._columns.get(key)
+        if columns is None:
+            columns = ["C", pipeline.name, stage.name, [hop.request_id], [hop.start],
+                       [hop.duration], [0] if hop.failed else []]
+            overflowed = self.overflowed
+            self.publish(columns)
+            if self.overflowed == overflowed:  # else applied here already: start anew
+                self._columns[key] = columns
+        else:
+            columns[3].append(hop.request_id)
+            columns[4].append(hop.start)
+            columns[5].append(hop.duration)
+            if hop.failed:
+                columns[6].append(len(columns[3]) - 1)
+        if self._queued >= MAX_PENDING:
+            self.overflowed += 1
+            self._deliver(hop)  # as HopBus does: this process stays right, and counts it
+            return
+        self._parts[partition_of(hop.request_id, self._partitions)].append(hop)
+        self._queued += 1
+        self._parts_wake.set()
+
+    def sealed(self) -> None:
+        self._columns.clear()
+
+    def _completed(self, event: list[Any]) -> None:
+        _, pipeline, stage, request_ids, starts, durations, failed = event
+        on_stage = self.on_stage
+        if on_stage is None:
+            return
+        if not (isinstance(pipeline, str) and isinstance(stage, str)
+                and len(request_ids) == len(starts) == len(durations)):
+            raise ValueError("a stage's completions are columns of one length")
+        failed = set(failed)
+        for i, (request_id, start, duration) in enumerate(zip(request_ids, starts, durations,
+                                                              strict=True)):
+            on_stage(pipeline, stage, Hop(str(request_id), float(start), float(duration),
+                                          failed=i in failed))
+
+    def queued(self) -> int:
+        return super().queued() + self._queued
+
+    # --- background ------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            await asyncio.gather(super().run(), self._publish_parts(), self._own_forever(),
+                                 *(self._read_owned(group) for group in self._groups),
+                                 *([self.shares.run()] if self.shares is not None else []))
+        finally:
+            await self._leave()
+
+    async def _publish_parts(self) -> None:
+        while True:
+            await self._parts_wake.wait()
+            self._parts_wake.clear()
+            while self._queued:
+                batches: list[tuple[int, list[Hop]]] = []
+                for p, part in enumerate(self._parts):
+                    if part:
+                        batches.append((p, part[:MAX_BATCH]))
+                        del part[:MAX_BATCH]
+                sent = sum(len(b) for _, b in batches)
+                self._queued -= sent
+                try:
+                    async with self._client.pipeline(transaction=False) as pipe:
+                        for p, batch in batches:
+                            pipe.xadd(stream_key(p),
+                                      {"b": json.dumps([encode_hop(h) for h in batch])},
+                                      maxlen=STREAM_LENGTH, approximate=True)
+                        await pipe.execute()
+                    self.published += sent
+                    self.caught_up()
+                except Exception as exc:  # Redis down or slow: keep this process right
+                    self.fallbacks += sent
+                    _log.warning("hop bus publish failed; applying here only",
+                                 events=sent, error=str(exc))
+                    for _, batch in batches:
+                        for hop in batch:
+                            self._deliver(hop)
+                    self.caught_up()
+
+    async def _read_owned(self, group: frozenset[int]) -> None:
+        """Apply the entries of the partitions of `group` that this replica owns. A
+        partition given up while an XREAD is out is skipped when its reply comes (it is
+        checked before every batch), so giving up never waits for this reader."""
+        cursors = self._cursors
+        while True:
+            keys: dict[Any, Any] = {stream_key(p): cursors[p] for p in group if p in cursors}
+            if not keys:
+                self._taken.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._taken.wait(), BEAT_S)
+                continue
+            try:
+                replies: Any = await self._client.xread(keys, count=READ_COUNT,
+                                                        block=READ_BLOCK_MS)
+            except Exception as exc:
+                _log.warning("hop partition read failed; retrying", error=str(exc))
+                await asyncio.sleep(RETRY_S)
+                continue
+            for key, entries in replies or ():
+                p = self._key_partition.get(_id(key))
+                for entry_id, fields in entries:
+                    if p is None or p not in cursors:
+                        break  # given up meanwhile: its next owner applies the rest
+                    self.apply_raw(fields)
+                    cursors[p] = _id(entry_id)
+
+    # --- ownership -------------------------------------------------------------
+
+    async def _own_forever(self) -> None:
+        while True:
+            try:
+                members = await self._membership.beat()
+                await self.rebalance(owned(self._membership.replica, members,
+                                           self._partitions))
+            except Exception as exc:
+                # Redis down: keep reading what we own (the readers retry on their own).
+                _log.warning("hop partition heartbeat failed", error=str(exc))
+            await asyncio.sleep(BEAT_S)
+
+    def _open_by_partition(self) -> Counter[int]:
+        if self._open_ids is None or not self._cursors:
+            return Counter()
+        n = self._partitions
+        return Counter(partition_of(rid, n) for rid in self._open_ids())
+
+    async def rebalance(self, desired: frozenset[int]) -> None:
+        """Give up what is no longer ours, take what is (once its lease is free)."""
+        for p in sorted(set(self._cursors) - desired):
+            # This process goes on: the chains it has open there expire here, counted
+            # incomplete, and are not the next owner's to count as lost.
+            await self._give_up(p, 0)
+        opened = self._open_by_partition()
+        for p in sorted(desired):
+            lease = self._leases[p]
+            if not await lease.step():
+                # Lost it (Redis lapsed): another may read it now.
+                self._cursors.pop(p, None)
+                continue
+            if p not in self._cursors:
+                await self._take(p)
+            else:
+                await self._save(p, opened[p])
+
+    async def _take(self, p: int) -> None:
+        raw = await self._client.get(self._leases[p].key("cursor"))
+        start, _, opened = (raw.decode() if isinstance(raw, bytes) else raw or "").partition(" ")
+        if opened.isdigit() and int(opened):
+            # Its last owner died with these chains open (as of its last save): their hops
+            # read so far died with it. Later hops of theirs show up as incomplete chains.
+            self.lost += int(opened)
+            if self._on_lost is not None:
+                self._on_lost(int(opened))
+            _log.warning("chains lost with a replica", partition=p, chains=int(opened))
+        if not start:
+            # No owner before: the stream's end now, named, so that giving the partition
+            # up before a hop arrives still hands over this place and not a later "$".
+            newest = await self._client.xrevrange(stream_key(p), count=1)
+            start = _id(newest[0][0]) if newest else "0-0"
+        self.moves += 1
+        _log.info("hop partition taken", partition=p, resume=start)
+        self._cursors[p] = start
+        self._taken.set()
+
+    async def _save(self, p: int, opened: int, last: str | None = None) -> None:
+        """Where this replica has read `p` to, and how many of its chains it has open (the
+        next owner's count of the lost, should this replica die before its next save)."""
+        last = last or self._cursors.get(p)
+        if last is not None:
+            lease = self._leases[p]
+            await lease.publish(lease.key("cursor"), f"{last} {opened}", CURSOR_TTL_MS)
+
+    async def _give_up(self, p: int, opened: int) -> None:
+        last = self._cursors.pop(p, None)  # from here on the reader skips it
+        self.moves += 1
+        if last is not None:
+            try:
+                await self._save(p, opened, last)
+            except Exception as exc:  # the next owner resumes from the last saved cursor
+                _log.warning("hop partition cursor not saved", partition=p, error=str(exc))
+        await self._leases[p].release()
+        _log.info("hop partition given up", partition=p)
+
+    async def _leave(self) -> None:
+        """Shutting down: hand every partition over now, not when the leases lapse."""
+        with contextlib.suppress(Exception):
+            await self._membership.leave()
+        opened = self._open_by_partition()  # they end with this process: lost
+        for p in list(self._cursors):
+            with contextlib.suppress(Exception):
+                await self._give_up(p, opened[p])
+
+
+def _id(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

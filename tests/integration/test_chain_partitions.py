@@ -1,0 +1,182 @@
+"""Two replicas on a real redis-server split the chains by request id: each assembles
+about half of them (its Prometheus histograms count only those), and both answer
+GetLatencyChain as one process that assembled every chain does."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis as redis_py
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+from sitsmesh.dev import harness
+from sitsmesh.dev.redis import RedisServer, redis_server
+from sitsmesh.shared.partitions import MEMBERS_KEY, PARTITIONS, owned, partition_of, stream_key
+from tests.integration.test_shared_runtime import PIPELINE
+from tests.sharedstack import replicas
+
+Start = Callable[..., harness.Sitsmesh]
+CHAINS = 80
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisServer]:
+    with redis_server(tmp_path / "redis") as server:
+        yield server
+
+
+def _admin(node: harness.Sitsmesh) -> admin_pb2_grpc.AdminServiceStub:
+    return admin_pb2_grpc.AdminServiceStub(grpc.insecure_channel(node.admin_addr))
+
+
+def _apply(node: harness.Sitsmesh) -> None:
+    _admin(node).ApplyPipeline(admin_pb2.ApplyPipelineRequest(yaml=PIPELINE),
+                               metadata=node.admin_metadata(), timeout=5)
+
+
+def _chain_report(node: harness.Sitsmesh) -> admin_pb2.LatencyChain:
+    reply: admin_pb2.LatencyChain = _admin(node).GetLatencyChain(
+        admin_pb2.GetLatencyChainRequest(pipeline="trio"), metadata=node.admin_metadata(),
+        timeout=5).chain
+    return reply
+
+
+def _timed_report(node: harness.Sitsmesh, request_id: str, t0: float,
+                  spans: list[tuple[str, float, float]]) -> None:
+    reports = []
+    for stage, start, seconds in spans:
+        begin, end = Timestamp(), Timestamp()
+        begin.FromNanoseconds(int((t0 + start) * 1e9))
+        end.FromNanoseconds(int((t0 + start + seconds) * 1e9))
+        reports.append(admin_pb2.ReportStageLatencyRequest(
+            request_id=request_id, pipeline="trio", stage=stage, start=begin, end=end))
+    _admin(node).ReportStageLatency(iter(reports), metadata=node.admin_metadata(), timeout=5)
+
+
+def _assembled(node: harness.Sitsmesh) -> float:
+    return harness.metric_value(node.metrics(), "sitsmesh_pipeline_latency_seconds_count",
+                                pipeline="trio")
+
+
+def test_each_replica_assembles_its_share_and_both_answer_as_one_process(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    a, b = replicas(start_sitsmesh, tmp_path / "state", redis.url)
+    single = start_sitsmesh("--reload-interval-seconds", "0.2", name="single")
+    for node in (a, single):
+        _apply(node)
+    harness.wait_until(lambda: len(_admin(b).ListPipelines(
+        admin_pb2.ListPipelinesRequest(), metadata=b.admin_metadata(), timeout=5).pipelines)
+        == 1, 5, "the pipeline on b")
+    t0 = time.time()
+    for n in range(CHAINS):
+        pre, feat, model = 0.004 + n * 0.0001, 0.008 + (n % 7) * 0.001, 0.02 + n * 0.0003
+        spans = [("pre", 0.0, pre), ("feat", pre, feat), ("model", pre + feat, model)]
+        at = t0 + n * 0.05
+        _timed_report(single, f"q{n}", at, spans)
+        # Whichever replica a hop reaches: the first on one, the rest on the other.
+        first, rest = (a, b) if n % 2 else (b, a)
+        _timed_report(first, f"q{n}", at, spans[:1])
+        _timed_report(rest, f"q{n}", at, spans[1:])
+    harness.wait_until(lambda: _assembled(a) + _assembled(b) == CHAINS, 5,
+                       "every chain assembled once in the fleet")
+    # The split is the partitions': a replica assembles exactly its requests' chains.
+    members = [str(m) for m in redis_py.Redis.from_url(redis.url, decode_responses=True)
+               .zrange(MEMBERS_KEY, 0, -1)]
+    assert len(members) == 2
+    mine = owned(members[0], members)
+    expected = sum(partition_of(f"q{n}") in mine for n in range(CHAINS))
+    assert sorted((_assembled(a), _assembled(b))) == sorted((expected, CHAINS - expected))
+    assert 0 < expected < CHAINS and 0 < len(mine) < PARTITIONS
+    one = _chain_report(single)
+    assert one.chains == CHAINS and one.slowest
+    harness.wait_until(lambda: _chain_report(a) == one == _chain_report(b), 5,
+                       "both replicas report what one process does")
+
+
+
+def _owned(node: harness.Sitsmesh) -> float:
+    return harness.metric_value(node.metrics(), "sitsmesh_hop_partitions_owned")
+
+
+def test_a_replica_that_stops_hands_its_partitions_over_and_its_chains_still_count(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    a, b = replicas(start_sitsmesh, tmp_path / "state", redis.url)
+    _apply(a)
+    harness.wait_until(lambda: len(_admin(b).ListPipelines(
+        admin_pb2.ListPipelinesRequest(), metadata=b.admin_metadata(), timeout=5).pipelines)
+        == 1, 5, "the pipeline on b")
+    t0 = time.time()
+    spans = [("pre", 0.0, 0.004), ("feat", 0.004, 0.008), ("model", 0.012, 0.02)]
+    for n in range(20):
+        _timed_report(a, f"before-{n}", t0 + n * 0.01, spans[:1])
+        _timed_report(b, f"before-{n}", t0 + n * 0.01, spans[1:])
+    harness.wait_until(lambda: _chain_report(a).chains == 20 == _chain_report(b).chains, 5,
+                       "every chain on both")
+    on_b = _assembled(b)
+    assert 0 < on_b < 20
+    assert b.stop() == 0
+    # b left the members and freed its leases on the way out: a takes over at its next beat.
+    harness.wait_until(lambda: _owned(a) == PARTITIONS, 5, "a owns every partition")
+    for n in range(20):
+        _timed_report(a, f"after-{n}", t0 + n * 0.01, spans)
+    harness.wait_until(lambda: _chain_report(a).chains == 40, 5, "the new chains on a")
+    report = _chain_report(a)
+    assert (report.chains, report.incomplete) == (40, 0)  # b's chains still count
+    assert _assembled(a) == 40 - on_b
+
+
+
+def test_a_replica_killed_loses_no_hop_published_after_its_death(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    """Its heartbeat and leases lapse, the other takes its partitions over where it had
+    read to, and the hops that waited meanwhile are assembled whole."""
+    a, b = replicas(start_sitsmesh, tmp_path / "state", redis.url)
+    _apply(a)
+    harness.wait_until(lambda: len(_admin(b).ListPipelines(
+        admin_pb2.ListPipelinesRequest(), metadata=b.admin_metadata(), timeout=5).pipelines)
+        == 1, 5, "the pipeline on b")
+    client = redis_py.Redis.from_url(redis.url, decode_responses=True)
+    t0 = time.time()
+    spans = [("pre", 0.0, 0.004), ("feat", 0.004, 0.008), ("model", 0.012, 0.02)]
+    for n in range(20):
+        _timed_report(a, f"before-{n}", t0 + n * 0.01, spans)
+    # Chains that never complete, some of them open on b when it dies.
+    for n in range(12):
+        _timed_report(a, f"open-{n}", t0, spans[:1])
+    harness.wait_until(lambda: _chain_report(a).chains == 20 == _chain_report(b).chains, 5,
+                       "every chain on both")
+    b_name = f"{socket.gethostname()}:{b.proc.pid}"
+    members = [str(m) for m in client.zrange(MEMBERS_KEY, 0, -1)]
+    on_b_partitions = owned(b_name, members)
+    open_on_b = sum(partition_of(f"open-{n}") in on_b_partitions for n in range(12))
+    assert b_name in members and 0 < open_on_b < 12
+
+    def saved_to_the_end() -> bool:
+        """Every partition's cursor names its stream's last entry (nothing is read twice),
+        and b's count the chains open there."""
+        opened = 0
+        for p in range(PARTITIONS):
+            newest = client.xrevrange(stream_key(p), count=1)
+            cursor, _, count = str(client.get(f"sitsmesh:{{hops:{p}}}:cursor")).partition(" ")
+            if newest and cursor != newest[0][0]:
+                return False
+            opened += int(count or 0) if p in on_b_partitions else 0
+        return opened == open_on_b
+
+    harness.wait_until(saved_to_the_end, 5, "the cursors saved")
+    on_b = _assembled(b)
+    b.kill()
+    for n in range(20):  # published while b's partitions have no reader
+        _timed_report(a, f"after-{n}", t0 + n * 0.01, spans)
+    harness.wait_until(lambda: _owned(a) == PARTITIONS, 15, "a owns every partition")
+    harness.wait_until(lambda: _chain_report(a).chains == 40, 5, "the waiting hops assembled")
+    report = _chain_report(a)
+    assert report.chains == 40
+    assert _assembled(a) == 40 - on_b
+    assert harness.metric_value(a.metrics(), "sitsmesh_chains_lost_total") == open_on_b
