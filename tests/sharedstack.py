@@ -1,5 +1,6 @@
 """Helpers for tests of replicas that share runtime state through Redis: start them on one
-state store, ask them a Check, and find the controller's leader."""
+state store, ask them a Check, report timed stage latencies and read the chain report,
+and find the controller's leader."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 
 import grpc
 from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
+from google.protobuf.timestamp_pb2 import Timestamp
 
+from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.shared.partitions import PARTITIONS
 
@@ -60,3 +63,27 @@ def leader(nodes: list[harness.Sitsmesh]) -> harness.Sitsmesh:
     leading = [n for n in nodes if '"leading"' in n.output()]
     assert len(leading) == 1, [n.output()[-2000:] for n in nodes]
     return leading[0]
+
+
+def _admin(node: harness.Sitsmesh) -> admin_pb2_grpc.AdminServiceStub:
+    return admin_pb2_grpc.AdminServiceStub(grpc.insecure_channel(node.admin_addr))
+
+
+def chain_report(node: harness.Sitsmesh, pipeline: str = "trio") -> admin_pb2.LatencyChain:
+    reply: admin_pb2.LatencyChain = _admin(node).GetLatencyChain(
+        admin_pb2.GetLatencyChainRequest(pipeline=pipeline), metadata=node.admin_metadata(),
+        timeout=5).chain
+    return reply
+
+
+def timed_report(node: harness.Sitsmesh, request_id: str, t0: float,
+                 spans: list[tuple[str, float, float]], pipeline: str = "trio") -> None:
+    """ReportStageLatency for one request: (stage, start after t0, seconds) each."""
+    reports = []
+    for stage, start, seconds in spans:
+        begin, end = Timestamp(), Timestamp()
+        begin.FromNanoseconds(int((t0 + start) * 1e9))
+        end.FromNanoseconds(int((t0 + start + seconds) * 1e9))
+        reports.append(admin_pb2.ReportStageLatencyRequest(
+            request_id=request_id, pipeline=pipeline, stage=stage, start=begin, end=end))
+    _admin(node).ReportStageLatency(iter(reports), metadata=node.admin_metadata(), timeout=5)

@@ -12,14 +12,13 @@ from pathlib import Path
 import grpc
 import pytest
 import redis as redis_py
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.dev.redis import RedisServer, redis_server
 from sitsmesh.shared.partitions import MEMBERS_KEY, PARTITIONS, owned, partition_of, stream_key
 from tests.integration.test_shared_runtime import PIPELINE
-from tests.sharedstack import replicas
+from tests.sharedstack import chain_report, replicas, timed_report
 
 Start = Callable[..., harness.Sitsmesh]
 CHAINS = 80
@@ -38,25 +37,6 @@ def _admin(node: harness.Sitsmesh) -> admin_pb2_grpc.AdminServiceStub:
 def _apply(node: harness.Sitsmesh) -> None:
     _admin(node).ApplyPipeline(admin_pb2.ApplyPipelineRequest(yaml=PIPELINE),
                                metadata=node.admin_metadata(), timeout=5)
-
-
-def _chain_report(node: harness.Sitsmesh) -> admin_pb2.LatencyChain:
-    reply: admin_pb2.LatencyChain = _admin(node).GetLatencyChain(
-        admin_pb2.GetLatencyChainRequest(pipeline="trio"), metadata=node.admin_metadata(),
-        timeout=5).chain
-    return reply
-
-
-def _timed_report(node: harness.Sitsmesh, request_id: str, t0: float,
-                  spans: list[tuple[str, float, float]]) -> None:
-    reports = []
-    for stage, start, seconds in spans:
-        begin, end = Timestamp(), Timestamp()
-        begin.FromNanoseconds(int((t0 + start) * 1e9))
-        end.FromNanoseconds(int((t0 + start + seconds) * 1e9))
-        reports.append(admin_pb2.ReportStageLatencyRequest(
-            request_id=request_id, pipeline="trio", stage=stage, start=begin, end=end))
-    _admin(node).ReportStageLatency(iter(reports), metadata=node.admin_metadata(), timeout=5)
 
 
 def _assembled(node: harness.Sitsmesh) -> float:
@@ -78,11 +58,11 @@ def test_each_replica_assembles_its_share_and_both_answer_as_one_process(
         pre, feat, model = 0.004 + n * 0.0001, 0.008 + (n % 7) * 0.001, 0.02 + n * 0.0003
         spans = [("pre", 0.0, pre), ("feat", pre, feat), ("model", pre + feat, model)]
         at = t0 + n * 0.05
-        _timed_report(single, f"q{n}", at, spans)
+        timed_report(single, f"q{n}", at, spans)
         # Whichever replica a hop reaches: the first on one, the rest on the other.
         first, rest = (a, b) if n % 2 else (b, a)
-        _timed_report(first, f"q{n}", at, spans[:1])
-        _timed_report(rest, f"q{n}", at, spans[1:])
+        timed_report(first, f"q{n}", at, spans[:1])
+        timed_report(rest, f"q{n}", at, spans[1:])
     harness.wait_until(lambda: _assembled(a) + _assembled(b) == CHAINS, 5,
                        "every chain assembled once in the fleet")
     # The split is the partitions': a replica assembles exactly its requests' chains.
@@ -93,9 +73,9 @@ def test_each_replica_assembles_its_share_and_both_answer_as_one_process(
     expected = sum(partition_of(f"q{n}") in mine for n in range(CHAINS))
     assert sorted((_assembled(a), _assembled(b))) == sorted((expected, CHAINS - expected))
     assert 0 < expected < CHAINS and 0 < len(mine) < PARTITIONS
-    one = _chain_report(single)
+    one = chain_report(single)
     assert one.chains == CHAINS and one.slowest
-    harness.wait_until(lambda: _chain_report(a) == one == _chain_report(b), 5,
+    harness.wait_until(lambda: chain_report(a) == one == chain_report(b), 5,
                        "both replicas report what one process does")
 
 
@@ -114,9 +94,9 @@ def test_a_replica_that_stops_hands_its_partitions_over_and_its_chains_still_cou
     t0 = time.time()
     spans = [("pre", 0.0, 0.004), ("feat", 0.004, 0.008), ("model", 0.012, 0.02)]
     for n in range(20):
-        _timed_report(a, f"before-{n}", t0 + n * 0.01, spans[:1])
-        _timed_report(b, f"before-{n}", t0 + n * 0.01, spans[1:])
-    harness.wait_until(lambda: _chain_report(a).chains == 20 == _chain_report(b).chains, 5,
+        timed_report(a, f"before-{n}", t0 + n * 0.01, spans[:1])
+        timed_report(b, f"before-{n}", t0 + n * 0.01, spans[1:])
+    harness.wait_until(lambda: chain_report(a).chains == 20 == chain_report(b).chains, 5,
                        "every chain on both")
     on_b = _assembled(b)
     assert 0 < on_b < 20
@@ -124,9 +104,9 @@ def test_a_replica_that_stops_hands_its_partitions_over_and_its_chains_still_cou
     # b left the members and freed its leases on the way out: a takes over at its next beat.
     harness.wait_until(lambda: _owned(a) == PARTITIONS, 5, "a owns every partition")
     for n in range(20):
-        _timed_report(a, f"after-{n}", t0 + n * 0.01, spans)
-    harness.wait_until(lambda: _chain_report(a).chains == 40, 5, "the new chains on a")
-    report = _chain_report(a)
+        timed_report(a, f"after-{n}", t0 + n * 0.01, spans)
+    harness.wait_until(lambda: chain_report(a).chains == 40, 5, "the new chains on a")
+    report = chain_report(a)
     assert (report.chains, report.incomplete) == (40, 0)  # b's chains still count
     assert _assembled(a) == 40 - on_b
 
@@ -145,11 +125,11 @@ def test_a_replica_killed_loses_no_hop_published_after_its_death(
     t0 = time.time()
     spans = [("pre", 0.0, 0.004), ("feat", 0.004, 0.008), ("model", 0.012, 0.02)]
     for n in range(20):
-        _timed_report(a, f"before-{n}", t0 + n * 0.01, spans)
+        timed_report(a, f"before-{n}", t0 + n * 0.01, spans)
     # Chains that never complete, some of them open on b when it dies.
     for n in range(12):
-        _timed_report(a, f"open-{n}", t0, spans[:1])
-    harness.wait_until(lambda: _chain_report(a).chains == 20 == _chain_report(b).chains, 5,
+        timed_report(a, f"open-{n}", t0, spans[:1])
+    harness.wait_until(lambda: chain_report(a).chains == 20 == chain_report(b).chains, 5,
                        "every chain on both")
     b_name = f"{socket.gethostname()}:{b.proc.pid}"
     members = [str(m) for m in client.zrange(MEMBERS_KEY, 0, -1)]
@@ -173,10 +153,10 @@ def test_a_replica_killed_loses_no_hop_published_after_its_death(
     on_b = _assembled(b)
     b.kill()
     for n in range(20):  # published while b's partitions have no reader
-        _timed_report(a, f"after-{n}", t0 + n * 0.01, spans)
+        timed_report(a, f"after-{n}", t0 + n * 0.01, spans)
     harness.wait_until(lambda: _owned(a) == PARTITIONS, 15, "a owns every partition")
-    harness.wait_until(lambda: _chain_report(a).chains == 40, 5, "the waiting hops assembled")
-    report = _chain_report(a)
+    harness.wait_until(lambda: chain_report(a).chains == 40, 5, "the waiting hops assembled")
+    report = chain_report(a)
     assert report.chains == 40
     assert _assembled(a) == 40 - on_b
     assert harness.metric_value(a.metrics(), "sitsmesh_chains_lost_total") == open_on_b

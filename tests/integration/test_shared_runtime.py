@@ -25,7 +25,7 @@ from tests.redisfixtures import (  # noqa: F401 - fixtures
     redis_cluster_fixture,
     shared_redis_fixture,
 )
-from tests.sharedstack import check, replicas
+from tests.sharedstack import chain_report, check, replicas, timed_report
 
 Start = Callable[..., harness.Sitsmesh]
 PIPELINE = """\
@@ -177,25 +177,6 @@ def test_a_tenant_cap_counts_the_requests_held_on_every_replica(
     assert check(a, key, "a-2") == code_pb2.RESOURCE_EXHAUSTED  # b's two count on a
 
 
-def _chain_report(node: harness.Sitsmesh) -> admin_pb2.LatencyChain:
-    reply: admin_pb2.LatencyChain = _admin(node).GetLatencyChain(
-        admin_pb2.GetLatencyChainRequest(pipeline="trio"), metadata=node.admin_metadata(),
-        timeout=5).chain
-    return reply
-
-
-def _timed_report(node: harness.Sitsmesh, request_id: str, t0: float,
-                  spans: list[tuple[str, float, float]]) -> None:
-    reports = []
-    for stage, start, seconds in spans:
-        begin, end = Timestamp(), Timestamp()
-        begin.FromNanoseconds(int((t0 + start) * 1e9))
-        end.FromNanoseconds(int((t0 + start + seconds) * 1e9))
-        reports.append(admin_pb2.ReportStageLatencyRequest(request_id=request_id, pipeline="trio",
-                                              stage=stage, start=begin, end=end))
-    _admin(node).ReportStageLatency(iter(reports), metadata=node.admin_metadata(), timeout=5)
-
-
 def test_replicas_report_the_chains_one_process_reports_on_the_same_traffic(
         start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
     """The same requests, whole to one process and split over two sharing replicas: the
@@ -210,15 +191,15 @@ def test_replicas_report_the_chains_one_process_reports_on_the_same_traffic(
         pre, feat, model = 0.004 + n * 0.0001, 0.008, 0.02 + (n % 10) * 0.004
         spans = [("pre", 0.0, pre), ("feat", pre, feat), ("model", pre + feat, model)]
         at = t0 + n * 0.05
-        _timed_report(single, f"q{n}", at, spans)
-        _timed_report(a, f"q{n}", at, spans[:1])
-        _timed_report(b, f"q{n}", at, spans[1:])
-    harness.wait_until(lambda: _chain_report(a).chains == 40 == _chain_report(b).chains,
+        timed_report(single, f"q{n}", at, spans)
+        timed_report(a, f"q{n}", at, spans[:1])
+        timed_report(b, f"q{n}", at, spans[1:])
+    harness.wait_until(lambda: chain_report(a).chains == 40 == chain_report(b).chains,
                        5, "all chains on both replicas")
-    one = _chain_report(single)
+    one = chain_report(single)
     assert one.chains == 40
     for replica in (a, b):
-        seen = _chain_report(replica)
+        seen = chain_report(replica)
         assert (seen.chains, seen.incomplete, seen.bottleneck) == (
             one.chains, one.incomplete, one.bottleneck)
         assert (seen.e2e_p50_ms, seen.e2e_p99_ms) == (one.e2e_p50_ms, one.e2e_p99_ms)
