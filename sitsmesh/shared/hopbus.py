@@ -28,7 +28,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from sitsmesh import logs, redisclients
+from sitsmesh import logs
 from sitsmesh.chains.assembler import Hop
 from sitsmesh.chains.trace import valid_trace_id
 
@@ -96,11 +96,6 @@ def decode(event: Any) -> Hop | tuple[str, float | None]:
 
 class HopBus:
     """Stands where the assembler and the hold release stood: `add` and `release`."""
-
-    @classmethod
-    def from_url(cls, url: str, *, deliver: Callable[[Hop], None],
-                 release: Callable[[str, float | None], bool]) -> HopBus:
-        return cls(redisclients.connect(url, protocol=2), deliver=deliver, release=release)
 
     def __init__(self, client: Redis | RedisCluster, *, deliver: Callable[[Hop], None],
                  release: Callable[[str, float | None], bool], key: str = DEFAULT_KEY) -> None:
