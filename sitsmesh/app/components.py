@@ -219,12 +219,11 @@ class PressureComponent:
         if self.runtime is None:
             return
         chains.pipelines.on_change(self.runtime.set_pipelines)
-        if chains.bus is not None:  # every replica's stage completions and reports
-            chains.bus.on_stage = self.runtime.on_hop
+        if chains.assembler is not None:  # shared: the chains this replica owns
+            chains.assembler.on_hop = self.runtime.on_hop
+        if chains.bus is not None:  # every replica's stage work and reports
             self.shared = SharedPressure(self.runtime, chains.bus, chains.bus.client,
                                          Lease(chains.bus.client, "pressure"))
-        elif chains.assembler is not None:
-            chains.assembler.on_hop = self.runtime.on_hop
 
     async def start(self) -> None:
         await self.thresholds.refresh()

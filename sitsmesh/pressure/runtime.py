@@ -22,6 +22,7 @@ from sitsmesh.pressure.gate import PressureGate
 from sitsmesh.pressure.signals import EnvoySample, Signals, TritonSample
 from sitsmesh.pressure.stages import StagePressure
 from sitsmesh.pressure.thresholds import Thresholds
+from sitsmesh.pressure.work import WorkLedger
 
 _log = logs.get("sitsmesh.pressure")
 MIN_TICK_S = 0.01
@@ -39,6 +40,10 @@ class PressureRuntime:
         # traffic apart, in `local`, for the next report to the others.
         self.signals = Signals()
         self.local = Signals() if shared else self.signals
+        # Shared: the hops of the chains this replica owns, summed for the others
+        # (sitsmesh.shared.pressure) instead of sent one by one.
+        self.owned = Signals() if shared else self.signals
+        self.ledgers: dict[str, WorkLedger] | None = {} if shared else None
         self.gate = PressureGate(self.local, clock)
         self.controller = Controller(self.signals, clock, stale_after_s=stale_after_s)
         self._clock = clock
@@ -109,6 +114,10 @@ class PressureRuntime:
         self._thresholds = dict(thresholds)
         self._configure()
 
+    @property
+    def pipelines(self) -> Mapping[str, Pipeline]:
+        return self._pipelines
+
     def triton_models(self) -> list[str]:
         """The Triton models the pipelines' stages name."""
         return sorted(self._models)
@@ -154,13 +163,19 @@ class PressureRuntime:
 
     def on_hop(self, pipeline: str, stage: str, hop: Hop) -> None:
         """A hop as of when it happened: its wall-clock start becomes this process's
-        monotonic time, and how late its entry came is kept."""
+        monotonic time, and how late its entry came is kept. (Shared: one of the chains
+        this replica owns.)"""
         now = self._clock()
         if not self._offset_known:
             self._refresh_offset()
-        self.signals.stage(pipeline, stage).complete(
+        self.owned.stage(pipeline, stage).complete(
             hop.request_id, hop.start - self.gate.wall_offset, hop.duration,
             failed=hop.failed, arrived=now)
+        if self.ledgers is not None:
+            ledger = self.ledgers.get(pipeline)
+            if ledger is None:
+                ledger = self.ledgers[pipeline] = WorkLedger()
+            ledger.add(stage, hop.request_id, hop.start, hop.start + hop.duration, hop.failed)
 
     def on_envoy(self, node: str, samples: Mapping[str, EnvoySample]) -> None:
         """One Envoy's stats flush: each cluster a stage calls gets that Envoy's sample,

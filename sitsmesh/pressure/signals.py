@@ -8,6 +8,7 @@ process's monotonic seconds.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -99,12 +100,25 @@ class EnvoySample:
     errors: float = 0.0    # 5xx, timeouts, resets, overflow
 
 
+@dataclass(slots=True)
+class OwnerWork:
+    """With chains partitioned over replicas, one owner's latest sums of a stage's work
+    over the requests it owns (sitsmesh.pressure.work), in place of their hops."""
+
+    bins: dict[int, list[float]]  # wall-clock bins
+    received: float     # when they came (monotonic here)
+    until: float        # every end before this had reached their owner (monotonic here)
+    lag: float          # the owner's longest recent log delay
+    newest: float | None  # the newest hop end among them (monotonic here)
+    shift: float        # wall clock less monotonic here, when they came
+
+
 class StageSignals:
     """The stage's hops (from access logs, stamped with their own times), its queue as
     Triton or Envoy see it, and how late each kind of signal arrives."""
 
     __slots__ = ("completions", "envoy", "expects_triton", "hops", "lags", "last_arrival",
-                 "latency", "triton")
+                 "latency", "owners", "triton")
 
     def __init__(self) -> None:
         # Set when the stage names a Triton model that is scraped: until a sample comes
@@ -118,6 +132,7 @@ class StageSignals:
         self.lags: deque[float] = deque(maxlen=SAMPLES)
         self.triton: list[TritonSample] = []  # the last two scrapes
         self.envoy: dict[str, EnvoySample] = {}  # per reporting Envoy, its latest sample
+        self.owners: dict[str, OwnerWork] = {}  # per partition owner (shared runtime)
 
     def complete(self, request_id: str, started: float, seconds: float, *, failed: bool,
                  arrived: float) -> None:
@@ -129,6 +144,21 @@ class StageSignals:
         ended = started + seconds
         self.hops.append((request_id, started, ended, failed))
         self.lags.append(max(0.0, arrived - ended))
+
+    def lag(self) -> float:
+        """How late hop entries come lately: the watermark is this far behind now."""
+        lag = max(self.lags, default=0.0)
+        for owner in self.owners.values():
+            lag = max(lag, owner.lag)
+        return lag
+
+    def newest(self) -> float | None:
+        """The newest hop end known (None before the first)."""
+        if self.hops:
+            # Entries come in roughly in order of their ends: the last few hold the newest.
+            return max(hop[2] for hop in itertools.islice(reversed(self.hops), 64))
+        return max((o.newest for o in self.owners.values() if o.newest is not None),
+                   default=None)
 
     def scraped(self, sample: TritonSample) -> None:
         self.triton = [*self.triton[-1:], sample]

@@ -11,13 +11,12 @@ load is not overload.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
 from sitsmesh.chains.histogram import Histogram
 from sitsmesh.chains.pipeline import Pipeline, Stage
-from sitsmesh.pressure import estimate
+from sitsmesh.pressure import work
 from sitsmesh.pressure.queueing import chance_queue, ewma, mm1_p99, rate_for_p99
 from sitsmesh.pressure.signals import Signals, StageSignals
 from sitsmesh.pressure.thresholds import PRIORITIES, StageThresholds, Thresholds
@@ -27,6 +26,7 @@ TAU_MU_S = 2.0           # memory of a stage's capacity learned from its own wor
 WINDOW_S = 2.0           # stage work and completions are read over this window
 MIN_WINDOW_DONE = 3      # completions a window needs before its service time counts
 MIN_SERVICE_SAMPLES = 10  # unqueued requests a window needs before their spread counts
+OWNER_TTL_S = 2.0        # a partition owner's sums count this long after they came
 # Poisson arrivals at 70 % of capacity put the fast rate (0.3 s) 20 % above its mean
 # now and then, and a capacity learned from a few dozen service times is off by
 # 10 %; the margins keep such chance from reading as overload.
@@ -151,44 +151,58 @@ class StageJudge:
     def windows(self, tick: Tick) -> None:
         """Each stage's work over the last window before its watermark: every hop that
         ended in it has arrived, whatever the log flush interval. A stage's own time
-        excludes the stages nested in it (the ones it called and waited on)."""
-        spans: dict[str, list[tuple[str, float, float]]] = {}
+        excludes the stages nested in it (the ones it called and waited on). With the
+        chains partitioned over replicas, their owners' sums of it (see pressure.work)."""
+        stages = tick.pipeline.stages
+        found = [self.signals.stage(tick.pipeline.name, stage.name) for stage in stages]
+        windows = (self._shared_windows(tick, found) if any(s.owners for s in found)
+                   else self._own_windows(tick, found))
+        for stage, window in zip(stages, windows, strict=True):
+            self._learn(tick, stage, window)
+
+    def _own_windows(self, tick: Tick, found: list[StageSignals]) -> list[work.Window]:
+        stages = tick.pipeline.stages
+        ends = {stage.name: tick.now - signals.lag() for stage, signals in zip(stages, found,
+                                                                                  strict=True)}
+        rows = work.segmented([stage.name for stage in stages],
+                              lambda name: self.signals.stage(tick.pipeline.name, name).hops,
+                              lambda name: ends[name] - WINDOW_S)
+        return [work.exact(rows[stage.name], ends[stage.name] - WINDOW_S, ends[stage.name],
+                           tick.thresholds.stage(stage.name).parallelism) for stage in stages]
+
+    def _shared_windows(self, tick: Tick, found: list[StageSignals]) -> list[work.Window]:
         windows = []
-        for stage in tick.pipeline.stages:
-            signals = self.signals.stage(tick.pipeline.name, stage.name)
-            watermark = tick.now - max(signals.lags, default=0.0)
-            recent = [h for h in signals.hops if h[2] >= watermark - WINDOW_S]
-            windows.append((stage, watermark, recent))
-            for request_id, started, ended, _ in recent:
-                spans.setdefault(request_id, []).append((stage.name, started, ended))
-        for stage, watermark, recent in windows:
-            limits = tick.thresholds.stage(stage.name)
-            own = tick.state.stages.setdefault(stage.name, StageState())
-            # Only other stages nest in a hop: a call of the same stage beside it is a
-            # sibling of a fan-out (or a retry), running in parallel, not called by it.
-            hops = [(estimate.own_segments(started, ended, (
-                        (s, e) for name, s, e in spans.get(request_id, ())
-                        if name != stage.name)), ended, failed)
-                    for request_id, started, ended, failed in recent]
-            work = estimate.occupancy(hops, watermark - WINDOW_S, watermark, limits.parallelism)
-            done, busy = work.completions, work.busy
-            own.done, own.failed = done, work.failures
-            if done < MIN_WINDOW_DONE:
+        for stage, signals in zip(tick.pipeline.stages, found, strict=True):
+            owners = signals.owners
+            for gone in [r for r, o in owners.items() if tick.now - o.received > OWNER_TTL_S]:
+                del owners[gone]  # a replica that stopped reporting (or left)
+            if not owners:
+                windows.append(work.Window(0, 0, 0.0, 0, 0.0, 0.0, 0.0))
                 continue
-            if len(work.services) >= MIN_SERVICE_SAMPLES and tick.dt > 0:
-                mean = sum(work.services) / len(work.services)
-                if mean > 0:
-                    spread = sum((x - mean) ** 2 for x in work.services) / len(work.services)
-                    own.cs2 = ewma(own.cs2, spread / mean**2, tick.dt, TAU_MU_S)
-                    own.samples = len(work.services)
-            ended_here = [sum(e - s for s, e in segments) for segments, ended, _ in hops
-                          if watermark - WINDOW_S <= ended < watermark]
-            own.mean_s = sum(ended_here) / len(ended_here)
-            if tick.dt > 0 and busy > 0 and own.triton_service_s is None:
-                # Busy server-seconds per completion is the service time, queue or none.
-                # (Where Triton's own counters move, they are fresher and count every
-                # caller: they win.)
-                own.mu = ewma(own.mu, limits.parallelism * done / busy, tick.dt, TAU_MU_S)
+            # Every end up to here has reached its owner, and its owner's sums reached us.
+            watermark = min(tick.now - signals.lag(), *(o.until for o in owners.values()))
+            shift = next(iter(owners.values())).shift
+            windows.append(work.read(work.merge(o.bins for o in owners.values()),
+                                     watermark - WINDOW_S + shift, watermark + shift,
+                                     tick.thresholds.stage(stage.name).parallelism))
+        return windows
+
+    @staticmethod
+    def _learn(tick: Tick, stage: Stage, window: work.Window) -> None:
+        own = tick.state.stages.setdefault(stage.name, StageState())
+        own.done, own.failed = window.done, window.failed
+        if window.done < MIN_WINDOW_DONE:
+            return
+        if window.samples >= MIN_SERVICE_SAMPLES and tick.dt > 0 and window.mean > 0:
+            own.cs2 = ewma(own.cs2, window.variance / window.mean**2, tick.dt, TAU_MU_S)
+            own.samples = window.samples
+        own.mean_s = window.own_mean
+        if tick.dt > 0 and window.busy > 0 and own.triton_service_s is None:
+            # Busy server-seconds per completion is the service time, queue or none.
+            # (Where Triton's own counters move, they are fresher and count every
+            # caller: they win.)
+            parallelism = tick.thresholds.stage(stage.name).parallelism
+            own.mu = ewma(own.mu, parallelism * window.done / window.busy, tick.dt, TAU_MU_S)
 
     def judge(self, tick: Tick, stage: Stage) -> tuple[StagePressure, float, float]:
         """The stage's pressure, the pipeline rate it can take, and its drain time."""
@@ -255,12 +269,10 @@ class StageJudge:
     def _ages(self, tick: Tick, signals: StageSignals) -> tuple[SignalAge, ...]:
         """Each source's age, for reports: the same rules `_queue` applies."""
         ages = []
-        if signals.hops:
-            # Entries come in roughly in order of their ends: the last few hold the newest.
-            newest = max(hop[2] for hop in itertools.islice(reversed(signals.hops), 64))
+        newest = signals.newest()
+        if newest is not None:
             waiting = tick.state.admitted_rate > 0 or tick.in_flight >= 1
-            late = tick.now - signals.last_arrival > (self._stale_after
-                                                      + max(signals.lags, default=0.0))
+            late = tick.now - signals.last_arrival > self._stale_after + signals.lag()
             ages.append(SignalAge("access_log", round(max(0.0, tick.now - newest), 3),
                                   waiting and late))
         if signals.envoy:
@@ -313,7 +325,7 @@ class StageJudge:
         # Late by design is not stale: an entry may take as long as the slowest recent
         # one did to arrive. Stale is when none came for longer while traffic flows.
         waiting = tick.state.admitted_rate > 0 or tick.in_flight >= 1
-        expected_lag = max(signals.lags, default=0.0)
+        expected_lag = signals.lag()
         stale = waiting and signals.completions > 0 and (
             tick.now - signals.last_arrival > self._stale_after + expected_lag)
         return inferred, stale

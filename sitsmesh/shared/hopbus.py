@@ -160,9 +160,6 @@ class HopBus:
         """The events waiting to be published, oldest first."""
         return list(self._pending)
 
-    def sealed(self) -> None:
-        """The pending events were just encoded: one still being filled is sent as is."""
-
     def caught_up(self) -> None:
         """Let paced streams go on once the publisher is back under the high water."""
         if self.queued() <= HIGH_WATER:
@@ -182,7 +179,6 @@ class HopBus:
                 batch = self._pending[:MAX_BATCH]
                 del self._pending[:MAX_BATCH]
                 body = json.dumps(batch)
-                self.sealed()
                 try:
                     await self._client.xadd(self._key, {"b": body},
                                             maxlen=STREAM_LENGTH, approximate=True)

@@ -1,10 +1,9 @@
 """The hop bus split by request id: each replica assembles only the chains it owns.
 
 A hop goes to its request's partition stream (sitsmesh.shared.partitions), read by
-that partition's one owner. What every replica still needs from every hop rides on
-the broadcast stream of HopBus, small: the stage completion the controller counts
-(matched to its stage here, where the hop arrived) and, as before, hold releases and
-the replicas' reports.
+that partition's one owner. Nothing of a hop goes to every replica: the controller
+takes each owner's sums of its stages' work (sitsmesh.pressure.work), which ride on
+the broadcast stream of HopBus with hold releases and the replicas' reports.
 
 Ownership: every second each replica renews its heartbeat, computes the owners from
 the live replicas (the same on each), gives up the partitions it no longer owns and
@@ -107,10 +106,9 @@ class PartitionedBus(HopBus):
             [frozenset([p]) for p in range(partitions)] if isinstance(client, RedisCluster)
             else [frozenset(range(partitions))])
         self._key_partition = {stream_key(p): p for p in range(partitions)}
-        # The controller's per-stage completions, from every replica's hops.
-        self.on_stage: Callable[[str, str, Hop], None] | None = None
-        self.on("C", self._completed)
-        self._columns: dict[tuple[str, str], list[Any]] = {}
+        # Replicas from before the controller took sums sent each hop's completion:
+        # ignored during a rolling upgrade, not counted as malformed.
+        self.on("C", lambda _event: None)
         self.unmatched = 0
         self.moves = 0  # partitions taken or given up
 
@@ -126,28 +124,9 @@ class PartitionedBus(HopBus):
     # --- the ingestion path: no I/O -----------------------------------------
 
     def add(self, hop: Hop) -> None:
-        matched = self._match(hop)
-        if matched is None or not hop.request_id:
+        if self._match(hop) is None or not hop.request_id:
             self.unmatched += 1  # the owner could not place it either
             return
-        pipeline, stage = matched
-        # Columns per stage, filled until the publisher encodes them: a few bytes and no
-        # list of its own per hop, since every replica decodes every one.
-        key = (pipeline.name, stage.name)
-        columns = self._columns.get(key)
-        if columns is None:
-            columns = ["C", pipeline.name, stage.name, [hop.request_id], [hop.start],
-                       [hop.duration], [0] if hop.failed else []]
-            overflowed = self.overflowed
-            self.publish(columns)
-            if self.overflowed == overflowed:  # else applied here already: start anew
-                self._columns[key] = columns
-        else:
-            columns[3].append(hop.request_id)
-            columns[4].append(hop.start)
-            columns[5].append(hop.duration)
-            if hop.failed:
-                columns[6].append(len(columns[3]) - 1)
         if self._queued >= MAX_PENDING:
             self.overflowed += 1
             self._deliver(hop)  # as HopBus does: this process stays right, and counts it
@@ -155,23 +134,6 @@ class PartitionedBus(HopBus):
         self._parts[partition_of(hop.request_id, self._partitions)].append(hop)
         self._queued += 1
         self._parts_wake.set()
-
-    def sealed(self) -> None:
-        self._columns.clear()
-
-    def _completed(self, event: list[Any]) -> None:
-        _, pipeline, stage, request_ids, starts, durations, failed = event
-        on_stage = self.on_stage
-        if on_stage is None:
-            return
-        if not (isinstance(pipeline, str) and isinstance(stage, str)
-                and len(request_ids) == len(starts) == len(durations)):
-            raise ValueError("a stage's completions are columns of one length")
-        failed = set(failed)
-        for i, (request_id, start, duration) in enumerate(zip(request_ids, starts, durations,
-                                                              strict=True)):
-            on_stage(pipeline, stage, Hop(str(request_id), float(start), float(duration),
-                                          failed=i in failed))
 
     def queued(self) -> int:
         return super().queued() + self._queued

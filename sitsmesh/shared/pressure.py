@@ -25,17 +25,20 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from sitsmesh import logs
+from sitsmesh.chains.histogram import BUCKETS, Histogram
+from sitsmesh.pressure import work
 from sitsmesh.pressure.controller import Decision, Snapshot
 from sitsmesh.pressure.estimate import BIN_S
 from sitsmesh.pressure.runtime import PressureRuntime
-from sitsmesh.pressure.signals import EnvoySample, PipelineSignals
-from sitsmesh.pressure.stages import SignalAge, StagePressure
+from sitsmesh.pressure.signals import EnvoySample, OwnerWork, PipelineSignals
+from sitsmesh.pressure.stages import WINDOW_S, SignalAge, StagePressure
 from sitsmesh.pressure.thresholds import PRIORITIES
 from sitsmesh.shared.hopbus import HopBus
 from sitsmesh.shared.lease import Lease
 
 DECISION_TTL_MS = 2_000   # a decision nobody renews stops applying within two seconds
 SHARE_ALPHA = 0.2          # smoothing of this replica's share of the arrivals
+WORK_SLACK_S = 0.25        # stage work sent for this much more than the window
 _log = logs.get("sitsmesh.shared.pressure")
 
 _Counts = tuple[int, int, int, int, tuple[int, ...]]
@@ -125,8 +128,10 @@ class SharedPressure:
         self._sender_arrivals: dict[str, dict[str, float]] = {}
         self.published = 0
         self.applied = 0
+        self._owned_done: dict[tuple[str, str], int] = {}  # completions summed so far
         bus.on("p", self.apply_report)
         bus.on("e", self.apply_envoy)
+        bus.on("w", self.apply_work)
 
     def envoy(self, node: str, samples: Mapping[str, EnvoySample]) -> None:
         """An Envoy's stats flush reached this replica: every replica's controller gets it
@@ -211,6 +216,73 @@ class SharedPressure:
             senders[sender] = senders.get(sender, 0.0) + int(arrivals)
         self.applied += 1
 
+    def report_work(self) -> None:
+        """The sums of this replica's part of every stage's recent work (the chains it
+        owns, binned as their hops came) onto the bus, for every controller to add up
+        (no I/O here). They cover the window the controllers read and then some; each
+        report replaces the last."""
+        runtime = self._runtime
+        now = runtime.now()
+        offset = runtime.gate.wall_offset
+        pipelines: dict[str, Any] = {}
+        for name, pipeline in runtime.pipelines.items():
+            names = [stage.name for stage in pipeline.stages]
+            owned = [runtime.owned.stage(name, stage) for stage in names]
+            reach = max([0.0, *(s.lag() for s in owned),
+                         *(runtime.signals.stage(name, stage).lag() for stage in names)])
+            ledger = (runtime.ledgers or {}).get(name) or work.WorkLedger()
+            since = now + offset - reach - WINDOW_S - WORK_SLACK_S
+            stages: dict[str, Any] = {}
+            for stage, signals in zip(names, owned, strict=True):
+                done = signals.completions - self._owned_done.get((name, stage), 0)
+                self._owned_done[name, stage] = signals.completions
+                latency, signals.latency = signals.latency, Histogram()
+                newest = signals.newest()
+                stages[stage] = [work.encode(ledger.window(stage, since, now + offset)), done,
+                                 [[i, n] for i, n in enumerate(latency.counts) if n],
+                                 round(signals.lag(), 6),
+                                 None if newest is None else newest + offset,
+                                 signals.last_arrival + offset if signals.completions else None]
+            pipelines[name] = stages
+        if pipelines:
+            self._bus.publish(["w", pipelines, self.lease.holder, now + offset])
+
+    def apply_work(self, event: list[Any]) -> None:
+        """An owner's sums (this replica's too) into the signals the controller reads,
+        in place of its last ones. All of it or, if any of it is malformed, none."""
+        if len(event) != 4 or not isinstance(event[1], dict):
+            raise ValueError("stage work is ['w', {pipeline: {stage: sums}}, replica, at]")
+        _, pipelines, sender, sent = event
+        runtime = self._runtime
+        offset = runtime.gate.wall_offset
+        now = runtime.now()
+        found = []
+        for name, stages in pipelines.items():
+            pipeline = runtime.pipelines.get(name)
+            if pipeline is None or not isinstance(stages, dict):
+                continue  # a pipeline this replica does not know (yet)
+            known = {stage.name for stage in pipeline.stages}
+            for stage, record in stages.items():
+                if stage not in known:
+                    continue
+                raw, done, buckets, lag, newest, last = record
+                counts = [(int(i), int(n)) for i, n in buckets]
+                if int(done) < 0 or float(lag) < 0 or any(
+                        not 0 <= i < BUCKETS or n < 0 for i, n in counts):
+                    raise ValueError("stage work counts are not negative, buckets in range")
+                found.append((runtime.signals.stage(name, stage), int(done), counts, OwnerWork(
+                    work.decode(raw), now, float(sent) - offset - float(lag), float(lag),
+                    None if newest is None else float(newest) - offset, offset),
+                    None if last is None else float(last) - offset))
+        for signals, done, counts, owner, last in found:
+            signals.owners[str(sender)] = owner
+            signals.completions += done
+            for i, n in counts:
+                signals.latency.counts[i] += n
+                signals.latency.total += n
+            if last is not None:
+                signals.last_arrival = max(signals.last_arrival, last)
+
     def _update_share(self) -> None:
         for name, total in self._all_arrivals.items():
             if total <= 0:
@@ -243,6 +315,7 @@ class SharedPressure:
         """Report, decide (every replica: a hot standby), and publish or follow."""
         runtime = self._runtime
         self.report()
+        self.report_work()
         self._update_share()
         mine = runtime.decide()
         offset = runtime.gate.wall_offset

@@ -1,0 +1,250 @@
+"""A stage's recent work as per-bin sums, which add up across the replicas that own
+parts of it.
+
+With chains partitioned by request id (sitsmesh.shared.partbus) a replica sees every
+hop of the requests it owns and none of the others'. It turns them into what
+StageJudge reads from one process's hops (requests present, ended and failed, their
+own time, the service times of requests that found a server free), summed per
+10 ms bin of wall-clock time. Every owner's sums added up are the fleet's, so the
+controller takes them instead of every hop, and what each replica decodes no longer
+grows with the traffic. Within a bin presence is an average: busy time capped at
+the stage's parallelism is read per bin, not per instant, which is never less than
+the exact figure and close to it while service times are long against a bin.
+
+Pure: plain data, and a ledger that bins each hop once, as it arrives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sitsmesh.pressure import estimate
+
+WORK_BIN_S = 0.01
+# One bin's sums, in this order: request-seconds present (own time, queueing at the
+# stage included), requests ended, of them failed, their own time, then the requests
+# that started in the bin (and ended in the window) as service-time samples: count,
+# sum and sum of squares of their own time.
+PRESENT, ENDED, FAILED, OWN, SAMPLES, SUM, SQUARES = range(7)
+COLUMNS = 7
+MAX_BINS = 1_000  # a record spans at most this many bins (10 s): a bound on what one costs
+KEEP_S = 5.0      # work kept: the window, the longest log delay and then some
+MAX_REQUESTS = 100_000  # requests whose hops are kept for nesting (a few seconds' worth)
+MAX_HOPS = 64     # hops of one request kept for nesting
+Bins = dict[int, list[float]]
+HopRow = tuple[str, float, float, bool]  # (request id, start, end, failed)
+OwnRow = tuple[list[tuple[float, float]], float, bool]  # (own segments, end, failed)
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A stage's work over one window, as StageJudge learns from it."""
+
+    done: int
+    failed: int
+    busy: float       # server-seconds: at most `servers` requests at once
+    samples: int      # service times of requests that found a server free
+    mean: float       # their mean (0 with none)
+    variance: float
+    own_mean: float   # mean own time of the requests that ended in it (0 with none)
+
+
+def bin_of(at: float) -> int:
+    # Division, not //: 100.0 // 0.01 is 9999.0, a bin early.
+    return math.floor(at / WORK_BIN_S)
+
+
+def _row(bins: Bins, index: int) -> list[float]:
+    row = bins.get(index)
+    if row is None:
+        row = bins[index] = [0.0] * COLUMNS
+    return row
+
+
+def add_hop(bins: Bins, hop: OwnRow, start: float = -math.inf, end: float = math.inf,
+            sign: int = 1) -> None:
+    """One hop's own segments clipped to [start, end) into `bins` (or, with `sign` -1,
+    taken out again). The rules are estimate.occupancy's."""
+    segments, ended, failed = hop
+    own = sum(b - a for a, b in segments)
+    if start <= ended < end:
+        row = _row(bins, bin_of(ended))
+        row[ENDED] += sign
+        row[FAILED] += sign * failed
+        row[OWN] += sign * own
+        if segments and segments[0][0] >= start:
+            row = _row(bins, bin_of(segments[0][0]))
+            row[SAMPLES] += sign
+            row[SUM] += sign * own
+            row[SQUARES] += sign * own * own
+    for first, last in segments:
+        at, until = max(first, start), min(last, end)
+        index = bin_of(at)
+        while at < until:
+            edge = max(at, min(until, (index + 1) * WORK_BIN_S))
+            _row(bins, index)[PRESENT] += sign * (edge - at)
+            at = edge
+            index += 1
+
+
+def segmented(stages: Sequence[str], hops_of: Callable[[str], Iterable[HopRow]],
+              since: Callable[[str], float]) -> dict[str, list[OwnRow]]:
+    """Each stage's hops that ended after `since(stage)` as (own segments, ended,
+    failed). A stage's own time excludes the stages nested in it (those it called and
+    waited on), found among the same requests' hops: a partition holds all of a
+    request's. Only other stages nest in a hop: a call of the same stage beside it is a
+    sibling of a fan-out (or a retry), running in parallel, not called by it."""
+    recent: dict[str, list[HopRow]] = {}
+    spans: dict[str, list[tuple[str, float, float]]] = {}
+    for name in stages:
+        rows = recent[name] = [h for h in hops_of(name) if h[2] >= since(name)]
+        for request_id, started, ended, _ in rows:
+            spans.setdefault(request_id, []).append((name, started, ended))
+    return {name: [(estimate.own_segments(started, ended, (
+                        (s, e) for other, s, e in spans.get(request_id, ()) if other != name)),
+                    ended, failed) for request_id, started, ended, failed in rows]
+            for name, rows in recent.items()}
+
+
+class WorkLedger:
+    """One pipeline's stages' work over the last KEEP_S, binned as each hop arrives: the
+    hops of the requests this replica owns, in wall-clock time. A hop that arrives after
+    a hop of another stage it is nested in takes its time out of that one's own time,
+    as reading them together would (`segmented`). Memory is bounded by KEEP_S and
+    MAX_REQUESTS; a request past MAX_HOPS hops is binned without nesting."""
+
+    def __init__(self) -> None:
+        self.bins: dict[str, Bins] = {}
+        # request id -> its hops: [stage, start, end, failed, own segments], by arrival
+        self._requests: dict[str, list[list[Any]]] = {}
+
+    def add(self, stage: str, request_id: str, start: float, end: float,
+            failed: bool) -> None:
+        hops = self._requests.get(request_id)
+        if hops is None:
+            if len(self._requests) >= MAX_REQUESTS:
+                del self._requests[next(iter(self._requests))]
+            hops = self._requests[request_id] = []
+        segments = estimate.own_segments(start, end, ((h[1], h[2]) for h in hops
+                                                      if h[0] != stage))
+        add_hop(self.bins.setdefault(stage, {}), (segments, end, failed))
+        if len(hops) >= MAX_HOPS:
+            return
+        for hop in hops:
+            if hop[0] == stage or not (start >= hop[1] - estimate.EPSILON_S
+                                       and end <= hop[2] + estimate.EPSILON_S):
+                continue
+            # Nested in a hop already binned: that one's own time shrinks by it.
+            outer = self.bins.setdefault(hop[0], {})
+            add_hop(outer, (hop[4], hop[2], hop[3]), sign=-1)
+            hop[4] = estimate.own_segments(hop[1], hop[2], [
+                (h[1], h[2]) for h in hops if h[0] != hop[0]] + [(start, end)])
+            add_hop(outer, (hop[4], hop[2], hop[3]))
+        hops.append([stage, start, end, failed, segments])
+
+    def window(self, stage: str, start: float, now: float) -> Bins:
+        """The bins of `stage` from `start`, after letting go of what is older than
+        KEEP_S before `now`."""
+        horizon = now - KEEP_S
+        requests = self._requests
+        while requests:
+            oldest = next(iter(requests))
+            if max(h[2] for h in requests[oldest]) >= horizon:
+                break
+            del requests[oldest]
+        bins = self.bins.get(stage, {})
+        first = bin_of(horizon)
+        for index in [i for i in bins if i < first]:
+            del bins[index]
+        low = bin_of(start)
+        return {i: row for i, row in bins.items() if i >= low}
+
+
+def merge(parts: Iterable[Bins]) -> Bins:
+    total: Bins = {}
+    for bins in parts:
+        for index, row in bins.items():
+            mine = total.get(index)
+            if mine is None:
+                total[index] = list(row)
+            else:
+                for column, value in enumerate(row):
+                    mine[column] += value
+    return total
+
+
+def read(bins: Mapping[int, Sequence[float]], start: float, end: float,
+         servers: int) -> Window:
+    """The window [start, end) (wall clock) of merged bins. A bin's samples count when
+    its mean presence leaves a server free: a standing queue keeps it above."""
+    done = failed = samples = 0
+    busy = own = total = squares = 0.0
+    cap = servers * WORK_BIN_S * (1 + 1e-9)
+    for index in range(bin_of(start), bin_of(end)):
+        row = bins.get(index)
+        if row is None:
+            continue
+        present = row[PRESENT]
+        busy += min(present, servers * WORK_BIN_S)
+        done += int(row[ENDED])
+        failed += int(row[FAILED])
+        own += row[OWN]
+        if row[SAMPLES] and present <= cap:
+            samples += int(row[SAMPLES])
+            total += row[SUM]
+            squares += row[SQUARES]
+    mean = total / samples if samples else 0.0
+    return Window(done, failed, busy, samples, mean,
+                  max(0.0, squares / samples - mean * mean) if samples else 0.0,
+                  own / done if done else 0.0)
+
+
+def exact(hops: Iterable[OwnRow], start: float, end: float, servers: int) -> Window:
+    """The same window from one process's hops (own segments, ended, failed), exactly."""
+    rows = list(hops)
+    work = estimate.occupancy(rows, start, end, servers)
+    ended = [sum(e - s for s, e in segments) for segments, at, _ in rows if start <= at < end]
+    services = work.services
+    mean = sum(services) / len(services) if services else 0.0
+    variance = (sum((x - mean) ** 2 for x in services) / len(services)) if services else 0.0
+    return Window(work.completions, work.failures, work.busy, len(services), mean, variance,
+                  sum(ended) / len(ended) if ended else 0.0)
+
+
+# --- on the wire: microseconds as integers, the bins sparse ------------------------
+
+_WIRE = ((PRESENT, 1e6), (ENDED, 1), (FAILED, 1), (OWN, 1e6), (SAMPLES, 1), (SUM, 1e6),
+         (SQUARES, 1e12))
+
+
+def encode(bins: Bins) -> list[Any]:
+    if not bins:
+        return []
+    first = min(bins)
+    # Taking a hop out again may leave rounding residue: never below zero on the wire.
+    return [first, *([index - first, *(max(0, round(row[c] * scale)) for c, scale in _WIRE)]
+                     for index, row in bins.items())]
+
+
+def decode(raw: Any) -> Bins:
+    """ValueError when it is not what encode gives, or spans more than MAX_BINS."""
+    if not isinstance(raw, list):
+        raise ValueError("stage work is a list")
+    if not raw:
+        return {}
+    first, *rows = raw
+    if not isinstance(first, int) or len(rows) > MAX_BINS:
+        raise ValueError("stage work is [first bin, rows...], at most MAX_BINS rows")
+    bins: Bins = {}
+    for row in rows:
+        if (not isinstance(row, list) or len(row) != COLUMNS + 1
+                or not all(isinstance(v, int) and v >= 0 for v in row)
+                or row[0] >= MAX_BINS):
+            raise ValueError("a bin is [offset, then seven counts and sums, none negative]")
+        offset, present, ended, failed, own, samples, total, squares = row
+        bins[first + offset] = [present / 1e6, float(ended), float(failed), own / 1e6,
+                                float(samples), total / 1e6, squares / 1e12]
+    return bins

@@ -1,0 +1,218 @@
+"""A stage's work as per-bin sums (pressure/work.py): the owners' sums add up to one
+process's, read as one process reads its hops, and a controller fed the sums of two
+owners learns what one fed every hop learns."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any, cast
+
+import pytest
+
+from sitsmesh.chains.assembler import Hop
+from sitsmesh.chains.pipeline import pipeline_from
+from sitsmesh.pressure import work
+from sitsmesh.pressure.runtime import PressureRuntime
+from sitsmesh.shared.partitions import partition_of
+from sitsmesh.shared.pressure import SharedPressure
+
+DUO = pipeline_from("duo", {"stages": [
+    {"name": "pre", "match": {"upstream_cluster": "pre"}},
+    {"name": "model", "match": {"upstream_cluster": "model"}},
+]})
+
+
+def _queue(rng: random.Random, n: int, rate: float, service: float, servers: int = 1,
+           start: float = 100.0) -> list[tuple[float, float]]:
+    """(start, end) of FIFO requests with Poisson arrivals and exponential service."""
+    free = [start] * servers
+    at = start
+    done = []
+    for _ in range(n):
+        at += rng.expovariate(rate)
+        i = min(range(servers), key=free.__getitem__)
+        begin = max(at, free[i])
+        free[i] = begin + rng.expovariate(1 / service)
+        done.append((at, free[i]))
+    return done
+
+
+def _nested(rng: random.Random, n: int) -> dict[str, list[work.HopRow]]:
+    """A "pre" stage that calls "model" in the middle of each request."""
+    hops: dict[str, list[work.HopRow]] = {"pre": [], "model": []}
+    for i, (start, end) in enumerate(_queue(rng, n, rate=40.0, service=0.02, servers=2)):
+        rid = f"r{i}"
+        inner = start + (end - start) * 0.3
+        hops["pre"].append((rid, start - 0.004, end + 0.003, i % 17 == 0))
+        hops["model"].append((rid, inner, inner + (end - start) * 0.5, False))
+    return hops
+
+
+def _ledger(hops: dict[str, list[work.HopRow]], owner: int | None = None,
+            shuffle: random.Random | None = None) -> work.WorkLedger:
+    """The hops (of one owner's partitions) in the order they arrive: by their end, or
+    shuffled, as Envoys flush at different times."""
+    rows = sorted((h[2], stage, h) for stage, stage_rows in hops.items() for h in stage_rows)
+    if shuffle is not None:
+        shuffle.shuffle(rows)
+    ledger = work.WorkLedger()
+    for _, stage, (rid, start, end, failed) in rows:
+        if owner is None or partition_of(rid, 3) == owner:
+            ledger.add(stage, rid, start, end, failed)
+    return ledger
+
+
+def test_the_owners_sums_add_up_to_one_process_and_read_as_its_hops_do() -> None:
+    rng = random.Random(7)
+    hops = _nested(rng, 250)  # about 6 s from 100.0
+    start, end, now = 101.0, 108.0, 105.5
+    whole = _ledger(hops)
+    owners = [_ledger(hops, owner=k, shuffle=random.Random(k)) for k in range(3)]
+    rows = work.segmented(["pre", "model"], hops.__getitem__, lambda _: 0.0)
+    for stage in ("pre", "model"):
+        mine = whole.window(stage, start, now)
+        merged = work.merge(o.window(stage, start, now) for o in owners)
+        # A hop nested in one that came first moved that one's time: zeros may be left.
+        zero = [0.0] * work.COLUMNS
+        for index in merged.keys() | mine.keys():
+            assert merged.get(index, zero) == pytest.approx(mine.get(index, zero), abs=1e-9)
+        got = work.read(merged, start, end, servers=2)
+        want = work.exact(rows[stage], start, end, servers=2)
+        assert (got.done, got.failed) == (want.done, want.failed)
+        assert got.done > 180
+        assert got.own_mean == pytest.approx(want.own_mean, rel=1e-6)
+        # Presence averaged over a bin never reads less busy than the instants do.
+        assert want.busy - 1e-9 <= got.busy <= want.busy * 1.03
+        assert got.samples == pytest.approx(want.samples, rel=0.1)
+        assert got.mean == pytest.approx(want.mean, rel=0.05)
+    # "pre" waits on "model" for half of each request: that is not its own time.
+    pre = work.read(work.merge(o.window("pre", start, now) for o in owners), start, end, 2)
+    assert pre.own_mean < sum(e - s for _, s, e, _ in hops["pre"]) / len(hops["pre"]) * 0.7
+
+
+def test_work_older_than_it_keeps_is_let_go() -> None:
+    ledger = work.WorkLedger()
+    for i in range(100):
+        ledger.add("m", f"r{i}", 100.0 + i * 0.1, 100.05 + i * 0.1, False)
+    now = 102.0 + work.KEEP_S  # the first 20 requests ended too long ago
+    kept = ledger.window("m", 0.0, now)
+    assert min(kept) == work.bin_of(now - work.KEEP_S)
+    assert sum(row[work.ENDED] for row in kept.values()) == 80
+    # Their nesting is let go too: a late hop inside one of them no longer corrects it.
+    ledger.add("inner", "r0", 100.01, 100.02, False)
+    assert sum(row[work.ENDED] for row in ledger.window("m", 0.0, now).values()) == 80
+
+
+def test_a_standing_queue_yields_no_service_samples() -> None:
+    rng = random.Random(3)
+    busy = [(f"r{i}", s, e, False) for i, (s, e) in
+            enumerate(_queue(rng, 600, rate=60.0, service=0.02))]  # 1.2x capacity
+    bins = _ledger({"m": busy}).window("m", 100.0, 110.0)
+    late = work.read(bins, 106.0, 110.0, servers=1)  # the queue stands by then
+    assert late.done > 100
+    assert late.samples < late.done * 0.05
+    assert late.busy == pytest.approx(4.0, rel=0.02)
+
+
+def test_sums_cross_the_wire_as_integers_and_bad_ones_are_refused() -> None:
+    ledger = work.WorkLedger()
+    ledger.add("m", "a", 100.0, 100.0345, True)
+    bins = ledger.window("m", 99.0, 101.0)
+    raw = json.loads(json.dumps(work.encode(bins)))
+    assert all(isinstance(v, int) for row in raw[1:] for v in row)
+    back = work.decode(raw)
+    assert back.keys() == bins.keys()
+    for index, row in back.items():
+        assert row == pytest.approx(bins[index], abs=1e-6)
+    assert work.decode(work.encode({})) == {}
+    first, row = raw[0], raw[1]
+    for bad in ("x", [1.5, row], [first, row[:-1]], [first, [*row[:-1], -1]],
+                [first, [work.MAX_BINS, *row[1:]]], [first, *([row] * (work.MAX_BINS + 1))],
+                [first, [0, "1", 0, 0, 0, 0, 0, 0]]):
+        with pytest.raises(ValueError):
+            work.decode(bad)
+
+
+class _Bus:
+    def __init__(self) -> None:
+        self.published: list[Any] = []
+
+    def on(self, kind: str, handler: Any) -> None:
+        pass
+
+    def publish(self, event: Any) -> None:
+        self.published.append(json.loads(json.dumps(event)))  # as it crosses Redis
+
+
+def _owner(name: str, mono_minus_wall: float, clock: list[float]
+           ) -> tuple[SharedPressure, _Bus, PressureRuntime]:
+    """A replica whose monotonic clock is its own; the wall clock is the one all share."""
+    runtime = PressureRuntime(None, clock=lambda: clock[0] + mono_minus_wall,
+                              wall=lambda: clock[0], shared=True)
+    runtime.set_pipelines({"duo": DUO})
+    bus = _Bus()
+    lease = type("Lease", (), {"holder": name,
+                               "key": lambda self, suffix: f"sitsmesh:{{t}}:{suffix}"})()
+    return SharedPressure(runtime, cast(Any, bus), cast(Any, None), cast(Any, lease)), bus, \
+        runtime
+
+
+def test_a_controller_fed_two_owners_sums_learns_what_one_fed_every_hop_learns() -> None:
+    rng = random.Random(11)
+    hops = _nested(rng, 1100)  # about 27 s at 40/s, "model" 2 servers at 50 % busy
+    clock = [90.0]  # the wall clock
+    alone = PressureRuntime(None, clock=lambda: clock[0] - 70.0, wall=lambda: clock[0])
+    alone.set_pipelines({"duo": DUO})
+    owners = [_owner("a", -20.0, clock), _owner("b", 5000.0, clock)]
+    events = sorted(((end, stage, rid, start, failed) for stage, rows in hops.items()
+                     for rid, start, end, failed in rows))
+    i = 0
+    for tick in range(1, 300):
+        clock[0] = 100.0 + tick * 0.1
+        # Entries arrive 50 ms after their request ends.
+        while i < len(events) and events[i][0] <= clock[0] - 0.05:
+            end, stage, rid, start, failed = events[i]
+            i += 1
+            for runtime in (alone, owners[partition_of(rid, 2)][2]):
+                runtime.on_hop("duo", stage, Hop(rid, start, end - start, failed=failed))
+        for shared, _, _ in owners:
+            shared.report_work()
+        reader, _, runtime = owners[0]
+        for _, bus, _ in owners:
+            for event in bus.published:
+                reader.apply_work(event)
+            bus.published.clear()
+        mine = alone.decide().decisions["duo"]
+        theirs = runtime.decide().decisions["duo"]
+    assert i == len(events)
+    for want, got in zip(mine.stages, theirs.stages, strict=True):
+        assert want.capacity > 0
+        # Busy time read per 10 ms bin is never less than per instant (parallelism 1
+        # here, for a stage running 2 at once): the capacity is never more.
+        assert want.capacity * 0.9 <= got.capacity <= want.capacity * 1.02
+        assert got.service_cs2 == pytest.approx(want.service_cs2, rel=0.15)
+        assert got.capacity_samples == pytest.approx(want.capacity_samples, rel=0.15)
+        assert got.rt99_ms == pytest.approx(want.rt99_ms, rel=0.05)
+        assert (got.level, got.stale) == (want.level, want.stale)
+        assert {a.source for a in got.signals} == {a.source for a in want.signals}
+
+
+def test_malformed_sums_change_nothing() -> None:
+    clock = [100.0]
+    shared, bus, runtime = _owner("a", 2000.0, clock)
+    runtime.on_hop("duo", "model", Hop("r1", 99.9, 0.05))
+    shared.report_work()
+    (good,) = bus.published
+    record = good[1]["duo"]["model"]
+    for bad in (["w", {"duo": {"model": [*record[:2], [[10**6, 1]], *record[3:]]}}, "x", 1.0],
+                ["w", {"duo": {"model": [record[0], -3, *record[2:]]}}, "x", 1.0],
+                ["w", {"duo": {"pre": good[1]["duo"]["pre"],
+                               "model": [[5, [0, 1]], *record[1:]]}}, "x", 1.0],
+                ["w", {"duo": {}}, "x"]):
+        with pytest.raises((ValueError, TypeError)):
+            shared.apply_work(bad)
+    assert all(not runtime.signals.stage("duo", s).owners for s in ("pre", "model"))
+    shared.apply_work(good)
+    assert set(runtime.signals.stage("duo", "model").owners) == {"a"}
+    assert runtime.signals.stage("duo", "model").completions == 1
