@@ -258,6 +258,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", help="source tree of the build before (optional)")
+    p.add_argument("--before-partitioned", action="store_true",
+                   help="the build before already splits chains over replicas (else each of "
+                        "its replicas assembles every chain)")
     p.add_argument("--after", required=True, help="source tree of the build after")
     p.add_argument("--replicas", type=replica_counts, nargs="+", default=[1, 2, 4],
                    help="fleet sizes; 1 is always run, every ratio is to it")
@@ -281,7 +284,7 @@ def main() -> int:
     replicas = sorted({1, *args.replicas})
     builds = [("after", args.after, False)]
     if args.before is not None:
-        builds.insert(0, ("before", args.before, True))
+        builds.insert(0, ("before", args.before, not args.before_partitioned))
     fleets: list[Fleet] = []
     with tempfile.TemporaryDirectory(prefix="sitsmesh-partitions-bench-") as tmp, \
             contextlib.ExitStack() as stack:

@@ -69,6 +69,17 @@ def _admin(node: harness.Sitsmesh) -> admin_pb2_grpc.AdminServiceStub:
     return admin_pb2_grpc.AdminServiceStub(grpc.insecure_channel(node.admin_addr))
 
 
+def watch(node: harness.Sitsmesh, pipeline: str) -> admin_pb2.PipelinePressure:
+    """One WatchPressure snapshot of `pipeline` from `node`'s controller."""
+    with grpc.insecure_channel(node.admin_addr) as channel:
+        stream = admin_pb2_grpc.AdminServiceStub(channel).WatchPressure(
+            admin_pb2.WatchPressureRequest(pipeline=pipeline, count=1),
+            metadata=node.admin_metadata(), timeout=5)
+        (snapshot,) = list(stream)
+    (found,) = snapshot.pipelines
+    return found
+
+
 def chain_report(node: harness.Sitsmesh, pipeline: str = "trio") -> admin_pb2.LatencyChain:
     reply: admin_pb2.LatencyChain = _admin(node).GetLatencyChain(
         admin_pb2.GetLatencyChainRequest(pipeline=pipeline), metadata=node.admin_metadata(),

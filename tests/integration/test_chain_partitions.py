@@ -21,7 +21,7 @@ from sitsmesh.dev.redis import RedisServer, redis_server
 from sitsmesh.shared.hopbus import DEFAULT_KEY as HOPBUS_KEY
 from sitsmesh.shared.partitions import MEMBERS_KEY, PARTITIONS, owned, partition_of, stream_key
 from tests.integration.test_shared_runtime import PIPELINE
-from tests.sharedstack import chain_report, replicas, settled, timed_report
+from tests.sharedstack import chain_report, replicas, settled, timed_report, watch
 
 Start = Callable[..., harness.Sitsmesh]
 CHAINS = 80
@@ -167,13 +167,7 @@ def test_a_replica_killed_loses_no_hop_published_after_its_death(
 
 def _capacity(node: harness.Sitsmesh, stage: str) -> float:
     """The stage capacity the replica's controller has learned (0 before it has)."""
-    with grpc.insecure_channel(node.admin_addr) as channel:
-        stream = admin_pb2_grpc.AdminServiceStub(channel).WatchPressure(
-            admin_pb2.WatchPressureRequest(pipeline="trio", count=1),
-            metadata=node.admin_metadata(), timeout=5)
-        (snapshot,) = list(stream)
-    (pipeline,) = snapshot.pipelines
-    return next(s.capacity for s in pipeline.stages if s.name == stage)
+    return next(s.capacity for s in watch(node, "trio").stages if s.name == stage)
 
 
 def test_every_controller_adds_up_the_owners_sums_and_no_hop_goes_to_every_replica(

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from google.rpc import code_pb2
 
-from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+from sitsmesh.admin.v1 import admin_pb2
 from sitsmesh.dev import harness
 from sitsmesh.dev.redis import RedisServer, redis_server
 from tests import sharedstack
@@ -42,13 +42,7 @@ def _replicas(start: Start, tmp_path: Path, redis: RedisServer) -> list[harness.
 
 
 def _watch(node: harness.Sitsmesh) -> admin_pb2.PipelinePressure:
-    with grpc.insecure_channel(node.admin_addr) as channel:
-        stream = admin_pb2_grpc.AdminServiceStub(channel).WatchPressure(
-            admin_pb2.WatchPressureRequest(pipeline="infer", count=1),
-            metadata=node.admin_metadata(), timeout=5)
-        (snapshot,) = list(stream)
-    (pipeline,) = snapshot.pipelines
-    return pipeline
+    return sharedstack.watch(node, "infer")
 
 
 def _in_flight(node: harness.Sitsmesh) -> int:
