@@ -1,12 +1,12 @@
 """Which replica assembles which request's chain: partitions by request id, owners by
-rendezvous hashing over the live replicas.
+rendezvous hashing with bounded loads over the live replicas.
 
 A request's hops go to one of PARTITIONS streams, chosen by a hash of its request id
 that every process computes alike (crc32, not Python's salted `hash`). Each
-partition has one owner: the live replica with the highest hash of (replica,
-partition). Every replica that knows the same members computes the same owners, and
-when one joins or leaves only the partitions it wins or held move (about 1/N of
-them), which is what lets ownership move without a coordinator. Replicas announce
+partition has one owner, chosen by the hashes of (replica, partition) with no replica
+past its fair share (see `owners`). Every replica that knows the same members
+computes the same owners, and when one joins or leaves few partitions move besides
+the ones it wins or held, which is what lets ownership move without a coordinator. Replicas announce
 themselves in a sorted set scored by when their heartbeat expires, as the RLQS
 peers do (sitsmesh.quota.peers).
 """
@@ -43,13 +43,36 @@ def _weight(member: str, partition: int) -> int:
 
 
 def owners(members: Iterable[str], partitions: int = PARTITIONS) -> list[str]:
-    """Each partition's owner, by partition; empty when there are no members."""
+    """Each partition's owner, by partition; empty when there are no members.
+
+    Rendezvous hashing with bounded loads: the (partition, replica) pairs in order of
+    their hash, highest first, and a pair wins when its partition has no owner yet and
+    its replica less than its fair share (partitions / replicas, rounded down, and rounded
+up for as many replicas as the remainder). Plain
+    rendezvous gave 4 replicas 16 partitions like 3/4/4/5, and the one with 5 spent a
+    quarter more than the others on assembly; a replica that joins or leaves still
+    moves only a few partitions besides the ones it wins or held."""
     live = sorted(set(members))
     if not live:
         return []
+    base, bonus = divmod(partitions, len(live))  # `bonus` replicas take one more
     # Ties (astronomically rare) go to the smaller name, so every replica agrees.
-    return [max(live, key=lambda m: (_weight(m, p), [-ord(c) for c in m]))
-            for p in range(partitions)]
+    ranked = sorted(((_weight(m, p), [-ord(c) for c in m], p, m)
+                     for p in range(partitions) for m in live), reverse=True)
+    found: list[str | None] = [None] * partitions
+    load = dict.fromkeys(live, 0)
+    left = partitions
+    for _, _, p, m in ranked:
+        if found[p] is not None or load[m] > base or (load[m] == base and not bonus):
+            continue
+        if load[m] == base:
+            bonus -= 1
+        found[p] = m
+        load[m] += 1
+        left -= 1
+        if not left:
+            break
+    return [m for m in found if m is not None]
 
 
 def owned(member: str, members: Iterable[str], partitions: int = PARTITIONS) -> frozenset[int]:

@@ -39,19 +39,34 @@ def test_every_partition_has_exactly_one_owner_whatever_order_members_are_seen()
     assert owned("replica-a", ["replica-a"]) == frozenset(range(PARTITIONS))
 
 
-def test_a_replica_joining_or_leaving_moves_only_the_partitions_it_wins_or_held() -> None:
+def test_a_replica_joining_or_leaving_moves_little_besides_what_it_wins_or_held() -> None:
     rng = random.Random(7)
-    for _ in range(50):
-        members = [f"r{rng.getrandbits(32):x}" for _ in range(rng.randint(1, 6))]
+    won = extra = 0
+    for _ in range(300):
+        members = [f"r{rng.getrandbits(32):x}" for _ in range(rng.randint(1, 8))]
         joiner = f"j{rng.getrandbits(32):x}"
-        before, after = owners(members, 256), owners([*members, joiner], 256)
-        moved = [p for p in range(256) if before[p] != after[p]]
-        assert all(after[p] == joiner for p in moved)
+        before, after = owners(members), owners([*members, joiner])
+        moved = [p for p in range(PARTITIONS) if before[p] != after[p]]
+        won += sum(after[p] == joiner for p in moved)
+        others = sum(after[p] != joiner for p in moved)
+        # A few (rarely more than 2 of 16), so that every share stays within one of the
+        # others; plain rendezvous moved none, and left shares like 3/4/4/5.
+        assert others <= PARTITIONS // 3
+        extra += others
         # and leaving restores the split exactly
-        assert owners(members, 256) == before
+        assert owners(members) == before
+    assert extra < 0.25 * won
 
 
-def test_the_split_is_roughly_even() -> None:
-    members = [f"sitsmesh-{i}" for i in range(4)]
-    counts = Counter(owners(members, 4096))
-    assert all(700 < n < 1350 for n in counts.values())
+def test_the_split_is_even_within_one_partition() -> None:
+    """Plain rendezvous gave 4 replicas shares like 3/4/4/5 of 16, and the replica with 5
+    spent a quarter more CPU per entry on assembly than the others."""
+    rng = random.Random(5)
+    for n in range(1, 20):
+        members = [f"sitsmesh-{rng.getrandbits(24):x}" for _ in range(n)]
+        counts = Counter(owners(members))
+        loads = [counts.get(m, 0) for m in members]
+        assert sum(loads) == PARTITIONS
+        assert max(loads) - min(loads) <= 1, loads
+    counts = Counter(owners([f"sitsmesh-{i}" for i in range(4)], 4096))
+    assert sorted(counts.values()) == [1024] * 4
