@@ -17,7 +17,7 @@ Pure: plain data, and a ledger that bins each hop once, as it arrives.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,14 +82,64 @@ def add_hop(bins: Bins, hop: OwnRow, start: float = -math.inf, end: float = math
             row[SUM] += sign * own
             row[SQUARES] += sign * own * own
     for first, last in segments:
-        at, until = max(first, start), min(last, end)
-        index = math.floor(at / WORK_BIN_S)
-        while at < until:
-            edge = max(at, min(until, (index + 1) * WORK_BIN_S))
-            row = get(index) or bins.setdefault(index, [0.0] * COLUMNS)
-            row[PRESENT] += sign * (edge - at)
-            at = edge
-            index += 1
+        _present(bins, max(first, start), min(last, end), sign)
+
+
+def _present(bins: Bins, at: float, until: float, sign: int) -> None:
+    get = bins.get
+    index = math.floor(at / WORK_BIN_S)
+    while at < until:
+        edge = max(at, min(until, (index + 1) * WORK_BIN_S))
+        row = get(index) or bins.setdefault(index, [0.0] * COLUMNS)
+        row[PRESENT] += sign * (edge - at)
+        at = edge
+        index += 1
+
+
+def _carve(bins: Bins, segments: tuple[tuple[float, float], ...], ended: float,
+           start: float, end: float) -> tuple[tuple[float, float], ...]:
+    """A binned hop's own `segments` less [start, end) (a hop nested in it that came
+    later), its bins changed by the difference only: what add_hop of the new segments
+    after add_hop(-1) of the old would do, for a fraction of the work."""
+    kept: list[tuple[float, float]] = []
+    cut = 0.0
+    for a, b in segments:
+        low, high = max(a, start), min(b, end)
+        if low >= high:
+            kept.append((a, b))
+            continue
+        cut += high - low
+        _present(bins, low, high, -1)
+        if a < low:
+            kept.append((a, low))
+        if high < b:
+            kept.append((high, b))
+    if not cut:
+        return segments
+    own = 0.0
+    for a, b in segments:
+        own += b - a
+    now = own - cut
+    index = math.floor(ended / WORK_BIN_S)
+    row = bins.get(index) or bins.setdefault(index, [0.0] * COLUMNS)
+    row[OWN] += now - own
+    # Its service-time sample sits where its first segment starts.
+    index = math.floor(segments[0][0] / WORK_BIN_S)
+    row = bins.get(index) or bins.setdefault(index, [0.0] * COLUMNS)
+    if kept and kept[0][0] == segments[0][0]:
+        row[SUM] += now - own
+        row[SQUARES] += now * now - own * own
+        return tuple(kept)
+    row[SAMPLES] -= 1
+    row[SUM] -= own
+    row[SQUARES] -= own * own
+    if kept:
+        index = math.floor(kept[0][0] / WORK_BIN_S)
+        row = bins.get(index) or bins.setdefault(index, [0.0] * COLUMNS)
+        row[SAMPLES] += 1
+        row[SUM] += now
+        row[SQUARES] += now * now
+    return tuple(kept)
 
 
 def segmented(stages: Sequence[str], hops_of: Callable[[str], Iterable[HopRow]],
@@ -136,27 +186,22 @@ class WorkLedger:
         if len(hops) >= MAX_HOPS:
             return
         if others:
-            hops = tuple(self._nest(hops, stage, start, end))
+            hops = self._nest(hops, stage, start, end)
         # Tuples of plain values: the collector stops tracking them, and a ledger holds
         # a few seconds of hops (a third of the time went to collections with lists).
         requests[request_id] = (*hops, (stage, start, end, failed, segments))
 
     def _nest(self, hops: tuple[_Kept, ...], stage: str, start: float,
-              end: float) -> Iterator[_Kept]:
+              end: float) -> tuple[_Kept, ...]:
         """`hops`, each of another stage that the new hop is nested in with its own time
-        less the new hop's (taken out of its bins and put back)."""
-        for hop in hops:
-            name, began, ended, failed, segments = hop
-            if name == stage or not (start >= began - estimate.EPSILON_S
-                                     and end <= ended + estimate.EPSILON_S):
-                yield hop
-                continue
-            outer = self.bins.setdefault(name, {})
-            add_hop(outer, (segments, ended, failed), sign=-1)
-            segments = tuple(estimate.own_segments(began, ended, [
-                (h[1], h[2]) for h in hops if h[0] != name] + [(start, end)]))
-            add_hop(outer, (segments, ended, failed))
-            yield name, began, ended, failed, segments
+        less the new hop's, in its bins too."""
+        out = list(hops)
+        for i, (name, began, ended, failed, segments) in enumerate(hops):
+            if name != stage and (start >= began - estimate.EPSILON_S
+                                  and end <= ended + estimate.EPSILON_S):
+                out[i] = (name, began, ended, failed,
+                          _carve(self.bins.setdefault(name, {}), segments, ended, start, end))
+        return tuple(out)
 
     def window(self, stage: str, start: float, now: float) -> Bins:
         """The bins of `stage` from `start`, after letting go of what is older than

@@ -91,6 +91,32 @@ def test_the_owners_sums_add_up_to_one_process_and_read_as_its_hops_do() -> None
     assert pre.own_mean < sum(e - s for _, s, e, _ in hops["pre"]) / len(hops["pre"]) * 0.7
 
 
+def test_hops_nested_three_deep_bin_alike_in_any_order_of_arrival() -> None:
+    """pre calls feat calls model (the access-log bench's chains), some calls fail early:
+    a later hop nested in earlier ones carves its time out of theirs."""
+    rng = random.Random(13)
+    hops: dict[str, list[work.HopRow]] = {"pre": [], "feat": [], "model": []}
+    for i in range(300):
+        t = 100.0 + i * 0.013
+        a, b = t + rng.uniform(0, 0.004), t + 0.05 - rng.uniform(0, 0.004)
+        c, d = a + rng.uniform(0, 0.01), b - rng.uniform(0, 0.01)
+        hops["pre"].append((f"q{i}", t, t + 0.05, False))
+        hops["feat"].append((f"q{i}", a, b, i % 11 == 0))
+        if i % 7:  # and now and then no model call at all
+            hops["model"].append((f"q{i}", c, d, False))
+    want: work.Bins = {}
+    rows = work.segmented(list(hops), hops.__getitem__, lambda _: 0.0)
+    zero = [0.0] * work.COLUMNS
+    for stage in hops:
+        want = {}
+        for row in rows[stage]:
+            work.add_hop(want, row)
+        for order in (None, random.Random(1), random.Random(2)):
+            got = _ledger(hops, shuffle=order).window(stage, 0.0, 104.0)
+            for index in got.keys() | want.keys():
+                assert got.get(index, zero) == pytest.approx(want.get(index, zero), abs=1e-9)
+
+
 def test_work_older_than_it_keeps_is_let_go() -> None:
     ledger = work.WorkLedger()
     for i in range(100):
