@@ -52,12 +52,13 @@ def free_port() -> int:
         return port
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str,
+               interval: float = 0.1) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.1)
+        time.sleep(interval)
     raise BenchError(f"timed out after {timeout}s waiting for {what}")
 
 
