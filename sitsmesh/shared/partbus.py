@@ -49,6 +49,7 @@ from sitsmesh.shared.partitions import PARTITIONS, Membership, owned, partition_
 BEAT_S = 1.0
 LEASE_TTL_MS = 4_000
 CURSOR_TTL_MS = 3_600_000  # where a partition's last owner stopped, for its next one
+LEAVE_S = 2.0
 _log = logs.get("sitsmesh.shared.partbus")
 
 Match = Callable[[Hop], "tuple[Pipeline, Stage] | None"]
@@ -282,13 +283,17 @@ class PartitionedBus(HopBus):
         _log.info("hop partition given up", partition=p)
 
     async def _leave(self) -> None:
-        """Shutting down: hand every partition over now, not when the leases lapse."""
-        with contextlib.suppress(Exception):
-            await self._membership.leave()
-        opened = self._open_by_partition()  # they end with this process: lost
-        for p in list(self._cursors):
-            with contextlib.suppress(Exception):
-                await self._give_up(p, opened[p])
+        """Shutting down: hand every partition over now, not when the leases lapse. A
+        Redis that does not answer holds the stop for LEAVE_S at most: what is not
+        handed over by then goes when its lease lapses."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(LEAVE_S):
+                with contextlib.suppress(Exception):
+                    await self._membership.leave()
+                opened = self._open_by_partition()  # they end with this process: lost
+                for p in list(self._cursors):
+                    with contextlib.suppress(Exception):
+                        await self._give_up(p, opened[p])
 
 
 def _id(value: Any) -> str:

@@ -3,12 +3,15 @@ replica, and what it cannot publish is applied here."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, cast
 
+import pytest
+
 from sitsmesh.chains.assembler import Assembler, Hop
 from sitsmesh.chains.pipeline import pipeline_from
-from sitsmesh.shared import hopbus
+from sitsmesh.shared import hopbus, partbus
 from sitsmesh.shared.partbus import PartitionedBus
 from sitsmesh.shared.partitions import Membership, partition_of
 
@@ -58,3 +61,25 @@ def test_past_its_buffer_a_hop_is_assembled_here() -> None:
     assert [h.request_id for h in delivered] == [f"r{hopbus.MAX_PENDING + i}" for i in range(3)]
     assert bus.overflowed == 3
     assert bus.queued() == hopbus.MAX_PENDING
+
+
+def test_a_redis_that_does_not_answer_holds_the_stop_for_a_bounded_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen once in the scale-out bench: a replica that did not exit within 20 s of
+    SIGTERM. Handing partitions over on the way out waits on Redis; it must not forever."""
+    monkeypatch.setattr(partbus, "LEAVE_S", 0.05)
+
+    class Stuck:
+        async def zrem(self, *args: Any) -> None:
+            await asyncio.Event().wait()  # never answers
+
+    bus = PartitionedBus(cast(Any, Stuck()), deliver=lambda hop: None,
+                         release=lambda r, e: True, match=Assembler({"duo": DUO}).match,
+                         membership=Membership(cast(Any, Stuck()), "me"))
+    bus._cursors[3] = "1-0"  # a partition owned at the stop
+
+    async def stop() -> None:
+        await asyncio.wait_for(bus._leave(), 10)
+
+    asyncio.run(stop())
+    assert bus.owned == frozenset({3})  # not handed over: its lease lapses instead
