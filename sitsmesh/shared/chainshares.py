@@ -2,17 +2,18 @@
 
 A replica assembles only the chains of its partitions (sitsmesh.shared.partbus).
 Every second it writes its tallies (per time slot, per pipeline; sitsmesh.chains.tally)
-into a hash of its own and reads the other replicas' back; the assembler merges them
+into a hash of its own, together with where it has read its partitions to
+(PartitionedBus.checkpoint), and reads the other replicas' back; the assembler merges them
 per slot when it reports. A replica's hash outlives it by the report window: the
 chains it assembled before it died or left still count, as they would in one process.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
@@ -24,9 +25,15 @@ from sitsmesh.chains.tally import Tally, decode, encode
 
 PREFIX = "sitsmesh:{chains}:tallies:"
 INDEX = "sitsmesh:{chains}:replicas"
-EVERY_S = 1.0
 MAX_REPLICAS = 1_000
 _log = logs.get("sitsmesh.shared.chainshares")
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    written: dict[str, str]  # slot index -> its tallies, JSON
+    current: int             # the slot index then
+    at: float                # wall clock then
 
 
 class ChainShares:
@@ -41,7 +48,6 @@ class ChainShares:
         # replica -> slot index -> (its raw JSON, its tallies by pipeline)
         self._theirs: dict[str, dict[int, tuple[bytes, dict[str, Tally]]]] = {}
         self._keep = assembler.kept_limit
-        self.failures = 0
         self.malformed = 0
         self.bytes_written = 0
 
@@ -51,39 +57,51 @@ class ChainShares:
                 for index, (_, pipes) in slots.items() if oldest <= index <= newest
                 for tally in (pipes.get(pipeline),) if tally is not None]
 
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.sync()
-            except Exception as exc:  # Redis down: report what we have, try again
-                self.failures += 1
-                _log.warning("chain tallies not shared", error=str(exc))
-            await asyncio.sleep(EVERY_S)
-
-    async def sync(self) -> None:
-        """Write this replica's changed slots, read the others'."""
-        now = self._clock()
-        current = self._assembler.slot_index()
+    def snapshot(self) -> Snapshot:
+        """This replica's slots changed since the last write, as of now (no I/O): taken
+        at the instant its partitions' cursors are, so that what Redis holds of both
+        always agrees (see PartitionedBus.checkpoint)."""
         written = {str(index): json.dumps({name: encode(t) for name, t in pipes.items()},
                                           separators=(",", ":"))
                    for index, pipes in self._assembler.tallies(self._from)}
+        return Snapshot(written, self._assembler.slot_index(), self._clock())
+
+    def write(self, pipe: Any, snapshot: Snapshot) -> None:
+        """Queue the snapshot's writes on `pipe` (executed by the caller)."""
+        key = PREFIX + self.replica
+        if snapshot.written:
+            pipe.hset(key, mapping=snapshot.written)
+        pipe.pexpire(key, int(self._keep_s * 1000))
+        pipe.zadd(INDEX, {self.replica: snapshot.at + self._keep_s})
+
+    def written(self, snapshot: Snapshot) -> None:
+        """The snapshot reached Redis."""
+        self.bytes_written += sum(len(v) for v in snapshot.written.values())
+        self._from = snapshot.current  # closes land in the current slot only
+
+    async def sync(self) -> None:
+        """Write this replica's changed slots, read the others'."""
+        snapshot = self.snapshot()
+        async with self._client.pipeline(transaction=False) as pipe:
+            self.write(pipe, snapshot)
+            await pipe.execute()
+        self.written(snapshot)
+        await self.read_others(snapshot.current)
+
+    async def read_others(self, current: int) -> None:
+        """Let this replica's old slots go, and read every other replica's."""
+        now = self._clock()
         horizon = current - self._assembler.slot_count()
         key = PREFIX + self.replica
         async with self._client.pipeline(transaction=False) as pipe:
-            if written:
-                pipe.hset(key, mapping=written)  # type: ignore[arg-type]
             pipe.hkeys(key)
-            pipe.pexpire(key, int(self._keep_s * 1000))
-            pipe.zadd(INDEX, {self.replica: now + self._keep_s})
             pipe.zremrangebyscore(INDEX, 0, now)
             pipe.zrange(INDEX, 0, MAX_REPLICAS - 1)
-            replies = await pipe.execute()
-        self.bytes_written += sum(len(v) for v in written.values())
-        self._from = current  # closes land in the current slot only
-        stale = [f for f in replies[-5] if int(f) <= horizon]
+            fields, _, replicas = await pipe.execute()
+        stale = [f for f in fields if int(f) <= horizon]
         if stale:
             await self._client.hdel(key, *stale)
-        others = [r.decode() if isinstance(r, bytes) else str(r) for r in replies[-1]]
+        others = [r.decode() if isinstance(r, bytes) else str(r) for r in replicas]
         others = [r for r in others if r != self.replica]
         async with self._client.pipeline(transaction=False) as pipe:
             for replica in others:

@@ -20,6 +20,7 @@ import asyncio
 import os
 import socket
 from collections.abc import Callable
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -137,9 +138,21 @@ class Lease:
     async def publish(self, key: str, value: str | bytes, ttl_ms: int) -> bool:
         """Write `value` only while our token is the newest and the lease is ours
         (fencing). `key` comes from `key()`: one slot with the lease."""
-        if not key.startswith(self._tag):
-            raise ValueError(f"{key!r} is outside the lease's slot {self._tag!r}")
-        if not self.token:
+        if not self._may_publish(key):
             return False
         return bool(await self._client.eval(_PUBLISH, 3, self._tokens, key, self._key,
                                             self.token, value, ttl_ms, self.holder))
+
+    def publish_on(self, pipe: Any, key: str, value: str | bytes, ttl_ms: int) -> bool:
+        """As `publish`, queued on a pipeline the caller executes (its reply 1 when
+        written); False, and nothing queued, while this process does not hold it."""
+        if not self._may_publish(key):
+            return False
+        pipe.eval(_PUBLISH, 3, self._tokens, key, self._key, self.token, value, ttl_ms,
+                  self.holder)
+        return True
+
+    def _may_publish(self, key: str) -> bool:
+        if not key.startswith(self._tag):
+            raise ValueError(f"{key!r} is outside the lease's slot {self._tag!r}")
+        return bool(self.token)

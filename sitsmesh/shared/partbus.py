@@ -144,8 +144,7 @@ class PartitionedBus(HopBus):
     async def run(self) -> None:
         try:
             await asyncio.gather(super().run(), self._publish_parts(), self._own_forever(),
-                                 *(self._read_owned(group) for group in self._groups),
-                                 *([self.shares.run()] if self.shares is not None else []))
+                                 *(self._read_owned(group) for group in self._groups))
         finally:
             await self._leave()
 
@@ -226,22 +225,45 @@ class PartitionedBus(HopBus):
         return Counter(partition_of(rid, n) for rid in self._open_ids())
 
     async def rebalance(self, desired: frozenset[int]) -> None:
-        """Give up what is no longer ours, take what is (once its lease is free)."""
+        """Give up what is no longer ours, take what is (once its lease is free), then
+        checkpoint what we read."""
         for p in sorted(set(self._cursors) - desired):
             # This process goes on: the chains it has open there expire here, counted
             # incomplete, and are not the next owner's to count as lost.
             await self._give_up(p, 0)
-        opened = self._open_by_partition()
         for p in sorted(desired):
-            lease = self._leases[p]
-            if not await lease.step():
+            if not await self._leases[p].step():
                 # Lost it (Redis lapsed): another may read it now.
                 self._cursors.pop(p, None)
                 continue
             if p not in self._cursors:
                 await self._take(p)
-            else:
-                await self._save(p, opened[p])
+        await self.checkpoint()
+
+    async def checkpoint(self) -> None:
+        """Where this replica has read each of its partitions to, how many chains it has
+        open in each (the next owner's count of the lost, should it die before its next
+        checkpoint), and its chain tallies: taken at one instant and written in one
+        transaction (on a cluster, one pipeline), so that what Redis holds of them always
+        agrees. A successor resumes at those cursors, and what the hops before them
+        completed is in those tallies: after a crash no chain is counted twice, nor
+        missed except those open then."""
+        opened = self._open_by_partition()
+        cursors = dict(self._cursors)
+        shares = self.shares
+        snapshot = shares.snapshot() if shares is not None else None
+        single = not isinstance(self._client, RedisCluster)
+        async with self._client.pipeline(transaction=single) as pipe:
+            if shares is not None and snapshot is not None:
+                shares.write(pipe, snapshot)
+            for p, last in cursors.items():
+                lease = self._leases[p]
+                lease.publish_on(pipe, lease.key("cursor"), f"{last} {opened[p]}",
+                                 CURSOR_TTL_MS)
+            await pipe.execute()
+        if shares is not None and snapshot is not None:
+            shares.written(snapshot)
+            await shares.read_others(snapshot.current)
 
     async def _take(self, p: int) -> None:
         raw = await self._client.get(self._leases[p].key("cursor"))
@@ -263,13 +285,11 @@ class PartitionedBus(HopBus):
         self._cursors[p] = start
         self._taken.set()
 
-    async def _save(self, p: int, opened: int, last: str | None = None) -> None:
-        """Where this replica has read `p` to, and how many of its chains it has open (the
-        next owner's count of the lost, should this replica die before its next save)."""
-        last = last or self._cursors.get(p)
-        if last is not None:
-            lease = self._leases[p]
-            await lease.publish(lease.key("cursor"), f"{last} {opened}", CURSOR_TTL_MS)
+    async def _save(self, p: int, opened: int, last: str) -> None:
+        """Where this replica stopped reading `p`, and how many of its chains it had open
+        there (lost, on the way out)."""
+        lease = self._leases[p]
+        await lease.publish(lease.key("cursor"), f"{last} {opened}", CURSOR_TTL_MS)
 
     async def _give_up(self, p: int, opened: int) -> None:
         last = self._cursors.pop(p, None)  # from here on the reader skips it

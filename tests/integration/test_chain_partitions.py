@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,9 +17,12 @@ import pytest
 import redis as redis_py
 
 from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
+from sitsmesh.chains.assembler import Hop
 from sitsmesh.dev import harness
 from sitsmesh.dev.redis import RedisServer, redis_server
+from sitsmesh.shared.chainshares import PREFIX
 from sitsmesh.shared.hopbus import DEFAULT_KEY as HOPBUS_KEY
+from sitsmesh.shared.hopbus import decode
 from sitsmesh.shared.partitions import MEMBERS_KEY, PARTITIONS, owned, partition_of, stream_key
 from tests.integration.test_shared_runtime import PIPELINE
 from tests.sharedstack import chain_report, replicas, settled, timed_report, watch
@@ -207,3 +211,73 @@ def test_every_controller_adds_up_the_owners_sums_and_no_hop_goes_to_every_repli
         # Read per 10 ms bin the busy time is never less than per instant: the capacity
         # at most a little lower (pressure/work.py), never more.
         assert want * 0.75 <= got <= want * 1.1, (name, got, want)
+
+
+def _stream_id(raw: str) -> tuple[int, int]:
+    ms, _, seq = raw.partition("-")
+    return int(ms), int(seq)
+
+
+def test_what_redis_holds_of_cursors_and_tallies_always_agrees(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    """A successor resumes at the saved cursors and the dead replica's tallies stay: if
+    the tallies counted chains completed past the cursors, a crash counted them twice.
+    Sampled atomically while chains flow, each replica's tallies count exactly the
+    chains whose hops all lie before its partitions' cursors."""
+    a, b = replicas(start_sitsmesh, tmp_path / "state", redis.url)
+    _apply(a)
+    harness.wait_until(lambda: len(_admin(b).ListPipelines(
+        admin_pb2.ListPipelinesRequest(), metadata=b.admin_metadata(), timeout=5).pipelines)
+        == 1, 5, "the pipeline on b")
+    settled(a, b)
+    client = redis_py.Redis.from_url(redis.url, decode_responses=True)
+    members: Any = client.zrange(MEMBERS_KEY, 0, -1)
+    mine = {m: owned(m, members) for m in members}
+    spans = [("pre", 0.0, 0.004), ("feat", 0.004, 0.008), ("model", 0.012, 0.02)]
+    done = threading.Event()
+
+    failed: list[BaseException] = []
+
+    def send() -> None:
+        t0 = time.time()
+        try:
+            for n in range(400):
+                timed_report((a, b)[n % 2], f"k{n}", t0 + n * 0.005, spans)
+                time.sleep(0.004)
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            done.set()
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    checked = 0
+    while not done.is_set() or checked < 3:
+        with client.pipeline(transaction=True) as pipe:
+            for p in range(PARTITIONS):
+                pipe.get(f"sitsmesh:{{hops:{p}}}:cursor")
+                pipe.xrange(stream_key(p))
+            for m in members:
+                pipe.hgetall(PREFIX + m)
+            replies: Any = pipe.execute()
+        for m in members:
+            whole: dict[str, int] = {}
+            for p in mine[m]:
+                cursor = (replies[2 * p] or "").partition(" ")[0]
+                for entry_id, fields in replies[2 * p + 1]:
+                    if not cursor or _stream_id(entry_id) > _stream_id(cursor):
+                        break
+                    for event in json.loads(fields["b"]):
+                        hop = decode(event)
+                        if isinstance(hop, Hop):
+                            whole[hop.request_id] = whole.get(hop.request_id, 0) + 1
+            tallied = sum(json.loads(raw)["trio"][0]
+                          for raw in replies[2 * PARTITIONS + members.index(m)].values())
+            assert tallied == sum(n == 3 for n in whole.values()), (m, checked)
+        checked += 1
+        time.sleep(0.13)
+    sender.join(10)
+    assert not failed, failed
+    harness.wait_until(lambda: chain_report(a).chains == 400 == chain_report(b).chains, 5,
+                       "every chain counted once, on both")
+    assert checked >= 10
