@@ -118,7 +118,7 @@ class StageSignals:
     Triton or Envoy see it, and how late each kind of signal arrives."""
 
     __slots__ = ("completions", "envoy", "expects_triton", "hops", "lags", "last_arrival",
-                 "latency", "owners", "triton")
+                 "latency", "merged", "owners", "triton")
 
     def __init__(self) -> None:
         # Set when the stage names a Triton model that is scraped: until a sample comes
@@ -133,6 +133,7 @@ class StageSignals:
         self.triton: list[TritonSample] = []  # the last two scrapes
         self.envoy: dict[str, EnvoySample] = {}  # per reporting Envoy, its latest sample
         self.owners: dict[str, OwnerWork] = {}  # per partition owner (shared runtime)
+        self.merged: dict[int, list[float]] = {}  # their bins added up, kept as they change
 
     def complete(self, request_id: str, started: float, seconds: float, *, failed: bool,
                  arrived: float) -> None:

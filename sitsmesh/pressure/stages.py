@@ -151,8 +151,7 @@ class StageJudge:
     def windows(self, tick: Tick) -> None:
         """Each stage's work over the last window before its watermark: every hop that
         ended in it has arrived, whatever the log flush interval. A stage's own time
-        excludes the stages nested in it (the ones it called and waited on). With the
-        chains partitioned over replicas, their owners' sums of it (see pressure.work)."""
+        excludes the stages it called. Shared: the owners' sums (see pressure.work)."""
         stages = tick.pipeline.stages
         found = [self.signals.stage(tick.pipeline.name, stage.name) for stage in stages]
         windows = (self._shared_windows(tick, found) if any(s.owners for s in found)
@@ -162,8 +161,7 @@ class StageJudge:
 
     def _own_windows(self, tick: Tick, found: list[StageSignals]) -> list[work.Window]:
         stages = tick.pipeline.stages
-        ends = {stage.name: tick.now - signals.lag() for stage, signals in zip(stages, found,
-                                                                                  strict=True)}
+        ends = {s.name: tick.now - signals.lag() for s, signals in zip(stages, found, strict=True)}
         rows = work.segmented([stage.name for stage in stages],
                               lambda name: self.signals.stage(tick.pipeline.name, name).hops,
                               lambda name: ends[name] - WINDOW_S)
@@ -173,17 +171,19 @@ class StageJudge:
     def _shared_windows(self, tick: Tick, found: list[StageSignals]) -> list[work.Window]:
         windows = []
         for stage, signals in zip(tick.pipeline.stages, found, strict=True):
-            owners = signals.owners
+            owners, merged = signals.owners, signals.merged
             for gone in [r for r, o in owners.items() if tick.now - o.received > OWNER_TTL_S]:
-                del owners[gone]  # a replica that stopped reporting (or left)
+                work.replace_from(owners.pop(gone).bins, merged, 0, {}, whole=True)  # left
             if not owners:
-                windows.append(work.Window(0, 0, 0.0, 0, 0.0, 0.0, 0.0))
+                windows.append(work.read({}, 0.0, 0.0, 1))
                 continue
             # Every end up to here has reached its owner, and its owner's sums reached us.
             watermark = min(tick.now - signals.lag(), *(o.until for o in owners.values()))
             shift = next(iter(owners.values())).shift
-            windows.append(work.read(work.merge(o.bins for o in owners.values()),
-                                     watermark - WINDOW_S + shift, watermark + shift,
+            horizon = work.bin_of(tick.now + shift - work.KEEP_S)
+            for index in [i for i in merged if i < horizon]:
+                del merged[index]
+            windows.append(work.read(merged, watermark - WINDOW_S + shift, watermark + shift,
                                      tick.thresholds.stage(stage.name).parallelism))
         return windows
 

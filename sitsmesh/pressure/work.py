@@ -172,6 +172,7 @@ class WorkLedger:
         self.bins: dict[str, Bins] = {}
         # request id -> its hops, by arrival
         self._requests: dict[str, tuple[_Kept, ...]] = {}
+        self._low: dict[str, float] = {}  # per stage, the earliest time changed since `take`
 
     def add(self, stage: str, request_id: str, start: float, end: float,
             failed: bool) -> None:
@@ -183,6 +184,9 @@ class WorkLedger:
         segments = (tuple(estimate.own_segments(start, end, others)) if others
                     else ((start, end),))
         add_hop(self.bins.setdefault(stage, {}), (segments, end, failed))
+        low = self._low
+        if start < low.get(stage, math.inf):
+            low[stage] = start
         if len(hops) >= MAX_HOPS:
             return
         if others:
@@ -201,11 +205,30 @@ class WorkLedger:
                                   and end <= ended + estimate.EPSILON_S):
                 out[i] = (name, began, ended, failed,
                           _carve(self.bins.setdefault(name, {}), segments, ended, start, end))
+                if began < self._low.get(name, math.inf):  # its sample sits at its start
+                    self._low[name] = began
         return tuple(out)
 
     def window(self, stage: str, start: float, now: float) -> Bins:
         """The bins of `stage` from `start`, after letting go of what is older than
         KEEP_S before `now`."""
+        self._prune(now)
+        low = bin_of(start)
+        return {i: row for i, row in self.bins.get(stage, {}).items() if i >= low}
+
+    def take(self, stage: str, start: float, now: float, *, full: bool) -> tuple[int, Bins] | None:
+        """What to send of `stage`: (first bin, the bins from it on), from the earliest
+        bin changed since the last take (or `start`, if later); from `start` when `full`.
+        None when nothing changed. A receiver replaces its copy from that bin on."""
+        touched = self._low.pop(stage, math.inf)
+        since = start if full else max(start, touched)
+        if since == math.inf:
+            return None
+        first = bin_of(since)
+        self._prune(now)
+        return first, {i: row for i, row in self.bins.get(stage, {}).items() if i >= first}
+
+    def _prune(self, now: float) -> None:
         horizon = now - KEEP_S
         requests = self._requests
         while requests:
@@ -213,12 +236,31 @@ class WorkLedger:
             if max(h[2] for h in requests[oldest]) >= horizon:
                 break
             del requests[oldest]
-        bins = self.bins.get(stage, {})
         first = bin_of(horizon)
-        for index in [i for i in bins if i < first]:
-            del bins[index]
-        low = bin_of(start)
-        return {i: row for i, row in bins.items() if i >= low}
+        for bins in self.bins.values():
+            for index in [i for i in bins if i < first]:
+                del bins[index]
+
+
+def replace_from(bins: Bins, merged: Bins, first: int, rows: Mapping[int, list[float]],
+                 *, whole: bool = False) -> None:
+    """An owner's `bins` from bin `first` on become `rows` (all of them, with `whole`),
+    and `merged`, the sum over owners, follows by the difference: each tick reads the
+    sum without adding every owner's bins up again."""
+    for index in [i for i in bins if whole or i >= first]:
+        old = bins.pop(index)
+        total = merged.get(index)
+        if total is not None:
+            for column, value in enumerate(old):
+                total[column] -= value
+    for index, row in rows.items():
+        bins[index] = row
+        total = merged.get(index)
+        if total is None:
+            merged[index] = list(row)
+        else:
+            for column, value in enumerate(row):
+                total[column] += value
 
 
 def merge(parts: Iterable[Bins]) -> Bins:

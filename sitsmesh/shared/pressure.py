@@ -43,6 +43,7 @@ WORK_SLACK_S = 0.25        # stage work sent for this much more than the window
 # is each owner's few seconds of bins, so sent every tick it was a fixed cost of about
 # 2 µs per entry at 20,000 entries/s; the watermark waits the extra 0.05 s.
 WORK_EVERY_S = 0.1
+FULL_EVERY = 10
 _log = logs.get("sitsmesh.shared.pressure")
 
 _Counts = tuple[int, int, int, int, tuple[int, ...]]
@@ -134,6 +135,7 @@ class SharedPressure:
         self.applied = 0
         self._owned_done: dict[tuple[str, str], int] = {}  # completions summed so far
         self._work_at = -math.inf
+        self._work_reports = 0
         bus.on("p", self.apply_report)
         bus.on("e", self.apply_envoy)
         bus.on("w", self.apply_work)
@@ -229,6 +231,10 @@ class SharedPressure:
         runtime = self._runtime
         now = runtime.now()
         offset = runtime.gate.wall_offset
+        # The bins changed since the last report; all of them every FULL_EVERY reports,
+        # so a replica that joined (or missed one) is whole again within a second.
+        full = self._work_reports % FULL_EVERY == 0
+        self._work_reports += 1
         pipelines: dict[str, Any] = {}
         for name, pipeline in runtime.pipelines.items():
             names = [stage.name for stage in pipeline.stages]
@@ -243,11 +249,14 @@ class SharedPressure:
                 self._owned_done[name, stage] = signals.completions
                 latency, signals.latency = signals.latency, Histogram()
                 newest = signals.newest()
-                stages[stage] = [work.encode(ledger.window(stage, since, now + offset)), done,
+                taken = ledger.take(stage, since, now + offset, full=full)
+                first, bins = taken if taken is not None else (-1, {})
+                stages[stage] = [work.encode(bins), done,
                                  [[i, n] for i, n in enumerate(latency.counts) if n],
                                  round(signals.lag(), 6),
                                  None if newest is None else newest + offset,
-                                 signals.last_arrival + offset if signals.completions else None]
+                                 signals.last_arrival + offset if signals.completions else None,
+                                 first, full]
             pipelines[name] = stages
         if pipelines:
             self._bus.publish(["w", pipelines, self.lease.holder, now + offset])
@@ -270,17 +279,28 @@ class SharedPressure:
             for stage, record in stages.items():
                 if stage not in known:
                     continue
-                raw, done, buckets, lag, newest, last = record
+                raw, done, buckets, lag, newest, last, first, full = record
                 counts = [(int(i), int(n)) for i, n in buckets]
                 if int(done) < 0 or float(lag) < 0 or any(
                         not 0 <= i < BUCKETS or n < 0 for i, n in counts):
                     raise ValueError("stage work counts are not negative, buckets in range")
-                found.append((runtime.signals.stage(name, stage), int(done), counts, OwnerWork(
-                    work.decode(raw), now, float(sent) - offset - float(lag), float(lag),
-                    None if newest is None else float(newest) - offset, offset),
-                    None if last is None else float(last) - offset))
-        for signals, done, counts, owner, last in found:
-            signals.owners[str(sender)] = owner
+                rows = work.decode(raw)
+                if not isinstance(first, int) or not isinstance(full, bool) or (
+                        rows and min(rows) < first):
+                    raise ValueError("stage work from bin `first` on, `full` true or false")
+                found.append((runtime.signals.stage(name, stage), int(done), counts, first,
+                              rows, full, float(sent) - offset - float(lag), float(lag),
+                              None if newest is None else float(newest) - offset,
+                              None if last is None else float(last) - offset))
+        for signals, done, counts, first, rows, full, until, lag, newest, last in found:
+            owner = signals.owners.get(str(sender))
+            if owner is None:
+                owner = signals.owners[str(sender)] = OwnerWork({}, now, until, lag, newest,
+                                                                offset)
+            if first >= 0:
+                work.replace_from(owner.bins, signals.merged, first, rows, whole=full)
+            owner.received, owner.until, owner.lag, owner.shift = now, until, lag, offset
+            owner.newest = newest
             signals.completions += done
             for i, n in counts:
                 signals.latency.counts[i] += n

@@ -117,6 +117,53 @@ def test_hops_nested_three_deep_bin_alike_in_any_order_of_arrival() -> None:
                 assert got.get(index, zero) == pytest.approx(want.get(index, zero), abs=1e-9)
 
 
+def test_the_changed_bins_sent_each_time_keep_every_copy_whole() -> None:
+    """An owner sends the bins changed since its last report (all of them every tenth):
+    a receiver that had every report holds the owner's bins exactly, and one that joined
+    late is whole after the next full report. Each keeps the sum over owners as it goes."""
+    rng = random.Random(5)
+    hops = _nested(rng, 300)
+    rows = sorted((h[2], stage, h) for stage, stage_rows in hops.items() for h in stage_rows)
+    rng.shuffle(rows[100:200])  # some come late
+    owners = [work.WorkLedger(), work.WorkLedger()]
+    early: list[work.Bins] = [{}, {}]
+    late: list[work.Bins] = [{}, {}]
+    merged_early: work.Bins = {}
+    merged_late: work.Bins = {}
+    now, sent = 100.0, 0
+    for k in range(0, len(rows) + 7, 7):  # a last report after the last hops
+        for end, stage, (rid, start, _, failed) in rows[k:k + 7]:
+            owners[partition_of(rid, 2)].add(stage, rid, start, end, failed)
+            now = max(now, end)
+        for i, ledger in enumerate(owners):
+            full = sent % 10 == 0
+            taken = ledger.take("model", now - 3.0, now, full=full)
+            if taken is None:
+                continue
+            first, bins = taken
+            wire = work.decode(json.loads(json.dumps(work.encode(bins))))
+            work.replace_from(early[i], merged_early, first, wire, whole=full)
+            if sent >= 25:  # this receiver missed the first reports
+                work.replace_from(late[i], merged_late, first,
+                                  work.decode(json.loads(json.dumps(work.encode(bins)))),
+                                  whole=full)
+        sent += 1
+    assert sent > 40
+    zero = [0.0] * work.COLUMNS
+    for i, ledger in enumerate(owners):
+        want = ledger.window("model", now - 3.0, now)
+        got = {k: v for k, v in early[i].items() if k >= work.bin_of(now - 3.0)}
+        for index in want.keys() | got.keys():
+            assert got.get(index, zero) == pytest.approx(want.get(index, zero), abs=1e-6)
+    total = work.merge(early)
+    for index in total.keys() | merged_early.keys():
+        assert merged_early.get(index, zero) == pytest.approx(total.get(index, zero), abs=1e-6)
+    # The late receiver: whole for everything the last full reports covered.
+    last_full = work.bin_of(now - 3.0)
+    for index in [i for i in merged_early if i >= last_full + 100]:
+        assert merged_late.get(index, zero) == pytest.approx(merged_early[index], abs=1e-6)
+
+
 def test_work_older_than_it_keeps_is_let_go() -> None:
     ledger = work.WorkLedger()
     for i in range(100):
