@@ -96,6 +96,10 @@ def _ttl_ms(seconds: float) -> int:
 # Batches being sent; held so the event loop does not drop the tasks.
 _IN_FLIGHT: set[asyncio.Task[None]] = set()
 MAX_IN_FLIGHT = 2
+# Per master of a cluster: one batch out at a time makes each master's batches larger
+# (fewer writes, reads and tasks a request) and measured faster than two (bench/RESULTS.md
+# issue 31, per-master batching); a cluster still has one batch out per master.
+MAX_IN_FLIGHT_PER_MASTER = 1
 
 Send = Callable[[list[Call]], Awaitable[list[object]]]
 
@@ -104,15 +108,16 @@ class Batcher:
     """Calls queued in one event-loop turn go out as one batch through `send`: one round
     trip (one send/recv pair) for all of them instead of one each.
 
-    While MAX_IN_FLIGHT batches are on the wire, new calls wait for the next batch:
+    While `limit` batches are on the wire, new calls wait for the next batch:
     under load batches grow with the arrival rate; when idle a call goes out at once,
     so batching adds no latency. A failed batch is every one of its callers' error.
     """
 
-    __slots__ = ("_in_flight", "_pending", "_scheduled", "_send")
+    __slots__ = ("_in_flight", "_limit", "_pending", "_scheduled", "_send")
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, limit: int = MAX_IN_FLIGHT) -> None:
         self._send = send
+        self._limit = limit
         self._pending: list[tuple[list[Call], asyncio.Future[list[object]]]] = []
         self._scheduled = False
         self._in_flight = 0
@@ -129,7 +134,7 @@ class Batcher:
 
     def _flush(self) -> None:
         self._scheduled = False
-        if self._in_flight >= MAX_IN_FLIGHT or not self._pending:
+        if self._in_flight >= self._limit or not self._pending:
             return  # a finishing batch flushes again
         batch, self._pending = self._pending, []
         self._in_flight += 1
@@ -311,7 +316,8 @@ class RedisStore:
         name = "" if node is None else node.name
         batcher = self._masters.get(name)
         if batcher is None:
-            batcher = self._masters[name] = Batcher(partial(self._send_master, name))
+            batcher = self._masters[name] = Batcher(partial(self._send_master, name),
+                                                    MAX_IN_FLIGHT_PER_MASTER)
         return batcher
 
     async def _send_single(self, calls: list[Call]) -> list[object]:
