@@ -1,4 +1,5 @@
-"""Redis counter store: every counter of one request in one pipelined round trip.
+"""Redis counter store: every counter of one request in one pipelined round trip (on a
+Redis Cluster, one per master the request's counters live on).
 
 Each counter is one EVALSHA of a small Lua script, so its read-decide-write
 is atomic in Redis, and the script returns the state it read so the answer is
@@ -18,17 +19,18 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import NoScriptError
 
 from sitsmesh import redisclients
 from sitsmesh.ratelimit.config import Algorithm
-from sitsmesh.ratelimit.rediswire import Call, script, send_cluster, send_single
+from sitsmesh.ratelimit.rediswire import Call, node_of, script, send_node, send_single
 from sitsmesh.ratelimit.store import Count, Hit, fixed_window, gcra, sliding_window
 
 DEFAULT_PREFIX = "sitsmesh:rl:"
@@ -94,6 +96,78 @@ def _ttl_ms(seconds: float) -> int:
 # Batches being sent; held so the event loop does not drop the tasks.
 _IN_FLIGHT: set[asyncio.Task[None]] = set()
 MAX_IN_FLIGHT = 2
+# Per master of a cluster: one batch out at a time makes each master's batches larger
+# (fewer writes, reads and tasks a request) and measured faster than two (bench/RESULTS.md
+# issue 31, per-master batching); a cluster still has one batch out per master.
+MAX_IN_FLIGHT_PER_MASTER = 1
+
+Send = Callable[[list[Call]], Awaitable[list[object]]]
+
+
+class Batcher:
+    """Calls queued in one event-loop turn go out as one batch through `send`: one round
+    trip (one send/recv pair) for all of them instead of one each.
+
+    While `limit` batches are on the wire, new calls wait for the next batch:
+    under load batches grow with the arrival rate; when idle a call goes out at once,
+    so batching adds no latency. A failed batch is every one of its callers' error.
+    """
+
+    __slots__ = ("_in_flight", "_limit", "_pending", "_scheduled", "_send")
+
+    def __init__(self, send: Send, limit: int = MAX_IN_FLIGHT) -> None:
+        self._send = send
+        self._limit = limit
+        self._pending: list[tuple[list[Call], asyncio.Future[list[object]]]] = []
+        self._scheduled = False
+        self._in_flight = 0
+
+    def queue(self, calls: list[Call]) -> asyncio.Future[list[object]]:
+        """A future of `calls`' replies, in order."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[object]] = loop.create_future()
+        self._pending.append((calls, future))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return future
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        if self._in_flight >= self._limit or not self._pending:
+            return  # a finishing batch flushes again
+        batch, self._pending = self._pending, []
+        self._in_flight += 1
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        _IN_FLIGHT.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        _IN_FLIGHT.discard(task)
+        self._in_flight -= 1
+        if self._pending and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    async def _run(self, batch: list[tuple[list[Call], asyncio.Future[list[object]]]]
+                   ) -> None:
+        queued = batch[0][0] if len(batch) == 1 else [
+            call for calls, _ in batch for call in calls]
+        try:
+            replies = await self._send(queued)
+        except BaseException as exc:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc if isinstance(exc, Exception)
+                                         else ConnectionError("redis call cancelled"))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        start = 0
+        for calls, future in batch:
+            if not future.done():  # the caller may have given up
+                future.set_result(replies[start:start + len(calls)])
+            start += len(calls)
 
 
 class RedisStore:
@@ -103,8 +177,8 @@ class RedisStore:
     the hash tag puts every key of one counter in one cluster slot.
     """
 
-    __slots__ = ("_client", "_count_rejected", "_flush_scheduled", "_in_flight", "_jitter_s",
-                 "_pending", "_tag_open", "_timeout_s")
+    __slots__ = ("_client", "_cluster", "_count_rejected", "_jitter_s", "_masters",
+                 "_single", "_tag_open", "_timeout_s")
 
     name = "redis"
 
@@ -123,14 +197,12 @@ class RedisStore:
         # One deadline per batch, not per request: a caller waits at most for the
         # batch ahead of it and its own, so 2 x timeout_s.
         self._timeout_s = timeout_s
-        # Requests that arrive in one event-loop turn share one pipeline: one round
-        # trip (and one send/recv pair) for all of them instead of one each.
-        # While MAX_IN_FLIGHT batches are on the wire, new requests wait for the next
-        # batch: under load batches grow with the arrival rate; when idle a request
-        # goes out at once, so batching adds no latency.
-        self._pending: list[tuple[list[Call], asyncio.Future[list[object]]]] = []
-        self._flush_scheduled = False
-        self._in_flight = 0
+        # On a cluster each master batches on its own (by name, "" for keys whose master
+        # is unknown): its batches fill with its own calls, go out when it is free, and
+        # one that stalls holds up no other master's calls.
+        self._cluster = None if isinstance(client, Redis) else client
+        self._single = Batcher(self._send_single) if self._cluster is None else None
+        self._masters: dict[str, Batcher] = {}
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, timeout_s: float = 0.05,
@@ -169,17 +241,13 @@ class RedisStore:
     @property
     def sharded(self) -> bool:
         """On a Redis Cluster: a failure belongs to one master (see shard_of)."""
-        return not isinstance(self._client, Redis)
+        return self._cluster is not None
 
     def shard_of(self, hit: Hit) -> str:
         """The master that holds a hit's counters now, by name ('' when unknown)."""
-        client = self._client
-        if isinstance(client, Redis):
+        if self._cluster is None:
             return ""
-        try:
-            node = client.get_node_from_key(f"{self._tag_open}{hit.key}}}")
-        except (RedisError, RedisClusterException):  # no slot table yet, or no master
-            return ""
+        node = node_of(self._cluster, f"{self._tag_open}{hit.key}}}")
         return node.name if node is not None else ""
 
     async def hit(self, hits: Sequence[Hit], now: float) -> list[Count]:
@@ -206,65 +274,75 @@ class RedisStore:
         return out
 
     async def _queue(self, queued: list[Call]) -> list[object]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[object]] = loop.create_future()
-        self._pending.append((queued, future))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
-        return await future
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self._in_flight >= MAX_IN_FLIGHT or not self._pending:
-            return  # a finishing batch flushes again
-        batch, self._pending = self._pending, []
-        self._in_flight += 1
-        task = asyncio.get_running_loop().create_task(self._send(batch))
-        _IN_FLIGHT.add(task)
-        task.add_done_callback(self._sent)
-
-    def _sent(self, task: asyncio.Task[None]) -> None:
-        _IN_FLIGHT.discard(task)
-        self._in_flight -= 1
-        if self._pending and not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    async def _send(self, batch: list[tuple[list[Call], asyncio.Future[list[object]]]]
-                    ) -> None:
-        queued = [call for calls, _ in batch for call in calls]
-        try:
-            # On a cluster each master's share has its own deadline (send_cluster):
-            # one master that stalls must not time out the others' counters.
-            async with asyncio.timeout(None if self.sharded else self._timeout_s):
-                replies = await self._exchange(queued)
-        except BaseException as exc:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc if isinstance(exc, Exception)
-                                         else ConnectionError("redis call cancelled"))
-            if not isinstance(exc, Exception):
-                raise
-            return
-        start = 0
-        for calls, future in batch:
-            if not future.done():  # the caller may have given up
-                future.set_result(replies[start:start + len(calls)])
-            start += len(calls)
-
-    async def _exchange(self, queued: list[Call]) -> list[object]:
-        replies: list[object]
-        if isinstance(self._client, Redis):
-            replies = await send_single(self._client, queued)
+        cluster = self._cluster
+        if cluster is None:
+            assert self._single is not None
+            return await self._single.queue(queued)
+        if len(queued) == 1:  # the usual request: one counter, one master
+            master = self._master(node_of(cluster, queued[0][1][0]))
         else:
-            replies = await send_cluster(self._client, queued, self._timeout_s)
-        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-        if missing:
-            await self._resend(queued, replies, missing)
+            groups: dict[ClusterNode | None, list[int]] = {}
+            for i, (_, args) in enumerate(queued):  # KEYS[1]: the counter's slot
+                groups.setdefault(node_of(cluster, args[0]), []).append(i)
+            if len(groups) > 1:
+                return await self._queue_parts(queued, groups)
+            master = self._master(next(iter(groups)))
+        try:
+            return await master.queue(queued)
+        except Exception as exc:  # that master's batch failed: each call's reply
+            return [exc] * len(queued)
+
+    async def _queue_parts(self, queued: list[Call],
+                           groups: dict[ClusterNode | None, list[int]]) -> list[object]:
+        parts = [(indices, self._master(node).queue([queued[i] for i in indices]))
+                 for node, indices in groups.items()]
+        replies: list[object] = [None] * len(queued)
+        try:
+            for indices, future in parts:
+                try:
+                    got = await future
+                except Exception as exc:  # that master's batch failed: its calls only
+                    got = [exc] * len(indices)
+                for i, reply in zip(indices, got, strict=True):
+                    replies[i] = reply
+        except BaseException:  # cancelled: the other parts are nobody's now
+            for _, future in parts:
+                if not future.cancel() and not future.cancelled():
+                    future.exception()  # retrieved, so asyncio logs nothing
+            raise
         return replies
 
-    async def _resend(self, queued: list[Call], replies: list[object],
+    def _master(self, node: ClusterNode | None) -> Batcher:
+        name = "" if node is None else node.name
+        batcher = self._masters.get(name)
+        if batcher is None:
+            batcher = self._masters[name] = Batcher(partial(self._send_master, name),
+                                                    MAX_IN_FLIGHT_PER_MASTER)
+        return batcher
+
+    async def _send_single(self, calls: list[Call]) -> list[object]:
+        assert isinstance(self._client, Redis)
+        async with asyncio.timeout(self._timeout_s):
+            replies = await send_single(self._client, calls)
+            missing = _noscript(replies)
+            if missing:
+                await self._reload(calls, replies, missing)
+        return replies
+
+    async def _send_master(self, name: str, calls: list[Call]) -> list[object]:
+        cluster = self._cluster
+        assert cluster is not None
+        await cluster.initialize()  # the slot table, once; a refresh an error asked for
+        # By name at send time: after a failover the name may be gone (None: the
+        # pipeline finds the new master) or be a replica (MOVED: the same).
+        node = cluster.get_node(node_name=name) if name else None
+        replies = await send_node(cluster, node, calls, self._timeout_s)
+        missing = _noscript(replies)
+        if missing:
+            await self._reload(calls, replies, missing)
+        return replies
+
+    async def _reload(self, queued: list[Call], replies: list[object],
                       missing: list[int]) -> None:
         # The server lost its script cache (restart, failover, SCRIPT FLUSH). A
         # NOSCRIPT reply ran nothing, so resending only those is safe; EVAL goes
@@ -278,6 +356,10 @@ class RedisStore:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def _noscript(replies: list[object]) -> list[int]:
+    return [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
 
 
 def _count(hit: Hit, now: float, reply: object) -> Count:

@@ -1,5 +1,5 @@
 """Counter scripts on the wire: batches of EVALSHA packed by hand, sent to one Redis or
-to each master of a Redis Cluster on one connection each.
+to one master of a Redis Cluster on one of its connections.
 
 redis-py's command packing and its cluster pipeline cost more CPU than the round trip
 they drive (bench/redis_batch_cost.py: a one-hit batch took 115 µs through the cluster
@@ -102,7 +102,7 @@ class _NotSent(Exception):
     """The master could not be reached: nothing was written, so a resend is safe."""
 
 
-async def _send_node(node: ClusterNode, calls: Sequence[Call]) -> list[object]:
+async def _write_node(node: ClusterNode, calls: Sequence[Call]) -> list[object]:
     try:
         conn = node.acquire_connection()
     except (RedisError, RedisClusterException) as exc:  # its pool is spent
@@ -130,42 +130,32 @@ async def _send_pipeline(client: RedisCluster, calls: Sequence[Call]) -> list[ob
     return replies
 
 
-async def send_cluster(client: RedisCluster, calls: Sequence[Call],
-                       timeout_s: float) -> list[object]:
-    """Each master's share of the batch on its own connection, side by side, each with
-    its own deadline: a master that fails or stalls costs only its own counters."""
-    await client.initialize()  # the slot table, once (a no-op after the first)
-    groups: dict[ClusterNode | None, list[int]] = {}
-    for i, (_, args) in enumerate(calls):
-        try:  # KEYS[1]: the counter's slot
-            node = client.get_node_from_key(str(args[0]))
-        except (RedisError, RedisClusterException):  # the pipeline will say why
-            node = None
-        groups.setdefault(node, []).append(i)
-    replies: list[object] = [None] * len(calls)
+def node_of(client: RedisCluster, key: str | int | float) -> ClusterNode | None:
+    """The master that serves `key` by the client's slot table; None when it cannot say
+    (no table yet, slot not covered): the pipeline then finds out, or says why not."""
+    try:
+        return client.get_node_from_key(str(key))
+    except (RedisError, RedisClusterException):
+        return None
 
-    async def send(node: ClusterNode | None, indices: list[int]) -> None:
-        part = [calls[i] for i in indices]
-        try:
-            async with asyncio.timeout(timeout_s):
-                try:
-                    got = (await _send_node(node, part) if node is not None
-                           else await _send_pipeline(client, part))
-                except _NotSent:
-                    got = await _send_pipeline(client, part)
-                moved = [k for k, reply in enumerate(got) if isinstance(reply, _ELSEWHERE)]
-                if moved:
-                    again = await _send_pipeline(client, [part[k] for k in moved])
-                    for k, reply in zip(moved, again, strict=True):
-                        got[k] = reply
-        except Exception as exc:  # this master only: the others' replies stand
-            got = [exc] * len(indices)
-        for i, reply in zip(indices, got, strict=True):
-            replies[i] = reply
 
-    if len(groups) == 1:  # the usual batch at low concurrency: no task to make
-        [(node, indices)] = groups.items()
-        await send(node, indices)
-    else:
-        await asyncio.gather(*(send(node, indices) for node, indices in groups.items()))
-    return replies
+async def send_node(client: RedisCluster, node: ClusterNode | None, calls: Sequence[Call],
+                    timeout_s: float) -> list[object]:
+    """Calls whose keys `node` serves (None: unknown, through redis-py's pipeline), with
+    a deadline of their own. Never raises an Exception: a failure is every call's reply,
+    so a master that fails or stalls costs only its own counters."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            try:
+                got = (await _write_node(node, calls) if node is not None
+                       else await _send_pipeline(client, calls))
+            except _NotSent:
+                got = await _send_pipeline(client, calls)
+            moved = [k for k, reply in enumerate(got) if isinstance(reply, _ELSEWHERE)]
+            if moved:
+                again = await _send_pipeline(client, [calls[k] for k in moved])
+                for k, reply in zip(moved, again, strict=True):
+                    got[k] = reply
+    except Exception as exc:
+        got = [exc] * len(calls)
+    return got

@@ -1,13 +1,16 @@
 """Rate-limit counters and RLQS peers on a real 3-master Redis Cluster: spread over
-every master, and a master killed under load. Redis replicates asynchronously, so a
-crash can lose what its replica had not received yet: the counts of the other masters
-lose nothing, the killed master's lose at most what was acknowledged in the second
-before its death (README "Redis Cluster"), and counting resumes on the promoted replica
-by itself."""
+every master, one request's counters on several masters answered in order, a stalled
+master that holds up and fails only its own counters, and a master killed under load.
+Redis replicates asynchronously, so a crash can lose what its replica had not received
+yet: the counts of the other masters lose nothing, the killed master's lose at most what
+was acknowledged in the second before its death (README "Redis Cluster"), and counting
+resumes on the promoted replica by itself."""
 
 from __future__ import annotations
 
 import asyncio
+import random
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,8 +24,9 @@ from sitsmesh.dev import harness, rediscluster
 from sitsmesh.dev.rediscluster import RedisClusterNodes
 from sitsmesh.quota.peers import QuotaPeers
 from sitsmesh.ratelimit.config import Algorithm
-from sitsmesh.ratelimit.redis_store import DEFAULT_PREFIX, RedisStore
-from sitsmesh.ratelimit.store import Hit
+from sitsmesh.ratelimit.memory import MemoryStore
+from sitsmesh.ratelimit.redis_store import DEFAULT_PREFIX, MAX_IN_FLIGHT, RedisStore
+from sitsmesh.ratelimit.store import Count, Hit
 from tests.redisfixtures import cluster_fixture, redis_cluster_fixture  # noqa: F401 - fixtures
 
 Start = Callable[..., harness.Sitsmesh]
@@ -55,6 +59,87 @@ async def test_counters_spread_over_every_master_and_hold_their_limits(
                 [[False] * 30, [False] * 30, [False] * 30, [True] * 30], algorithm
     finally:
         await store.close()
+
+
+async def test_concurrent_requests_over_every_master_match_memory_store(
+        cluster: RedisClusterNodes) -> None:
+    """Each master batches on its own: a request's counters on three masters come back
+    as three parts, and every reply must land in its own request, in its own place."""
+    store = RedisStore.from_url(cluster.url, timeout_s=2.0)
+    memory = MemoryStore()
+    rng = random.Random(31)
+    counters = [(f"bench_user_{u}", rng.choice(list(Algorithm)), rng.randint(0, 25),
+                 rng.choice([3600, 7200])) for u in USERS]
+    now = 1_700_006_400.1  # a window boundary: every TTL stays far above the test's time
+    try:
+        assert len(set(_masters(cluster, USERS, now).values())) == 3
+        for step in range(40):
+            now += rng.choice([0.0, 0.25, 1.0])
+            requests = [[Hit(key, algorithm, limit, window, rng.choice([0, 1, 1, 2]))
+                         for key, algorithm, limit, window in rng.sample(counters,
+                                                                         rng.randint(1, 8))]
+                        for _ in range(rng.randint(1, 6))]
+            # One event-loop turn: the requests share each master's batch, in order.
+            got = await asyncio.gather(*(store.hit_each(hits, now) for hits in requests))
+            for n, (hits, answers) in enumerate(zip(requests, got, strict=True)):
+                want = await memory.hit(hits, now)
+                assert [(a.over, a.used, a.remaining) if isinstance(a, Count) else a
+                        for a in answers] == [(w.over, w.used, w.remaining) for w in want], \
+                    (step, n, hits)
+    finally:
+        await store.close()
+
+
+async def test_a_stalled_master_holds_up_and_fails_only_its_own_counters(
+        cluster: RedisClusterNodes) -> None:
+    store = RedisStore.from_url(cluster.url, timeout_s=0.5)
+    now = time.time()
+    masters = _masters(cluster, USERS, now)
+    stalled = masters[USERS[0]]
+    mine = [u for u in USERS if masters[u] == stalled]
+    others = [u for u in USERS if masters[u] != stalled]
+    process = cluster.procs[stalled].proc
+    try:
+        await store.hit([_hit(u) for u in USERS], now)  # connections, scripts everywhere
+        # Well under the cluster's 1 s node timeout each time: no failover.
+        process.send_signal(signal.SIGSTOP)
+        try:
+            # More batches than may be in flight, all waiting on the stalled master...
+            stuck = []
+            for user in mine[:MAX_IN_FLIGHT + 1]:
+                stuck.append(asyncio.create_task(store.hit_each([_hit(user)], now)))
+                for _ in range(5):  # each its own batch
+                    await asyncio.sleep(0)
+            # ...and the other masters' counters do not queue behind them.
+            elsewhere = asyncio.create_task(store.hit_each([_hit(u) for u in others], now))
+            done, _ = await asyncio.wait([elsewhere, *stuck],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            assert done == {elsewhere}
+            assert [c.used for c in elsewhere.result() if isinstance(c, Count)] == \
+                [2] * len(others)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        await asyncio.gather(*stuck)
+
+        process.send_signal(signal.SIGSTOP)
+        try:
+            answers = await store.hit_each([_hit(u) for u in USERS], now)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        for user, answer in zip(USERS, answers, strict=True):
+            if masters[user] == stalled:
+                assert isinstance(answer, TimeoutError), (user, answer)
+            else:
+                assert isinstance(answer, Count) and answer.used == 3, (user, answer)
+        # The stalled master's connection was dropped with its replies still due: the
+        # next call must read its own replies, not the late ones.
+        after = await store.hit_each([_hit(u, addend=0) for u in others + mine], now)
+        assert [a.used if isinstance(a, Count) else a for a in after[:len(others)]] == \
+            [3] * len(others)
+        assert all(isinstance(a, Count) for a in after[len(others):]), after
+    finally:
+        await store.close()
+        harness.wait_until(cluster.healthy, 15, "the cluster ok after the stall")
 
 
 async def test_a_master_killed_under_load_loses_only_its_last_second(tmp_path: Path) -> None:
