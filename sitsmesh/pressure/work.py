@@ -59,30 +59,28 @@ def bin_of(at: float) -> int:
     return math.floor(at / WORK_BIN_S)
 
 
-def add_hop(bins: Bins, hop: OwnRow, start: float = -math.inf, end: float = math.inf,
-            sign: int = 1) -> None:
-    """One hop's own segments clipped to [start, end) into `bins` (or, with `sign` -1,
-    taken out again). The rules are estimate.occupancy's. Once per hop on the owner:
-    written for speed (local names, no helper calls per bin)."""
+def add_hop(bins: Bins, hop: OwnRow, sign: int = 1) -> None:
+    """One hop's own segments into `bins` (or, with `sign` -1, taken out again). The
+    rules are estimate.occupancy's. Once per hop on the owner: written for speed (local
+    names, no helper calls per bin)."""
     segments, ended, failed = hop
     get = bins.get
     own = 0.0
     for a, b in segments:
         own += b - a
-    if start <= ended < end:
-        index = math.floor(ended / WORK_BIN_S)
+    index = math.floor(ended / WORK_BIN_S)
+    row = get(index) or bins.setdefault(index, [0.0] * COLUMNS)
+    row[ENDED] += sign
+    row[FAILED] += sign * failed
+    row[OWN] += sign * own
+    if segments:
+        index = math.floor(segments[0][0] / WORK_BIN_S)
         row = get(index) or bins.setdefault(index, [0.0] * COLUMNS)
-        row[ENDED] += sign
-        row[FAILED] += sign * failed
-        row[OWN] += sign * own
-        if segments and segments[0][0] >= start:
-            index = math.floor(segments[0][0] / WORK_BIN_S)
-            row = get(index) or bins.setdefault(index, [0.0] * COLUMNS)
-            row[SAMPLES] += sign
-            row[SUM] += sign * own
-            row[SQUARES] += sign * own * own
+        row[SAMPLES] += sign
+        row[SUM] += sign * own
+        row[SQUARES] += sign * own * own
     for first, last in segments:
-        _present(bins, max(first, start), min(last, end), sign)
+        _present(bins, first, last, sign)
 
 
 def _present(bins: Bins, at: float, until: float, sign: int) -> None:
@@ -224,9 +222,7 @@ class WorkLedger:
         since = start if full else max(start, touched)
         if since == math.inf:
             return None
-        first = bin_of(since)
-        self._prune(now)
-        return first, {i: row for i, row in self.bins.get(stage, {}).items() if i >= first}
+        return bin_of(since), self.window(stage, since, now)
 
     def _prune(self, now: float) -> None:
         horizon = now - KEEP_S
@@ -249,31 +245,28 @@ def replace_from(bins: Bins, merged: Bins, first: int, rows: Mapping[int, list[f
     sum without adding every owner's bins up again."""
     for index in [i for i in bins if whole or i >= first]:
         old = bins.pop(index)
-        total = merged.get(index)
-        if total is not None:
-            for column, value in enumerate(old):
-                total[column] -= value
+        if index in merged:  # else already pruned from the sum
+            _add_row(merged, index, old, -1)
     for index, row in rows.items():
         bins[index] = row
-        total = merged.get(index)
-        if total is None:
-            merged[index] = list(row)
-        else:
-            for column, value in enumerate(row):
-                total[column] += value
+        _add_row(merged, index, row)
 
 
 def merge(parts: Iterable[Bins]) -> Bins:
     total: Bins = {}
     for bins in parts:
         for index, row in bins.items():
-            mine = total.get(index)
-            if mine is None:
-                total[index] = list(row)
-            else:
-                for column, value in enumerate(row):
-                    mine[column] += value
+            _add_row(total, index, row)
     return total
+
+
+def _add_row(total: Bins, index: int, row: Sequence[float], sign: int = 1) -> None:
+    mine = total.get(index)
+    if mine is None:
+        total[index] = [sign * value for value in row]
+    else:
+        for column, value in enumerate(row):
+            mine[column] += sign * value
 
 
 def read(bins: Mapping[int, Sequence[float]], start: float, end: float,

@@ -79,15 +79,6 @@ class ChainShares:
         self.bytes_written += sum(len(v) for v in snapshot.written.values())
         self._from = snapshot.current  # closes land in the current slot only
 
-    async def sync(self) -> None:
-        """Write this replica's changed slots, read the others'."""
-        snapshot = self.snapshot()
-        async with self._client.pipeline(transaction=False) as pipe:
-            self.write(pipe, snapshot)
-            await pipe.execute()
-        self.written(snapshot)
-        await self.read_others(snapshot.current)
-
     async def read_others(self, current: int) -> None:
         """Let this replica's old slots go, and read every other replica's."""
         now = self._clock()

@@ -46,6 +46,23 @@ def _apply(node: harness.Sitsmesh) -> None:
                                metadata=node.admin_metadata(), timeout=5)
 
 
+def _known_on(node: harness.Sitsmesh) -> None:
+    """Wait until `node` has loaded the pipeline applied on another replica."""
+    harness.wait_until(lambda: len(_admin(node).ListPipelines(
+        admin_pb2.ListPipelinesRequest(), metadata=node.admin_metadata(), timeout=5).pipelines)
+        == 1, 5, "the pipeline on the other replica")
+
+
+def _with_single(start: Start, tmp_path: Path, redis: RedisServer
+                 ) -> tuple[harness.Sitsmesh, harness.Sitsmesh, harness.Sitsmesh]:
+    """Two replicas and one unshared process, the pipeline applied on the first and it."""
+    a, b = replicas(start, tmp_path / "state", redis.url)
+    single = start("--reload-interval-seconds", "0.2", name="single")
+    for node in (a, single):
+        _apply(node)
+    return a, b, single
+
+
 def _assembled(node: harness.Sitsmesh) -> float:
     return harness.metric_value(node.metrics(), "sitsmesh_pipeline_latency_seconds_count",
                                 pipeline="trio")
@@ -53,13 +70,8 @@ def _assembled(node: harness.Sitsmesh) -> float:
 
 def test_each_replica_assembles_its_share_and_both_answer_as_one_process(
         start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
-    a, b = replicas(start_sitsmesh, tmp_path / "state", redis.url)
-    single = start_sitsmesh("--reload-interval-seconds", "0.2", name="single")
-    for node in (a, single):
-        _apply(node)
-    harness.wait_until(lambda: len(_admin(b).ListPipelines(
-        admin_pb2.ListPipelinesRequest(), metadata=b.admin_metadata(), timeout=5).pipelines)
-        == 1, 5, "the pipeline on b")
+    a, b, single = _with_single(start_sitsmesh, tmp_path, redis)
+    _known_on(b)
     t0 = time.time()
     for n in range(CHAINS):
         pre, feat, model = 0.004 + n * 0.0001, 0.008 + (n % 7) * 0.001, 0.02 + n * 0.0003
@@ -95,9 +107,7 @@ def test_a_replica_that_stops_hands_its_partitions_over_and_its_chains_still_cou
         start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
     a, b = replicas(start_sitsmesh, tmp_path / "state", redis.url)
     _apply(a)
-    harness.wait_until(lambda: len(_admin(b).ListPipelines(
-        admin_pb2.ListPipelinesRequest(), metadata=b.admin_metadata(), timeout=5).pipelines)
-        == 1, 5, "the pipeline on b")
+    _known_on(b)
     t0 = time.time()
     spans = [("pre", 0.0, 0.004), ("feat", 0.004, 0.008), ("model", 0.012, 0.02)]
     for n in range(20):
@@ -125,9 +135,7 @@ def test_a_replica_killed_loses_no_hop_published_after_its_death(
     read to, and the hops that waited meanwhile are assembled whole."""
     a, b = replicas(start_sitsmesh, tmp_path / "state", redis.url)
     _apply(a)
-    harness.wait_until(lambda: len(_admin(b).ListPipelines(
-        admin_pb2.ListPipelinesRequest(), metadata=b.admin_metadata(), timeout=5).pipelines)
-        == 1, 5, "the pipeline on b")
+    _known_on(b)
     client = redis_py.Redis.from_url(redis.url, decode_responses=True)
     t0 = time.time()
     spans = [("pre", 0.0, 0.004), ("feat", 0.004, 0.008), ("model", 0.012, 0.02)]
@@ -176,10 +184,7 @@ def _capacity(node: harness.Sitsmesh, stage: str) -> float:
 
 def test_every_controller_adds_up_the_owners_sums_and_no_hop_goes_to_every_replica(
         start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
-    a, b = replicas(start_sitsmesh, tmp_path / "state", redis.url)
-    single = start_sitsmesh("--reload-interval-seconds", "0.2", name="single")
-    for node in (a, single):
-        _apply(node)
+    a, b, single = _with_single(start_sitsmesh, tmp_path, redis)
     settled(a, b)
     # Live traffic for about 3 s: 30 requests every 0.1 s, each "model" call 20-40 ms
     # with about one running at a time, its hops split over the replicas as they come.
@@ -226,9 +231,7 @@ def test_what_redis_holds_of_cursors_and_tallies_always_agrees(
     chains whose hops all lie before its partitions' cursors."""
     a, b = replicas(start_sitsmesh, tmp_path / "state", redis.url)
     _apply(a)
-    harness.wait_until(lambda: len(_admin(b).ListPipelines(
-        admin_pb2.ListPipelinesRequest(), metadata=b.admin_metadata(), timeout=5).pipelines)
-        == 1, 5, "the pipeline on b")
+    _known_on(b)
     settled(a, b)
     client = redis_py.Redis.from_url(redis.url, decode_responses=True)
     members: Any = client.zrange(MEMBERS_KEY, 0, -1)
