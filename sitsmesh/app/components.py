@@ -338,8 +338,9 @@ class ChainsComponent:
             self.pipelines.on_change(assembler.set_pipelines)
             self.assembler = assembler
             if shared:
-                self.bus = PartitionedBus.for_assembler(redis_url(settings), assembler, release,
-                                                        registry)
+                self.bus = PartitionedBus.for_assembler(
+                    redis_url(settings), assembler, release, registry,
+                    quiet_s=settings.admission_hold_seconds)
 
     @property
     def report(self) -> Callable[[Hop], None] | None:

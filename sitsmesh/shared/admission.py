@@ -50,6 +50,8 @@ class SharedAdmission:
         _, process, counts = event
         if not isinstance(process, str) or not isinstance(counts, dict):
             raise ValueError("a report is ['t', process, {tenant: in flight}]")
+        if any(counts.values()):
+            self._bus.holds_seen()  # held requests, this process's too: send releases
         if process == self.me:
             return
         self._reports[process] = (self._clock(), {str(t): int(n) for t, n in counts.items()})

@@ -15,6 +15,13 @@ Publishing only appends to a list; a background task sends the batch with one
 XADD per event-loop turn, and a reader task applies entries in stream order.
 When Redis fails, a batch is applied here instead (this process's own chains
 and holds stay right) and counted; nothing blocks the request path.
+
+A release is the one event every reader decodes for every access-log entry of the
+fleet, so, with `quiet_s` set, it is sent only while some process holds requests:
+one that told the fleet, within `quiet_s` (the hold timeout, the longest a hold
+lives), that it admitted one (`holds_seen`). Otherwise releases wait in a bounded
+ring, and the first such report sends them: a hold whose request ended before its
+report came still ends by its entry.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +51,11 @@ MAX_BATCH = 1_000         # events in one stream entry
 READ_COUNT = 200
 READ_BLOCK_MS = 500
 RETRY_S = 0.2
+# Releases kept while no process holds requests, for the holds taken just before a
+# report of them came: the last UNSENT_S, at most MAX_UNSENT (a second or more at tens of
+# thousands of entries a second). A hold whose release was dropped waits for its timeout.
+UNSENT_S = 5.0
+MAX_UNSENT = 32_768
 _log = logs.get("sitsmesh.shared.hopbus")
 
 _Event = list[Any]
@@ -98,7 +112,9 @@ class HopBus:
     """Stands where the assembler and the hold release stood: `add` and `release`."""
 
     def __init__(self, client: Redis | RedisCluster, *, deliver: Callable[[Hop], None],
-                 release: Callable[[str, float | None], bool], key: str = DEFAULT_KEY) -> None:
+                 release: Callable[[str, float | None], bool], key: str = DEFAULT_KEY,
+                 quiet_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
         self._deliver = deliver
         self._release = release
@@ -108,6 +124,11 @@ class HopBus:
         self._handlers: dict[str, Callable[[list[Any]], None]] = {}
         self._wake = asyncio.Event()
         self._drained = asyncio.Event()
+        self._quiet_s = quiet_s  # None: every release is sent
+        self._clock = clock
+        self._holds_until = -math.inf  # releases go out until then (monotonic)
+        self._unsent: deque[tuple[float, str, float | None]] = deque(maxlen=MAX_UNSENT)
+        self.kept = 0          # releases kept back: no process held requests
         self.published = 0
         self.applied = 0
         self.fallbacks = 0     # events applied here because Redis did not take them
@@ -120,8 +141,25 @@ class HopBus:
         self._push(encode_hop(hop))
 
     def release(self, request_id: str, ended_wall: float | None) -> bool:
+        if self._quiet_s is not None and (now := self._clock()) >= self._holds_until:
+            self._unsent.append((now, request_id, ended_wall))
+            self.kept += 1
+            return True
         self._push(["r", request_id, ended_wall])
         return True
+
+    def holds_seen(self) -> None:
+        """A process admitted a request it holds (this one included): send releases for
+        the next `quiet_s`, and the ones kept since the fleet went quiet."""
+        if self._quiet_s is None:
+            return
+        now = self._clock()
+        if now >= self._holds_until:
+            unsent, self._unsent = self._unsent, deque(maxlen=MAX_UNSENT)
+            for at, request_id, ended_wall in unsent:
+                if now - at <= UNSENT_S:
+                    self._push(["r", request_id, ended_wall])
+        self._holds_until = now + self._quiet_s
 
     @property
     def client(self) -> Redis | RedisCluster:

@@ -21,11 +21,13 @@ import asyncio
 import contextlib
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client import Counter as Counter_
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
@@ -59,8 +61,10 @@ class PartitionedBus(HopBus):
     @classmethod
     def for_assembler(cls, url: str, assembler: Assembler,
                       release: Callable[[str, float | None], bool],
-                      registry: CollectorRegistry | None) -> PartitionedBus:
-        """The bus of `assembler`, which then reports on every replica's chains."""
+                      registry: CollectorRegistry | None,
+                      quiet_s: float | None = None) -> PartitionedBus:
+        """The bus of `assembler`, which then reports on every replica's chains;
+        `quiet_s`: the admission hold timeout (see HopBus)."""
         client = redisclients.connect(url, protocol=2)
         replica = holder_id()
         shares = ChainShares(client, replica, assembler)
@@ -70,7 +74,9 @@ class PartitionedBus(HopBus):
                         "hops show up as incomplete chains", registry=registry)
         bus = cls(client, deliver=assembler.add, release=release, match=assembler.match,
                   membership=Membership(client, replica), shares=shares,
-                  open_ids=assembler.open_request_ids, on_lost=lost.inc)
+                  open_ids=assembler.open_request_ids, on_lost=lost.inc, quiet_s=quiet_s)
+        if registry is not None:
+            registry.register(_KeptReleases(bus))
         Gauge("sitsmesh_hop_partitions_owned", "Hop partitions whose chains this process "
               "assembles", registry=registry).set_function(lambda: len(bus.owned))
         Gauge("sitsmesh_hop_partition_replicas", "Live replicas the hop partitions are "
@@ -83,8 +89,9 @@ class PartitionedBus(HopBus):
                  membership: Membership, shares: ChainShares | None = None,
                  partitions: int = PARTITIONS,
                  open_ids: Callable[[], Iterable[str]] | None = None,
-                 on_lost: Callable[[int], None] | None = None) -> None:
-        super().__init__(client, deliver=deliver, release=release)
+                 on_lost: Callable[[int], None] | None = None,
+                 quiet_s: float | None = None) -> None:
+        super().__init__(client, deliver=deliver, release=release, quiet_s=quiet_s)
         self.shares = shares
         self._open_ids = open_ids  # the request ids of the chains open here
         self._on_lost = on_lost
@@ -318,3 +325,16 @@ class PartitionedBus(HopBus):
 
 def _id(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class _KeptReleases(Collector):
+    """A counter read off the bus when scraped: the release path stays lock-free."""
+
+    def __init__(self, bus: PartitionedBus) -> None:
+        self._bus = bus
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "sitsmesh_hop_bus_releases_kept", "Access-log entries whose hold release was "
+            "not sent to the other replicas, as none of them held requests (kept a few "
+            "seconds, and sent if a hold shows up)", value=self._bus.kept)

@@ -192,6 +192,9 @@ class SharedPressure:
         sender = str(event[2]) if len(event) == 3 else ""
         offset = self._runtime.gate.wall_offset
         signals = self._runtime.signals
+        if any(isinstance(c, list) and len(c) == 7 and (c[2] or c[5])
+               for c in event[1].values()):
+            self._bus.holds_seen()  # admitted and held, wherever: its releases must go out
         for name, changes in event[1].items():
             if name not in self._runtime.local.pipelines:
                 continue  # a pipeline this replica does not know (yet)

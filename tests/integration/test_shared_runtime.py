@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis as redis_py
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -20,6 +21,7 @@ from sitsmesh.admin.v1 import admin_pb2, admin_pb2_grpc
 from sitsmesh.dev import harness
 from sitsmesh.dev.redis import RedisServer, redis_server
 from sitsmesh.dev.rediscluster import RedisClusterNodes
+from sitsmesh.shared import hopbus
 from tests.redisfixtures import (  # noqa: F401 - fixtures
     cluster_fixture,
     redis_cluster_fixture,
@@ -135,6 +137,40 @@ def test_the_hold_of_a_check_ends_whichever_replica_gets_its_access_log(
     _access_log(b, "first")  # the request ended; its entry reached the other replica
     harness.wait_until(lambda: check(a, key, "third") == code_pb2.OK, 2,
                        "the slot freed through b")
+
+
+def _released_on_bus(redis: RedisServer) -> set[str]:
+    """The request ids of the hold releases on the broadcast stream."""
+    client = redis_py.Redis.from_url(redis.url)
+    try:
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(  # type: ignore[assignment]
+            hopbus.DEFAULT_KEY)
+    finally:
+        client.close()
+    return {event[1] for _, fields in entries for event in json.loads(fields[b"b"])
+            if event[0] == "r"}
+
+
+def test_releases_go_to_the_other_replicas_only_while_one_holds_requests(
+        start_sitsmesh: Start, tmp_path: Path, redis: RedisServer) -> None:
+    """Every replica decodes every release on the bus: with no hold anywhere, none is
+    sent. A hold's release still goes out, even from an entry that came before the
+    hold's report did."""
+    a, b = _pair(start_sitsmesh, tmp_path, redis, "redis")
+    for n in range(20):
+        _access_log(b, f"unheld-{n}")
+    harness.wait_until(lambda: harness.metric_value(
+        b.metrics(), "sitsmesh_hop_bus_releases_kept_total") >= 20, 5, "b keeps them")
+    assert not _released_on_bus(redis) & {f"unheld-{n}" for n in range(20)}
+    assert a.cli("tenants", "create", "acme", "--models", "bert", "--max-concurrency",
+                 "1").returncode == 0
+    key = json.loads(a.cli("apikeys", "create", "--tenant", "acme", "--output",
+                           "json").stdout)["key"]
+    harness.wait_until(lambda: check(a, key, "held") == code_pb2.OK, 5, "key on a")
+    _access_log(b, "held")  # at once: a's report of its hold may not have reached b
+    harness.wait_until(lambda: check(a, key, "after") == code_pb2.OK, 3,
+                       "the slot freed through b")
+    assert "held" in _released_on_bus(redis)
 
 
 def test_redis_down_keeps_each_replica_right_on_its_own_and_sharing_resumes(

@@ -4,6 +4,7 @@ a malformed entry costs that entry only."""
 from __future__ import annotations
 
 import json
+from typing import Any, cast
 
 import pytest
 
@@ -32,8 +33,6 @@ def test_malformed_events_are_refused(event: object) -> None:
 
 
 def test_past_its_buffer_the_bus_applies_events_here_instead_of_dropping_them() -> None:
-    from typing import Any, cast
-
     from sitsmesh.shared import hopbus
 
     seen: list[Hop] = []
@@ -42,3 +41,66 @@ def test_past_its_buffer_the_bus_applies_events_here_instead_of_dropping_them() 
     for _ in range(hopbus.MAX_PENDING + 5):
         bus.add(hop)
     assert len(seen) == 5 and bus.overflowed == 5  # nothing published is lost either
+
+
+def _quiet_bus(clock: list[float]) -> Any:
+    from sitsmesh.shared import hopbus
+
+    return hopbus.HopBus(cast(Any, None), deliver=lambda hop: None,
+                         release=lambda r, e: True, quiet_s=30.0, clock=lambda: clock[0])
+
+
+def _released(bus: Any) -> list[str]:
+    return [e[1] for e in bus.pending_events() if e[0] == "r"]
+
+
+def test_while_no_process_holds_requests_releases_are_kept_not_sent() -> None:
+    clock = [100.0]
+    bus = _quiet_bus(clock)
+    for n in range(3):
+        assert bus.release(f"r{n}", 1.0)
+    assert _released(bus) == [] and bus.kept == 3
+
+
+def test_a_hold_reported_sends_the_recent_kept_releases_and_the_next_ones() -> None:
+    from sitsmesh.shared import hopbus
+
+    clock = [100.0]
+    bus = _quiet_bus(clock)
+    bus.release("old", 1.0)
+    clock[0] += hopbus.UNSENT_S + 1
+    bus.release("recent", 2.0)  # it may end a hold whose report is on its way
+    clock[0] += 0.1
+    bus.holds_seen()
+    assert _released(bus) == ["recent"]
+    bus.release("next", 3.0)
+    clock[0] += 29.0
+    bus.release("still", 4.0)
+    assert _released(bus) == ["recent", "next", "still"]
+    # A hold lives at most quiet_s: past it with no new one reported, quiet again.
+    clock[0] += 1.5
+    bus.release("quiet", 5.0)
+    assert _released(bus) == ["recent", "next", "still"] and bus.kept == 3
+    bus.holds_seen()
+    assert _released(bus)[-1] == "quiet"
+
+
+def test_kept_releases_are_bounded() -> None:
+    from sitsmesh.shared import hopbus
+
+    clock = [100.0]
+    bus = _quiet_bus(clock)
+    for n in range(hopbus.MAX_UNSENT + 10):
+        bus.release(f"r{n}", None)
+    bus.holds_seen()
+    sent = _released(bus)
+    assert len(sent) == hopbus.MAX_UNSENT and sent[0] == "r10"  # the oldest went
+
+
+def test_without_quiet_s_every_release_is_sent() -> None:
+    from sitsmesh.shared import hopbus
+
+    bus = hopbus.HopBus(cast(Any, None), deliver=lambda hop: None, release=lambda r, e: True)
+    bus.release("r1", 1.0)
+    bus.holds_seen()  # no effect
+    assert _released(bus) == ["r1"]

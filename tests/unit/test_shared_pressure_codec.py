@@ -64,6 +64,10 @@ class _Bus:
     def __init__(self) -> None:
         self.handlers: dict[str, Any] = {}
         self.published: list[Any] = []
+        self.holds_reported = 0
+
+    def holds_seen(self) -> None:
+        self.holds_reported += 1
 
     def on(self, kind: str, handler: Any) -> None:
         self.handlers[kind] = handler
@@ -91,7 +95,7 @@ def test_holds_and_ends_from_another_replica_leave_no_hold_open() -> None:
     bin, so it stayed open for good (237-314 of 1000) and the controller saw a queue."""
     clock = [100.0]
     sender, sent, sending = _replica(5000.123456, clock)
-    receiver, _, receiving = _replica(9000.987654, clock)
+    receiver, receiver_bus, receiving = _replica(9000.987654, clock)
     local = sending.local.pipeline("demo")  # what the sender's gate counts
     for i in range(1000):
         clock[0] = 100.0 + i * 0.0437
@@ -109,6 +113,9 @@ def test_holds_and_ends_from_another_replica_leave_no_hold_open() -> None:
     target = receiving.signals.pipeline("demo")
     assert target.in_flight == 0
     assert target.open_bins == {}, f"{sum(target.open_bins.values())} holds left open"
+    # The reports that held requests tell the receiver's bus to send releases.
+    holding = sum(1 for e in sent.published if e[1]["demo"][5])
+    assert holding and receiver_bus.holds_reported >= holding
     # Ends are learned when the report is applied, not when the sender learned them.
     assert min(target.lags) >= 220.0 - 210.0 - 0.01
 
