@@ -26,6 +26,11 @@ from sitsmesh.chains.tally import Tally, decode, encode
 PREFIX = "sitsmesh:{chains}:tallies:"
 INDEX = "sitsmesh:{chains}:replicas"
 MAX_REPLICAS = 1_000
+# A replica writes only the slots that changed since its last write: the current one (and
+# the one before, just after a slot turns). So each second the others' slots around now
+# are read, and all of them every FULL_READ_EVERY reads, which also picks up a replica's
+# older slots written late (after Redis was away) and any replica seen for the first time.
+FULL_READ_EVERY = 10
 _log = logs.get("sitsmesh.shared.chainshares")
 
 
@@ -48,6 +53,7 @@ class ChainShares:
         # replica -> slot index -> (its raw JSON, its tallies by pipeline)
         self._theirs: dict[str, dict[int, tuple[bytes, dict[str, Tally]]]] = {}
         self._keep = assembler.kept_limit
+        self._reads = 0
         self.malformed = 0
         self.bytes_written = 0
 
@@ -94,12 +100,29 @@ class ChainShares:
             await self._client.hdel(key, *stale)
         others = [r.decode() if isinstance(r, bytes) else str(r) for r in replicas]
         others = [r for r in others if r != self.replica]
+        full = self._reads % FULL_READ_EVERY == 0
+        self._reads += 1
+        # Around now: a replica's clock a slot ahead or behind of this one's still reads.
+        near = [str(i) for i in range(current - 1, current + 2)]
         async with self._client.pipeline(transaction=False) as pipe:
             for replica in others:
-                pipe.hgetall(PREFIX + replica)
-            hashes = await pipe.execute()
-        self._theirs = {replica: self._read(self._theirs.get(replica, {}), fields, horizon)
-                        for replica, fields in zip(others, hashes, strict=True)}
+                if full or replica not in self._theirs:
+                    pipe.hgetall(PREFIX + replica)
+                else:
+                    pipe.hmget(PREFIX + replica, near)
+            replies = await pipe.execute()
+        theirs = {}
+        for replica, reply in zip(others, replies, strict=True):
+            before = self._theirs.get(replica, {})
+            if isinstance(reply, dict):
+                theirs[replica] = self._read(before, reply, horizon)
+                continue
+            fields = {index: raw for index, raw in zip(near, reply, strict=True)
+                      if raw is not None}
+            slots = {i: v for i, v in before.items() if i > horizon}
+            slots.update(self._read(before, fields, horizon))
+            theirs[replica] = slots
+        self._theirs = theirs
 
     def _read(self, before: dict[int, tuple[bytes, dict[str, Tally]]], fields: Any,
               horizon: int) -> dict[int, tuple[bytes, dict[str, Tally]]]:
