@@ -111,6 +111,9 @@ class OwnerWork:
     lag: float          # the owner's longest recent log delay
     newest: float | None  # the newest hop end among them (monotonic here)
     shift: float        # wall clock less monotonic here, when they came
+    # No hop came to the owner since its report before: it reports again once one does
+    # (or with its full report each second) and does not hold the watermark back.
+    quiet: bool = False
 
 
 class StageSignals:

@@ -1,12 +1,11 @@
 """One stage of a pipeline, judged each tick: its capacity from its own work, its queue
 from the freshest direct view, and whether it is overloaded.
 
-Every signal is read as of when it happened: access-log hops by their own
-start and end, Envoy's and Triton's gauges by their timestamps. A signal that
-is late by design (a log flush, a stats flush) is not stale; one that stopped
-coming while traffic flows is. Overload is judged over a window against the
-capacity learned from the stage's own work, so a chance queue at moderate
-load is not overload.
+Every signal is read as of when it happened: access-log hops by their own start and end,
+Envoy's and Triton's gauges by their timestamps. A signal that is late by design (a log
+flush, a stats flush) is not stale; one that stopped coming while traffic flows is.
+Overload is judged over a window against the capacity learned from the stage's own
+work, so a chance queue at moderate load is not overload.
 """
 
 from __future__ import annotations
@@ -177,8 +176,9 @@ class StageJudge:
             if not owners:
                 windows.append(work.read({}, 0.0, 0.0, 1))
                 continue
-            # Every end up to here has reached its owner, and its owner's sums reached us.
-            watermark = min(tick.now - signals.lag(), *(o.until for o in owners.values()))
+            # Every end up to here reached its owner, and a busy owner's sums reached us.
+            busy = [o.until for o in owners.values() if not o.quiet]
+            watermark = min([tick.now - signals.lag(), *busy])
             shift = next(iter(owners.values())).shift
             horizon = work.bin_of(tick.now + shift - work.KEEP_S)
             for index in [i for i in merged if i < horizon]:

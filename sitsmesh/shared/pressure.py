@@ -136,6 +136,7 @@ class SharedPressure:
         self._owned_done: dict[tuple[str, str], int] = {}  # completions summed so far
         self._work_at = -math.inf
         self._work_reports = 0
+        self._work_quiet = False  # the last work report said no hop came
         bus.on("p", self.apply_report)
         bus.on("e", self.apply_envoy)
         bus.on("w", self.apply_work)
@@ -238,6 +239,7 @@ class SharedPressure:
         # so a replica that joined (or missed one) is whole again within a second.
         full = self._work_reports % FULL_EVERY == 0
         self._work_reports += 1
+        quiet = True  # no hop of any stage came since the last report
         pipelines: dict[str, Any] = {}
         for name, pipeline in runtime.pipelines.items():
             names = [stage.name for stage in pipeline.stages]
@@ -250,6 +252,7 @@ class SharedPressure:
             for stage, signals in zip(names, owned, strict=True):
                 done = signals.completions - self._owned_done.get((name, stage), 0)
                 self._owned_done[name, stage] = signals.completions
+                quiet = quiet and not done
                 latency, signals.latency = signals.latency, Histogram()
                 newest = signals.newest()
                 taken = ledger.take(stage, since, now + offset, full=full)
@@ -261,8 +264,12 @@ class SharedPressure:
                                  signals.last_arrival + offset if signals.completions else None,
                                  first, full]
             pipelines[name] = stages
-        if pipelines:
+        # Quiet now and at the last report, which told every reader so (a quiet owner
+        # does not hold their watermark back): nothing to say until the full report.
+        # An idle fleet of N sent N x 10 reports a second that woke every replica.
+        if pipelines and (full or not (quiet and self._work_quiet)):
             self._bus.publish(["w", pipelines, self.lease.holder, now + offset])
+        self._work_quiet = quiet
 
     def apply_work(self, event: list[Any]) -> None:
         """An owner's sums (this replica's too) into the signals the controller reads,
@@ -295,6 +302,7 @@ class SharedPressure:
                               rows, full, float(sent) - offset - float(lag), float(lag),
                               None if newest is None else float(newest) - offset,
                               None if last is None else float(last) - offset))
+        quiet = not any(record[1] for record in found)  # no hop came to it since
         for signals, done, counts, first, rows, full, until, lag, newest, last in found:
             owner = signals.owners.get(str(sender))
             if owner is None:
@@ -303,7 +311,7 @@ class SharedPressure:
             if first >= 0:
                 work.replace_from(owner.bins, signals.merged, first, rows, whole=full)
             owner.received, owner.until, owner.lag, owner.shift = now, until, lag, offset
-            owner.newest = newest
+            owner.newest, owner.quiet = newest, quiet
             signals.completions += done
             for i, n in counts:
                 signals.latency.counts[i] += n
