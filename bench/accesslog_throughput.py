@@ -238,10 +238,14 @@ async def _one_stream(multi: Any, stream: StreamPool, messages: int,
 
 async def _client_round(conn: Connection, seq: int, addr: str, streams: list[StreamPool],
                         messages: int, timeout: float) -> dict[str, Any] | None:
-    async with grpc.aio.insecure_channel(addr) as channel:
-        await asyncio.wait_for(channel.channel_ready(), CONNECT_S)
+    """`addr`: one address, or several joined by commas (stream i to the i-th, round robin)."""
+    async with contextlib.AsyncExitStack() as stack:
+        channels = [await stack.enter_async_context(grpc.aio.insecure_channel(a))
+                    for a in addr.split(",")]
+        for channel in channels:
+            await asyncio.wait_for(channel.channel_ready(), CONNECT_S)
         # No serializer: the messages are bytes already.
-        multi: Any = channel.stream_unary(METHOD)
+        multis: list[Any] = [channel.stream_unary(METHOD) for channel in channels]
         conn.send(("ready", seq, None))
         if not conn.poll(timeout):
             raise RuntimeError("no go signal")
@@ -249,8 +253,9 @@ async def _client_round(conn: Connection, seq: int, addr: str, streams: list[Str
         if cmd != ("go", seq):
             return None  # aborted: another client failed to get ready
         cpu, started = _cpu_self(), time.monotonic()
-        counts = await asyncio.gather(*(_one_stream(multi, stream, messages, timeout)
-                                        for stream in streams))
+        counts = await asyncio.gather(*(_one_stream(multis[i % len(multis)], stream,
+                                                    messages, timeout)
+                                        for i, stream in enumerate(streams)))
         finished = time.monotonic()
         return {"start": started, "end": finished, "cpu": _cpu_self() - cpu,
                 "counts": list(counts)}
