@@ -40,6 +40,7 @@ from redis.asyncio.cluster import RedisCluster
 from sitsmesh import logs
 from sitsmesh.chains.assembler import Hop
 from sitsmesh.chains.trace import valid_trace_id
+from sitsmesh.tasks import run_together
 
 DEFAULT_KEY = "sitsmesh:bus:hops"
 # Entries the stream keeps (approximately): minutes of hops at thousands a second, so a
@@ -207,7 +208,8 @@ class HopBus:
 
     async def run(self) -> None:
         """Publish and read until cancelled."""
-        await asyncio.gather(self._publish_forever(), self._read_forever())
+        # Not gather: one part failing must not leave the other running (sitsmesh.tasks).
+        await run_together(self._publish_forever(), self._read_forever())
 
     async def _publish_forever(self) -> None:
         while True:
