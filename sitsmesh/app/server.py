@@ -305,7 +305,7 @@ async def run(settings: Settings) -> int:
                   workers=settings.workers, config_version=settings.config_version,
                   settings=describe(settings))
         await stop.wait()
-        stopbound.arm(settings)
+        stopbound.arm(settings, children=bool(pools))
         for running in pools:
             running.terminate()
         await drain_and_stop(settings, board, servers, graph.streams)

@@ -21,17 +21,21 @@ from sitsmesh.config import Settings
 from sitsmesh.tasks import RECANCEL_S
 
 _log = logs.get("sitsmesh.server")
-# Past the drain window and the grace: the components' stops, the state store's close
-# and, with workers, the 5 s a supervisor gives them beyond their own drain and grace.
+# Past the drain window and the grace: the components' stops and the state store's close.
 STOP_MARGIN_S = 15.0
+# A process with children (workers, the RLQS process) waits for them: each has a deadline
+# of its own as long as this one's, and is killed, and reaped, after it.
+CHILDREN_S = 15.0
 LEFTOVER_S = 5.0  # the tasks still running once every part has stopped
 
 
-def arm(settings: Settings, margin_s: float = STOP_MARGIN_S) -> threading.Event:
+def arm(settings: Settings, margin_s: float = STOP_MARGIN_S, *,
+        children: bool = False) -> threading.Event:
     """Start the deadline of a stop that has begun; set the returned event to call it
     off. A thread of its own, not the loop's timer: the loop may be what is stuck, or
     the interpreter's exit joining a thread."""
-    deadline_s = settings.drain_seconds + settings.grace_seconds + margin_s
+    deadline_s = (settings.drain_seconds + settings.grace_seconds + margin_s
+                  + (CHILDREN_S if children else 0.0))
     done = threading.Event()
     loop = asyncio.get_running_loop()
     threading.Thread(target=_watch, args=(done, deadline_s, loop), name="stop-deadline",
