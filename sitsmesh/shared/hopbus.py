@@ -135,6 +135,7 @@ class HopBus:
         self.fallbacks = 0     # events applied here because Redis did not take them
         self.overflowed = 0    # events applied here because the buffer was full
         self.malformed = 0
+        self.failed = 0        # events whose handler raised something else (a fault here)
 
     # --- the ingestion path: no I/O -----------------------------------------
 
@@ -277,14 +278,24 @@ class HopBus:
                     handler(event)
                     continue
                 found = decode(event)
+                if isinstance(found, Hop):
+                    self._deliver(found)
+                else:
+                    self._release(*found)
             except (ValueError, TypeError, KeyError, IndexError):
                 self.malformed += 1
                 continue
-            if isinstance(found, Hop):
-                self._deliver(found)
-            else:
-                self._release(*found)
+            except Exception as exc:
+                # A fault behind a handler costs this event, not the reader: a reader
+                # that died assembled nothing more on this replica until it restarted.
+                self._failed(exc)
+                continue
             self.applied += 1
+
+    def _failed(self, exc: Exception) -> None:
+        self.failed += 1
+        if not self.failed & (self.failed - 1):  # the 1st, 2nd, 4th, 8th...: no flood
+            _log.error("hop bus event failed; skipped", failed=self.failed, error=repr(exc))
 
 
 def _id(value: Any) -> str:
