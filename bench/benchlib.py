@@ -36,6 +36,7 @@ import grpc
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 SITSMESH = str(BIN / "sitsmesh")
+STOP_LOG_LINES = 120  # of a replica that did not stop cleanly: its stacks, when it dumped them
 
 COUNTER_SETTLE_S = 3.0  # longer than sitsmesh's 1 s metrics flush
 FLUSH_WAIT_S = 1.2  # sitsmesh flushes per-rule sums into Prometheus every second
@@ -142,7 +143,10 @@ class Proc:
                 errors.append(f"{self.role} did not exit within {timeout}s of SIGTERM")
             else:
                 if code != 0:
-                    errors.append(f"{self.role} exited {code} after SIGTERM")
+                    # The log goes with the bench's directory: a stuck stop's stacks
+                    # (sitsmesh/app/stopbound.py) are only seen here.
+                    errors.append(f"{self.role} exited {code} after SIGTERM:\n"
+                                  f"{self.output_tail(STOP_LOG_LINES)}")
             deadline = time.monotonic() + 5
             while _group_alive(proc.pid) and time.monotonic() < deadline:
                 time.sleep(0.1)

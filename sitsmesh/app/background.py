@@ -10,14 +10,13 @@ from typing import Any
 from grpc import aio
 
 from sitsmesh import logs
+from sitsmesh.tasks import cancel_until_done
 
 _log = logs.get("sitsmesh.app.background")
 
 # Rule counters and expiry sweeps: once a second keeps scrapes and holds fresh enough
 # without a timer on the request path.
 HOUSEKEEPING_S = 1.0
-# How long a cancelled task gets before it is cancelled again.
-RECANCEL_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +39,9 @@ class Background:
         self._tasks: list[asyncio.Task[None]] = []
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(work))
+        task = asyncio.get_running_loop().create_task(work)
+        task.add_done_callback(_report_failure)
+        self._tasks.append(task)
 
     def every(self, seconds: float, tick: Callable[[], object]) -> None:
         async def loop() -> None:
@@ -52,17 +53,14 @@ class Background:
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            # A library may turn the cancellation into an error the loop catches and
-            # goes on (redis-py's pipeline did: a replica then never exited), so a
-            # task still running is cancelled again until it ends.
-            while not task.done():
-                await asyncio.wait((task,), timeout=RECANCEL_S)
-                if not task.done():
-                    task.cancel()
-            if not task.cancelled() and task.exception() is not None:
-                # It had failed on its own; stopping the rest matters more than raising.
-                _log.warning("background task had failed", task=task.get_name(),
-                             error=repr(task.exception()))
+        # A library may turn the cancellation into an error the loop catches and goes
+        # on (redis-py's pipeline did: a replica then never exited): see sitsmesh.tasks.
+        await cancel_until_done(tasks)
+
+
+def _report_failure(task: asyncio.Task[None]) -> None:
+    """Said when it happens, not at the stop: the work it did stopped then (a hop bus
+    whose reader failed assembled nothing more), and nothing else tells."""
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("background task failed", task=task.get_name(),
+                   error=repr(task.exception()))

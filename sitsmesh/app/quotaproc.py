@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sitsmesh import logs
-from sitsmesh.app import budgets, compose, dataserver
+from sitsmesh.app import budgets, compose, dataserver, stopbound
 from sitsmesh.app.metrics import RpcMetrics
 from sitsmesh.app.workers import WorkerPool
 from sitsmesh.config import Settings
@@ -197,6 +197,7 @@ async def run_quota(settings: Settings, channel: socket.socket,
     on_ready()
     _log.info("rlqs serving", rlqs_addr=bound)
     await stop.wait()
+    stopbound.arm(settings)
     await dataserver.drain_and_stop(settings, board, [server], graph.streams)
     follow.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -204,5 +205,6 @@ async def run_quota(settings: Settings, channel: socket.socket,
     await budget.lag.stop()
     await graph.stop()
     await state.close()
+    await stopbound.end_leftovers()
     _log.info("rlqs stopped")
     return 0

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from sitsmesh import __version__, logs
 from sitsmesh.admin.v1 import admin_pb2
-from sitsmesh.app import admincreds, admintoken, budgets, compose, tls
+from sitsmesh.app import admincreds, admintoken, budgets, compose, stopbound, tls
 from sitsmesh.app.components import RateLimitComponent
 from sitsmesh.app.dataserver import (
     HEALTH_NAME,
@@ -131,10 +131,12 @@ async def run_worker(settings: Settings, index: int,
     on_ready()
     _log.info("worker serving", data_addr=data, **structlog_ctx)
     await stop.wait()
+    stopbound.arm(settings)
     await drain_and_stop(settings, board, [server], graph.streams)
     await budget.lag.stop()
     await graph.stop()
     await state.close()
+    await stopbound.end_leftovers()
     _log.info("worker stopped", **structlog_ctx)
     return 0
 
@@ -303,6 +305,7 @@ async def run(settings: Settings) -> int:
                   workers=settings.workers, config_version=settings.config_version,
                   settings=describe(settings))
         await stop.wait()
+        stopbound.arm(settings, children=bool(pools))
         for running in pools:
             running.terminate()
         await drain_and_stop(settings, board, servers, graph.streams)
@@ -315,5 +318,6 @@ async def run(settings: Settings) -> int:
         await credentials_watch.stop()
         await graph.stop()
         await store.close()
+    await stopbound.end_leftovers()
     _log.info("stopped", clean=clean)
     return 0 if clean else 1

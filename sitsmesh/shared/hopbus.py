@@ -40,6 +40,7 @@ from redis.asyncio.cluster import RedisCluster
 from sitsmesh import logs
 from sitsmesh.chains.assembler import Hop
 from sitsmesh.chains.trace import valid_trace_id
+from sitsmesh.tasks import run_together
 
 DEFAULT_KEY = "sitsmesh:bus:hops"
 # Entries the stream keeps (approximately): minutes of hops at thousands a second, so a
@@ -134,6 +135,7 @@ class HopBus:
         self.fallbacks = 0     # events applied here because Redis did not take them
         self.overflowed = 0    # events applied here because the buffer was full
         self.malformed = 0
+        self.failed = 0        # events whose handler raised something else (a fault here)
 
     # --- the ingestion path: no I/O -----------------------------------------
 
@@ -207,7 +209,8 @@ class HopBus:
 
     async def run(self) -> None:
         """Publish and read until cancelled."""
-        await asyncio.gather(self._publish_forever(), self._read_forever())
+        # Not gather: one part failing must not leave the other running (sitsmesh.tasks).
+        await run_together(self._publish_forever(), self._read_forever())
 
     async def _publish_forever(self) -> None:
         while True:
@@ -275,14 +278,24 @@ class HopBus:
                     handler(event)
                     continue
                 found = decode(event)
+                if isinstance(found, Hop):
+                    self._deliver(found)
+                else:
+                    self._release(*found)
             except (ValueError, TypeError, KeyError, IndexError):
                 self.malformed += 1
                 continue
-            if isinstance(found, Hop):
-                self._deliver(found)
-            else:
-                self._release(*found)
+            except Exception as exc:
+                # A fault behind a handler costs this event, not the reader: a reader
+                # that died assembled nothing more on this replica until it restarted.
+                self._failed(exc)
+                continue
             self.applied += 1
+
+    def _failed(self, exc: Exception) -> None:
+        self.failed += 1
+        if not self.failed & (self.failed - 1):  # the 1st, 2nd, 4th, 8th...: no flood
+            _log.error("hop bus event failed; skipped", failed=self.failed, error=repr(exc))
 
 
 def _id(value: Any) -> str:

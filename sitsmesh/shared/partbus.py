@@ -47,6 +47,7 @@ from sitsmesh.shared.hopbus import (
 )
 from sitsmesh.shared.lease import Lease, holder_id
 from sitsmesh.shared.partitions import PARTITIONS, Membership, owned, partition_of, stream_key
+from sitsmesh.tasks import run_together
 
 BEAT_S = 1.0
 LEASE_TTL_MS = 4_000
@@ -150,8 +151,11 @@ class PartitionedBus(HopBus):
 
     async def run(self) -> None:
         try:
-            await asyncio.gather(super().run(), self._publish_parts(), self._own_forever(),
-                                 *(self._read_owned(group) for group in self._groups))
+            # Not asyncio.gather: a part that failed left the others running on, past
+            # the handover below and past the stop, where asyncio.run's one cancel at
+            # its end could be lost (see sitsmesh.tasks) and the process never exit.
+            await run_together(super().run(), self._publish_parts(), self._own_forever(),
+                               *(self._read_owned(group) for group in self._groups))
         finally:
             await self._leave()
 

@@ -104,3 +104,21 @@ def test_without_quiet_s_every_release_is_sent() -> None:
     bus.release("r1", 1.0)
     bus.holds_seen()  # no effect
     assert _released(bus) == ["r1"]
+
+
+def test_an_event_whose_handler_fails_costs_that_event_not_the_reader() -> None:
+    from sitsmesh.shared import hopbus
+
+    seen: list[Hop] = []
+
+    def deliver(hop: Hop) -> None:
+        if hop.request_id == "bad":
+            raise RuntimeError("a fault in the assembler")
+        seen.append(hop)
+
+    bus = hopbus.HopBus(cast(Any, None), deliver=deliver, release=lambda r, e: True)
+    events = [encode_hop(Hop(rid, 1.0, 0.1, upstream_cluster="pre"))
+              for rid in ("a", "bad", "b")]
+    bus.apply_raw({b"b": json.dumps(events).encode()})
+    assert [h.request_id for h in seen] == ["a", "b"]
+    assert (bus.failed, bus.applied, bus.malformed) == (1, 2, 0)

@@ -83,3 +83,38 @@ def test_a_redis_that_does_not_answer_holds_the_stop_for_a_bounded_time(
 
     asyncio.run(stop())
     assert bus.owned == frozenset({3})  # not handed over: its lease lapses instead
+
+
+def test_a_part_of_the_bus_that_fails_leaves_none_of_the_others_running(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under asyncio.gather the other loops ran on after one failed, past the stop;
+    asyncio.run cancels what is left once, and a loop that lost that cancellation kept
+    the process from ever exiting."""
+    monkeypatch.setattr(partbus, "LEAVE_S", 0.05)
+
+    class Fault(BaseException):
+        """What no loop of the bus catches: every Exception costs an entry or a retry."""
+
+    class FailingRedis:
+        """Redis as the broadcast reader sees it: a fault, and elsewhere nothing ever."""
+
+        async def xrevrange(self, *args: Any, **kwargs: Any) -> list[Any]:
+            return []
+
+        async def xread(self, *args: Any, **kwargs: Any) -> list[Any]:
+            raise Fault("a fault under the reader")
+
+        async def zrem(self, *args: Any) -> None:
+            await asyncio.Event().wait()
+
+    client = FailingRedis()
+    bus = PartitionedBus(cast(Any, client), deliver=lambda hop: None,
+                         release=lambda r, e: True, match=Assembler({"duo": DUO}).match,
+                         membership=Membership(cast(Any, client), "me"))
+
+    async def run() -> set[asyncio.Task[Any]]:
+        with pytest.raises(Fault):
+            await asyncio.wait_for(bus.run(), 10)
+        return asyncio.all_tasks() - {cast(Any, asyncio.current_task())}
+
+    assert asyncio.run(run()) == set()
