@@ -11,20 +11,26 @@ task is cancelled again until it has ended.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import Coroutine, Iterable
-from typing import Any
+from typing import Any, TypeVar
+
+_F = TypeVar("_F", bound=asyncio.Future[Any])
 
 # How long a cancelled task gets before it is cancelled again.
 RECANCEL_S = 0.1
 
 
-async def cancel_until_done(tasks: Iterable[asyncio.Future[Any]]) -> None:
-    """Cancel `tasks`, again every RECANCEL_S until each has ended. The caller's own
-    cancellation waits meanwhile (it is raised once they have ended): a caller that
-    gave up half-way would leave them running."""
+async def cancel_until_done(tasks: Iterable[_F], within_s: float | None = None) -> set[_F]:
+    """Cancel `tasks`, again every RECANCEL_S until each has ended (or `within_s` has
+    passed: those still running are returned). The caller's own cancellation waits
+    meanwhile (it is raised once they have ended): a caller that gave up half-way
+    would leave them running."""
     pending = {t for t in tasks if not t.done()}
+    deadline = math.inf if within_s is None else time.monotonic() + within_s
     cancelled: asyncio.CancelledError | None = None
-    while pending:
+    while pending and time.monotonic() < deadline:
         for task in pending:
             task.cancel()
         try:
@@ -34,6 +40,7 @@ async def cancel_until_done(tasks: Iterable[asyncio.Future[Any]]) -> None:
         pending = {t for t in pending if not t.done()}
     if cancelled is not None:
         raise cancelled
+    return pending
 
 
 async def run_together(*work: Coroutine[Any, Any, None]) -> None:

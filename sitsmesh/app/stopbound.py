@@ -18,7 +18,7 @@ import time
 
 from sitsmesh import logs
 from sitsmesh.config import Settings
-from sitsmesh.tasks import RECANCEL_S
+from sitsmesh.tasks import cancel_until_done
 
 _log = logs.get("sitsmesh.server")
 # Past the drain window and the grace: the components' stops and the state store's close
@@ -32,22 +32,19 @@ LEFTOVER_S = 5.0  # the tasks still running once every part has stopped
 
 
 def arm(settings: Settings, margin_s: float = STOP_MARGIN_S, *,
-        children: bool = False) -> threading.Event:
-    """Start the deadline of a stop that has begun; set the returned event to call it
-    off. A thread of its own, not the loop's timer: the loop may be what is stuck, or
-    the interpreter's exit joining a thread."""
+        children: bool = False) -> None:
+    """Start the deadline of a stop that has begun. A thread of its own, not the loop's
+    timer: the loop may be what is stuck, or the interpreter's exit joining a thread,
+    which the deadline covers too (a daemon thread: a process that exits ends it)."""
     deadline_s = (settings.drain_seconds + settings.grace_seconds + margin_s
                   + (CHILDREN_S if children else 0.0))
-    done = threading.Event()
     loop = asyncio.get_running_loop()
-    threading.Thread(target=_watch, args=(done, deadline_s, loop), name="stop-deadline",
+    threading.Thread(target=_watch, args=(deadline_s, loop), name="stop-deadline",
                      daemon=True).start()
-    return done
 
 
-def _watch(done: threading.Event, deadline_s: float, loop: asyncio.AbstractEventLoop) -> None:
-    if done.wait(deadline_s):
-        return
+def _watch(deadline_s: float, loop: asyncio.AbstractEventLoop) -> None:
+    time.sleep(deadline_s)
     _log.error("stop did not finish in time: exiting; stacks follow", seconds=deadline_s)
     _dump_tasks(loop)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
@@ -76,11 +73,6 @@ async def end_leftovers(within_s: float = LEFTOVER_S) -> None:
         return
     _log.info("tasks still running at the stop; cancelling them",
                  tasks=sorted(t.get_name() for t in left))
-    deadline = time.monotonic() + within_s
-    while left and time.monotonic() < deadline:
-        for task in left:
-            task.cancel()
-        await asyncio.wait(left, timeout=RECANCEL_S)
-        left = {t for t in left if not t.done()}
+    left = await cancel_until_done(left, within_s)
     if left:
         _log.error("tasks did not end when cancelled", tasks=sorted(t.get_name() for t in left))
