@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from sitsmesh.pressure.gate import UNHELD, PressureGate
+from sitsmesh.pressure.entryqueue import Waiter
+from sitsmesh.pressure.gate import UNHELD, WAIT, PressureGate
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,8 @@ class Verdict:
     reason: str = ""
     retry_after_s: float = 0.0
     code: str = "over_capacity"
+    # Admitted once the pipeline has room: the caller awaits it (pressure.entryqueue).
+    waiting: Waiter | None = None
 
 
 ADMIT = Verdict(True)
@@ -76,21 +79,34 @@ class Admission:
             shed = gate.admit(entered, priority, request_id, tenant)
             if shed is UNHELD:
                 return ADMIT  # Envoy's quota refuses it (--admission rlqs): nothing to hold
+            if shed is WAIT:
+                counted = tenant if cap > 0 else ""
+                held = gate.hold_at_entry(
+                    entered, priority, request_id, tenant,
+                    on_grant=lambda: self._hold(counted, entered, request_id),
+                    on_leave=lambda: self.release(request_id))
+                if isinstance(held, Waiter):
+                    return Verdict(True, waiting=held)
+                shed = held
             if shed is not None:
                 return Verdict(False, shed.message, float(shed.retry_after_s), shed.reason)
-        counted = tenant if cap > 0 else ""
+        self._hold(tenant if cap > 0 else "", entered, request_id)
+        return ADMIT
+
+    def _hold(self, counted: str, entered: str, request_id: str) -> None:
+        """Count an admitted request until its end: against `counted`'s cap, in
+        `entered`'s pipeline."""
         if counted:
-            self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
+            self._in_flight[counted] = self._in_flight.get(counted, 0) + 1
         if counted or entered:
             now = self._clock()
-            if gate is not None and entered:
-                gate.started(entered, now)
+            if self.gate is not None and entered:
+                self.gate.started(entered, now)
             ids = self._ids.get(request_id)
             if ids is None:
                 self._ids[request_id] = ids = [0, 0]
             self._held[request_id, ids[1]] = (counted, entered, now + self._hold_s)
             ids[1] += 1
-        return ADMIT
 
     def release(self, request_id: str, ended_wall: float | None = None) -> bool:
         """The request ended (its access-log entry came): at `ended_wall`, wall clock.

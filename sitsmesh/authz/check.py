@@ -16,6 +16,7 @@ from sitsmesh.authz import methods as route_methods
 from sitsmesh.authz.admission import Admission
 from sitsmesh.authz.gie import GieHeaders, GieSettings
 from sitsmesh.authz.model import ApiKey, Tenant, key_id_of, matches
+from sitsmesh.pressure.entryqueue import Waiter
 
 HEADER_PREFIX = "x-sits-"
 MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -89,6 +90,8 @@ class Allowed:
     key_id: str = field(default="", compare=False)
     # The tokens its tenant's token budget reserved for it (for the decision log).
     reserved_tokens: int = field(default=0, compare=False)
+    # Held at the pipeline's entry for room: the answer waits for it (pressure.entryqueue).
+    waiting: Waiter | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +237,10 @@ class Authorizer:
             gie_set, gie_remove = self._gie.decide(tenant, priority, request.headers)
             set_headers += gie_set
             remove += gie_remove
+        if verdict.waiting is not None:
+            verdict.waiting.grpc = grpc
+            return Allowed(tenant.name, priority, model, request_class, set_headers, remove,
+                           waiting=verdict.waiting)
         return Allowed(tenant.name, priority, model, request_class, set_headers, remove)
 
     def identify(self, request: CheckInput) -> Tenant | Denied:

@@ -120,6 +120,7 @@ class ThresholdsSpec(StageThresholdsSpec):
     tick_ms: Annotated[int, Field(ge=10, le=10_000)] | None = None
     hysteresis_ticks: Annotated[int, Field(ge=0, le=1000)] | None = None
     step_alarm_s: Annotated[float, Field(ge=0.01, le=10)] | None = None
+    entry_wait_ms: Annotated[int, Field(ge=0, le=10_000)] | None = None
     min_concurrency: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     max_concurrency: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     shed_priorities: list[Annotated[int, Field(ge=0, le=9)]] | None = None

@@ -82,6 +82,9 @@ class Decision:
     admit_rate: float = 0.0
     # Arrivals/s by priority: RLQS turns the level into a rate per priority.
     priority_rates: tuple[float, ...] = ()
+    # How long Check holds a request at the in-flight cap for room before refusing it
+    # (pressure.entryqueue); 0 = refused at once.
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,7 +335,9 @@ class Controller:
                         round(cutoff, 4), concurrency, protected_from, tick.retry_after,
                         tick.bottleneck, tick.level, round(tick.state.lam, 3),
                         tuple(tick.views), tick.now, tick.offset, round(tick.in_flight, 2),
-                        round(admit_rate, 3), tuple(round(r, 3) for r in tick.state.shares))
+                        round(admit_rate, 3), tuple(round(r, 3) for r in tick.state.shares),
+                        tick.thresholds.entry_wait_ms / 1000
+                        if tick.thresholds.policy == "sitsmesh" else 0.0)
 
     # --- one stage -------------------------------------------------------
 

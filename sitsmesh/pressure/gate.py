@@ -8,14 +8,16 @@ log samples off the request path.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sitsmesh.chains.pipeline import Pipeline
 from sitsmesh.globs import NONE, Globs
-from sitsmesh.pressure.admit import LEVEL, Budget, admitted, shed_reason
+from sitsmesh.pressure.admit import CONCURRENCY, LEVEL, Budget, admitted, shed_reason
 from sitsmesh.pressure.controller import Decision, Snapshot
+from sitsmesh.pressure.entryqueue import EntryQueue, Waiter
 from sitsmesh.pressure.signals import PipelineSignals, Signals
 
 _GOLDEN = 0.6180339887498949
@@ -33,13 +35,18 @@ class Shed:
 # Gate.admit's answer when it does not enforce and Envoy's quota will refuse the request:
 # let it through Check, and hold nothing for it.
 UNHELD = Shed("", "", 0, "")
+# Gate.admit's answer when the pipeline is at its in-flight cap and its decision holds
+# such requests at the entry: the caller asks `hold_at_entry` for a place in the queue.
+WAIT = Shed("", CONCURRENCY, 0, "")
+# Waiters a pipeline keeps besides those it can let in within their wait (entryqueue).
+MIN_WAITING = 8
 
 
 class PressureGate:
     __slots__ = ("_budgets", "_clock", "_globs", "_governed", "_governs", "_names",
                  "_old_routes", "_old_tenant_routes", "_pipelines", "_routes",
-                 "_tenant_routes", "_u", "enforce", "samples", "sheds", "signals", "snapshot",
-                 "wall_offset")
+                 "_tenant_routes", "_u", "enforce", "queue", "samples", "sheds", "signals",
+                 "snapshot", "wall_offset")
 
     def __init__(self, signals: Signals,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -73,6 +80,7 @@ class PressureGate:
         self.wall_offset = 0.0
         # False: count, never shed (Envoy sheds, on the quotas RLQS assigns it).
         self.enforce = True
+        self.queue = EntryQueue(self.room, self._waited)
 
     def set_pipelines(self, pipelines: Mapping[str, Pipeline]) -> None:
         self._pipelines = {name: self.signals.pipeline(name) for name in pipelines}
@@ -85,6 +93,7 @@ class PressureGate:
                          if p.tenants is not None}
         self._governed = {}
         self._tenant_routes, self._old_tenant_routes = {}, {}
+        self.queue.wake_all()  # a pipeline gone lets its waiters in (nothing caps them)
 
     def governs(self, pipeline: str, tenant: str) -> bool:
         """Whether `pipeline` admits, sheds and counts requests of `tenant`."""
@@ -174,13 +183,65 @@ class PressureGate:
             signals.admitted += 1
             admitted(decision, budget, now)
             return None
-        signals.shed += 1
+        if reason == CONCURRENCY and decision.wait_s > 0:
+            return WAIT
+        return self._refuse(pipeline, decision, priority, request_id, tenant, reason=reason)
+
+    def _refuse(self, pipeline: str, decision: Decision, priority: int, request_id: str,
+                tenant: str, *, reason: str) -> Shed:
+        self._pipelines[pipeline].shed += 1
         key = (pipeline, decision.bottleneck, priority, reason)
         self.sheds[key] = self.sheds.get(key, 0) + 1
         self.samples[pipeline, reason] = (request_id, tenant, priority)
         return Shed(pipeline, reason, decision.retry_after_s,
                     f"pipeline {pipeline} is shedding load at stage "
                     f"{decision.bottleneck or '-'} ({reason}, priority {priority})")
+
+    def hold_at_entry(self, pipeline: str, priority: int, request_id: str, tenant: str, *,
+                      on_grant: Callable[[], None], on_leave: Callable[[], object]
+                      ) -> Waiter | Shed:
+        """After WAIT: a place in the entry's queue, or the refusal when it is full (it
+        holds what the pipeline can let in within the wait, and MIN_WAITING more)."""
+        decision = self.snapshot.decisions[pipeline]
+        rate = decision.admit_rate or decision.arrival_rate
+        most = MIN_WAITING + math.ceil(rate * decision.wait_s)
+
+        def grant() -> None:
+            signals = self._pipelines.get(pipeline)
+            if signals is not None:
+                signals.admitted += 1
+                budget = self._budgets[pipeline]
+                current = self.snapshot.decisions.get(pipeline)
+                admitted(current, budget, self._clock() if current is not None and
+                         current.cutoff > 0 else 0.0)
+            on_grant()
+
+        waiter = self.queue.hold(pipeline, priority, decision.wait_s, most, on_grant=grant,
+                                 on_leave=on_leave)
+        if waiter is None:
+            return self._refuse(pipeline, decision, priority, request_id, tenant,
+                                reason=CONCURRENCY)
+        waiter.request_id, waiter.tenant = request_id, tenant
+        return waiter
+
+    def room(self, pipeline: str) -> bool:
+        """Whether the pipeline takes one more request in flight now (its cap)."""
+        decision = self.snapshot.decisions.get(pipeline)
+        signals = self._pipelines.get(pipeline)
+        if decision is None or signals is None or not decision.concurrency:
+            return True
+        return signals.in_flight - decision.in_flight_offset < decision.concurrency
+
+    def _waited(self, waiter: Waiter) -> None:
+        """A held request waited its time: refused, as it would have been at once."""
+        decision = self.snapshot.decisions.get(waiter.pipeline)
+        if decision is not None and waiter.pipeline in self._pipelines:
+            waiter.refusal = self._refuse(waiter.pipeline, decision, waiter.priority,
+                                          waiter.request_id, waiter.tenant,
+                                          reason=CONCURRENCY)
+        else:
+            waiter.refusal = Shed(waiter.pipeline, CONCURRENCY, 1,
+                                  f"pipeline {waiter.pipeline} had no room in time")
 
     def started(self, pipeline: str, admitted: float) -> None:
         """An admitted request is held in flight from `admitted` (monotonic seconds)."""
@@ -194,6 +255,8 @@ class PressureGate:
         if signals is not None:
             ended = ended_wall - self.wall_offset if ended_wall is not None else None
             signals.unhold(admitted, ended, now)
+            if self.queue.waiting:
+                self.queue.wake(pipeline)
 
     def rate_limited(self, pipeline: str) -> None:
         """An arrival seen by ShouldRateLimit (an adaptive rule of this pipeline)."""

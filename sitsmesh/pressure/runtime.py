@@ -235,6 +235,8 @@ class PressureRuntime:
         """Make a decision live: the gate applies `gate` (this replica's share of it,
         when several share the traffic), reports and watchers see `snapshot`."""
         self.gate.snapshot = gate or snapshot
+        if self.gate.queue.waiting:
+            self.gate.queue.wake_all()  # a new cap, or a new estimate of what still runs
         self._flush(snapshot)
         if self.on_decisions is not None:
             self.on_decisions(snapshot)

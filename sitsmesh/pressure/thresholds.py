@@ -6,6 +6,7 @@ A document looks like:
     tick_ms: 50
     hysteresis_ticks: 3
     step_alarm_s: 0.12
+    entry_wait_ms: 0
     sla_multiplier: 1.0
     queue_fill_high: 0.7
     queue_fill_low: 0.3
@@ -32,6 +33,8 @@ PRIORITIES = 10  # 0 (lowest) .. 9, as ext_authz assigns them
 # A surge that starts between two ticks builds a queue until the next one: at 2x a
 # 50 rps stage, 5 requests per 100 ms. Half that keeps a step within the SLA.
 TICK_MS = 50
+ENTRY_WAIT_MS = 0
+MAX_ENTRY_WAIT_MS = 10_000
 
 
 class InvalidThresholds(SitsmeshError):
@@ -56,6 +59,9 @@ class Thresholds:
     # Arrivals past capacity, in seconds of capacity (at least STEP_ALARM_MIN requests),
     # that count as a step before the rates confirm it (see pressure.headroom).
     step_alarm_s: float = 0.12
+    # How long Check may hold a request that meets the in-flight cap, waiting for room,
+    # before it refuses it (0: refused at once). Keep it under Envoy's ext_authz timeout.
+    entry_wait_ms: int = ENTRY_WAIT_MS
     min_concurrency: int = 1
     max_concurrency: int = 1000
     shed_priorities: tuple[int, ...] = (0, 1, 2, 3, 4)
@@ -86,6 +92,7 @@ class Thresholds:
         body: dict[str, Any] = {
             "policy": self.policy, "tick_ms": self.tick_ms,
             "hysteresis_ticks": self.hysteresis_ticks, "step_alarm_s": self.step_alarm_s,
+            "entry_wait_ms": self.entry_wait_ms,
             "min_concurrency": self.min_concurrency, "max_concurrency": self.max_concurrency,
             "shed_priorities": list(self.shed_priorities), **asdict(self.defaults)}
         # A parallelism nobody set stays unset, so Triton's instance count can fill it.
@@ -107,7 +114,8 @@ def _stage_diff(stage: StageThresholds, defaults: StageThresholds) -> dict[str, 
 
 
 _STAGE_KEYS = {f for f in StageThresholds.__dataclass_fields__}
-_TOP_KEYS = {"policy", "tick_ms", "hysteresis_ticks", "step_alarm_s", "min_concurrency",
+_TOP_KEYS = {"policy", "tick_ms", "hysteresis_ticks", "step_alarm_s", "entry_wait_ms",
+             "min_concurrency",
              "max_concurrency", "shed_priorities", "stages"} | _STAGE_KEYS
 
 
@@ -162,6 +170,8 @@ def thresholds_from(body: Mapping[str, Any], source: str = "thresholds") -> Thre
     hysteresis = _num(body.get("hysteresis_ticks", 3), f"{source}: hysteresis_ticks", 0, 1000,
                       True)
     step = _num(body.get("step_alarm_s", 0.12), f"{source}: step_alarm_s", 0.01, 10.0)
+    wait = _num(body.get("entry_wait_ms", ENTRY_WAIT_MS), f"{source}: entry_wait_ms", 0,
+                MAX_ENTRY_WAIT_MS, True)
     low = _num(body.get("min_concurrency", 1), f"{source}: min_concurrency", 1, 1_000_000, True)
     high = _num(body.get("max_concurrency", 1000), f"{source}: max_concurrency", 1, 1_000_000,
                 True)
@@ -186,5 +196,5 @@ def thresholds_from(body: Mapping[str, Any], source: str = "thresholds") -> Thre
                 if isinstance(raw, Mapping) and "parallelism" in raw}
     if "parallelism" in body:
         explicit.add("*")
-    return Thresholds(policy, tick_ms, hysteresis, step, low, high, tuple(sorted(set(shed))),
-                      defaults, stages, frozenset(explicit))
+    return Thresholds(policy, tick_ms, hysteresis, step, wait, low, high,
+                      tuple(sorted(set(shed))), defaults, stages, frozenset(explicit))

@@ -19,6 +19,7 @@ from grpc import aio
 from sitsmesh.authz.check import Allowed, Authorizer, CheckInput, Denied
 from sitsmesh.budgets.gate import BudgetGate
 from sitsmesh.budgets.model import TokenBudget
+from sitsmesh.pressure.gate import Shed
 from sitsmesh.telemetry.decisions import Telemetry
 from sitsmesh.transport.checklimits import CheckLimits
 
@@ -145,6 +146,8 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
                              http.method or headers.get(":method", ""),
                              attributes.context_extensions.get(STREAM_CHECK) == PER_MESSAGE)
         decision = self._authorizer.check(checked)
+        if type(decision) is Allowed and decision.waiting is not None:
+            decision = await _wait_for_room(decision)
         if self._budgets is not None and type(decision) is Allowed:
             budget = self._budgets.governs(decision)
             if isinstance(budget, Denied):
@@ -169,6 +172,24 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):  # ty
         if isinstance(spent, Denied):
             return _denied(spent)
         return _allowed(decision, spent.headers if spent is not None else ())
+
+
+async def _wait_for_room(decision: Allowed) -> Allowed | Denied:
+    """A request held at its pipeline's entry: admitted once there is room, or refused
+    when it waited its time (pressure.entryqueue)."""
+    waiter = decision.waiting
+    assert waiter is not None
+    try:
+        let_in = await waiter.future
+    except BaseException:
+        waiter.abandon()  # Envoy gave up on the Check: the request never goes on
+        raise
+    if let_in:
+        return dataclasses.replace(decision, waiting=None)
+    refusal = waiter.refusal
+    assert isinstance(refusal, Shed)
+    return Denied(429, refusal.reason, refusal.message, float(refusal.retry_after_s),
+                  grpc=waiter.grpc, tenant=decision.tenant)
 
 
 def add_to_server(servicer: AuthorizationServicer, server: aio.Server) -> None:
