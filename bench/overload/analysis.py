@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from load import HIGH, LOW, Result, phase, total_s
 from stack import VariantRun
@@ -86,6 +86,9 @@ class Summary:
     drained_after_s: float
     settled_before_s: float | None
     codes: dict[str, int]
+    # When each high-priority request that missed was sent (s from the start), and its
+    # latency (ms; None when shed or failed): is it the onset, or the steady overload?
+    high_missed: list[tuple[float, float | None]] = field(default_factory=list)
 
 
 def summarise(run: VariantRun, capacity: float, sla_ms: float) -> Summary:
@@ -111,7 +114,9 @@ def summarise(run: VariantRun, capacity: float, sla_ms: float) -> Summary:
         other_errors=sum(r.status not in (0, 200) and not shed(r) for r in rs),
         lag_p99_ms=nearest_rank(lags, 99), lag_max_ms=max(lags),
         drained_after_s=run.drained_s, settled_before_s=run.settled_s,
-        codes=dict(sorted(codes.items(), key=lambda kv: -kv[1])))
+        codes=dict(sorted(codes.items(), key=lambda kv: -kv[1])),
+        high_missed=[(round(r.sent, 3), round(r.seconds * 1000, 1) if r.status == 200
+                      else None) for r in rs if r.priority == HIGH and not good(r, sla_ms)])
 
 
 @dataclass

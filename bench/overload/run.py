@@ -125,6 +125,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="closed-loop measurement length (default 4)")
     p.add_argument("--capacity-workers", type=int, default=4,
                    help="closed-loop callers (default 4)")
+    p.add_argument("--entry-wait-ms", type=int, default=None,
+                   help="the sitsmesh policy's entry_wait_ms threshold (default: sitsmesh's)")
     p.add_argument("--rounds", type=int, default=1, help="repeat everything (default 1)")
     p.add_argument("--plot-round", type=int, default=1,
                    help="the round the PNGs show (default 1)")
@@ -199,6 +201,8 @@ def run_scenario(scenario: scenarios.Scenario, args: argparse.Namespace, tmp: Pa
              [(count, [rnd]) for rnd in every for count in args.replica_list])
     with contextlib.ExitStack() as exits:
         backend = scenario.start(tmp, exits, opts)
+        if args.entry_wait_ms is not None:
+            backend.top["entry_wait_ms"] = args.entry_wait_ms
         capacity = args.capacity if args.capacity > 0 else 0.0
         rounds: Rounds = [{flush: [] for flush in args.flush_list} for _ in every]
         notes: list[str] = []

@@ -62,6 +62,8 @@ class Backend:
     describe: str
     models: list[str] = field(default_factory=list)
     sitsmesh_args: tuple[str, ...] = ()
+    # Pipeline-wide thresholds the sitsmesh policy gets besides the stages' (--entry-wait-ms).
+    top: dict[str, object] = field(default_factory=dict)
 
     def pipeline_yaml(self) -> str:
         doc: dict[str, object] = {"name": self.pipeline, "stages": self.stages}
@@ -79,6 +81,8 @@ class Backend:
 
     def _thresholds(self, policy: str) -> dict[str, object]:
         doc: dict[str, object] = {"policy": policy}
+        if policy == "sitsmesh":
+            doc.update(self.top)
         if self.thresholds:
             # Copies: stages sharing one dict would be dumped as YAML aliases, which
             # sitsmesh's config loader refuses.

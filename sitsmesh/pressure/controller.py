@@ -24,7 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from sitsmesh.chains.pipeline import Pipeline
-from sitsmesh.pressure import estimate, headroom
+from sitsmesh.pressure import entryqueue, headroom
+from sitsmesh.pressure.inflight import still_running
 from sitsmesh.pressure.queueing import chance_queue, ewma, seed_depth
 from sitsmesh.pressure.signals import PipelineSignals, Signals
 from sitsmesh.pressure.stages import (
@@ -50,8 +51,6 @@ __all__ = ["HIGH", "OK", "OVERLOADED", "STALE", "Controller", "Decision", "Snaps
            "StagePressure", "cutoff_for"]
 
 TAU_SLOW_S = 2.0         # memory of the slower arrival rate that judges sustained overload
-LATENCY_WINDOW_S = 5.0   # the end-to-end latencies that weigh held requests
-ADMIT_BINS = 6000        # admission bins kept for the fluid backlog (a minute at 10 ms)
 DECREASE_FLOOR = 0.8     # overload cuts the admitted fraction by at most 20 % a tick
 INCREASE_STEP = 0.1
 OVERSHOOT = 1.15         # admitted-rate aim over capacity (see _decide)
@@ -154,7 +153,7 @@ class Controller:
         if state is None:
             return float(signals.in_flight)
         watermark = now - max(signals.lags, default=0.0)
-        return _in_flight(state, signals, self.thresholds.get(name, Thresholds()), now,
+        return still_running(state, signals, self.thresholds.get(name, Thresholds()), now,
                           watermark, views=[])
 
     # --- one pipeline ----------------------------------------------------
@@ -162,8 +161,7 @@ class Controller:
     def _decide(self, pipeline: Pipeline, thresholds: Thresholds, now: float) -> Decision:
         state = self._states.setdefault(pipeline.name, PipelineState())
         signals = self.signals.pipeline(pipeline.name)
-        dt = (now - state.last) if state.last is not None else 0.0
-        state.last = now
+        dt, state.last = (now - state.last) if state.last is not None else 0.0, now
         arrived = _count(state, signals, dt)
         # Every end up to the watermark has arrived: the log delay seen lately says how far
         # behind now that is.
@@ -173,8 +171,8 @@ class Controller:
                   if watermark - WINDOW_S <= ended < watermark]
         if recent:
             state.e2e_s = sum(recent) / len(recent)
-        expected = _in_flight(state, signals, thresholds, now, watermark,
-                              views=self._direct_views(pipeline, thresholds))
+        expected = still_running(state, signals, thresholds, now, watermark,
+                                 views=self._direct_views(pipeline, thresholds))
         tick = Tick(pipeline, thresholds, state, now, dt, expected,
                     max(0, round(signals.in_flight - expected)))
         self._judge.windows(tick)
@@ -250,14 +248,19 @@ class Controller:
         # that one long service left behind at moderate load drains by itself, and the
         # mean-sized cap sheds less of the low priority that came meanwhile.
         # (The step detector runs every tick, calm or not: it sums over ticks.)
+        # While requests that meet the cap wait at the entry, a burst the stage has room
+        # for waits there: the cap need not widen for it, and a surge finds it tight.
+        wait_s = entryqueue.wait_for(thresholds.entry_wait_ms, signals.lags)
         concurrency = self._concurrency(
-            tick, SLA_SHARE, calm=(not _stepped(tick, arrived) and not arriving
-                                   and state.since_overload >= thresholds.hysteresis_ticks),
-            surge=arriving)
+            tick, SLA_SHARE, calm=(not wait_s and not _stepped(tick, arrived) and
+                                   not arriving and
+                                   state.since_overload >= thresholds.hysteresis_ticks),
+            surge=arriving or wait_s > 0)
         cutoff = cutoff_for(state.fraction, state.shares, thresholds.protected_from)
         return self._publish(tick, fraction=state.fraction, cutoff=cutoff,
                              concurrency=concurrency, protected_from=thresholds.protected_from,
-                             admit_rate=0.0 if math.isinf(rate) else OVERSHOOT * rate)
+                             admit_rate=0.0 if math.isinf(rate) else OVERSHOOT * rate,
+                             wait_s=wait_s)
 
     def _direct_views(self, pipeline: Pipeline, thresholds: Thresholds
                       ) -> list[tuple[float, float, str]]:
@@ -330,14 +333,14 @@ class Controller:
 
     @staticmethod
     def _publish(tick: Tick, *, fraction: float, cutoff: float, concurrency: int,
-                 protected_from: int, admit_rate: float = 0.0) -> Decision:
+                 protected_from: int, admit_rate: float = 0.0, wait_s: float = 0.0
+                 ) -> Decision:
         return Decision(tick.pipeline.name, tick.thresholds.policy, round(fraction, 4),
                         round(cutoff, 4), concurrency, protected_from, tick.retry_after,
                         tick.bottleneck, tick.level, round(tick.state.lam, 3),
                         tuple(tick.views), tick.now, tick.offset, round(tick.in_flight, 2),
                         round(admit_rate, 3), tuple(round(r, 3) for r in tick.state.shares),
-                        tick.thresholds.entry_wait_ms / 1000
-                        if tick.thresholds.policy == "sitsmesh" else 0.0)
+                        wait_s)
 
     # --- one stage -------------------------------------------------------
 
@@ -376,47 +379,3 @@ def _stepped(tick: Tick, arrived: int) -> bool:
     alarm_s = thresholds.step_alarm_s
     state.cusum = headroom.cusum(state.cusum, arrived, capacity, tick.dt, alarm_s)
     return state.cusum >= headroom.alarm(capacity, alarm_s)
-
-
-def _in_flight(state: PipelineState, signals: PipelineSignals, thresholds: Thresholds,
-               now: float, watermark: float, *,
-               views: list[tuple[float, float, str]]) -> float:
-    """Admitted requests still running, with their access-log entries possibly on the way
-    (every end up to `watermark` has arrived). `views`: (when, requests there, stage)
-    from direct views of stages' queues, fresher than the watermark."""
-    # The latency distribution of the last few seconds only: after an overload (or one
-    # that another controller let run) the long latencies of then would keep counting
-    # today's held requests as still running.
-    recent = sorted(ended - admitted for admitted, ended in signals.ended
-                    if ended >= watermark - LATENCY_WINDOW_S)
-    expected = estimate.in_flight(signals.open_bins, now, watermark, recent)
-    # The latencies are as old as the watermark: when a queue builds, they promise ends
-    # that cannot have happened. Since the watermark, at most the bottleneck's capacity
-    # worth of requests can have finished.
-    rates = [own.mu / thresholds.stage(name).fanout for name, own in state.stages.items()
-             if own.mu]
-    if rates:
-        # What was in flight at the watermark is known exactly; from there, every admission
-        # since, drained at the bottleneck's capacity.
-        at_watermark = estimate.present_at(watermark, signals.open_bins, signals.ended)
-        expected = max(expected, estimate.backlog(watermark, at_watermark,
-                                                  signals.admit_bins, now, min(rates)))
-        # The same from each direct view, where it is newer: what the stage held then,
-        # every admission since, drained at its capacity (a lower bound: the admissions
-        # may not have reached it yet, but they will).
-        fresh = []
-        for at, present, name in views:
-            own = state.stages.get(name)
-            if watermark < at <= now and own is not None and own.mu:
-                rate = own.mu / thresholds.stage(name).fanout
-                fresh.append(estimate.backlog(at, present, signals.admit_bins, now, rate))
-        if fresh:
-            # The freshest view replaces the older estimates rather than raising them:
-            # their errors only add, and under a tight cap an in-flight count read high
-            # idles the stage as surely as one read low overfills it.
-            expected = max(fresh)
-    if len(signals.admit_bins) > ADMIT_BINS:
-        oldest = int((now - ADMIT_BINS * estimate.BIN_S / 2) // estimate.BIN_S)
-        for index in [i for i in signals.admit_bins if i < oldest]:
-            del signals.admit_bins[index]
-    return min(expected, float(signals.in_flight))

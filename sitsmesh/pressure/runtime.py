@@ -68,6 +68,15 @@ class PressureRuntime:
                               "Requests shed at a pipeline's entry, by the stage that caused "
                               "it, priority and reason.",
                               ["pipeline", "stage", "priority", "reason"], registry=registry)
+        self._waits = Counter("sitsmesh_entry_waits_total",
+                              "Requests held at a pipeline's entry for room under its "
+                              "in-flight cap (entry_wait_ms), by how the wait ended: let_in, "
+                              "waited_out (then refused, also counted as shed) or gone (the "
+                              "Check went away first: Envoy's ext_authz timeout).",
+                              ["pipeline", "outcome"], registry=registry)
+        self._waiting = Gauge("sitsmesh_entry_waiting",
+                              "Requests held at a pipeline's entry now.", ["pipeline"],
+                              registry=registry)
         self._fraction = Gauge("sitsmesh_pipeline_admitted_fraction",
                                "Fraction of arrivals the controller admits.", ["pipeline"],
                                registry=registry)
@@ -278,7 +287,13 @@ class PressureRuntime:
                               cutoff=decision.cutoff if decision else 0.0,
                               request_id=request_id, tenant=tenant, priority=priority)
             gate.samples.clear()
+        queue = gate.queue
+        if queue.outcomes:
+            outcomes, queue.outcomes = queue.outcomes, {}
+            for (pipeline, outcome), count in outcomes.items():
+                self._waits.labels(pipeline, outcome).inc(count)
         for name, decision in snapshot.decisions.items():
+            self._waiting.labels(name).set(queue.queued(name))
             self._fraction.labels(name).set(decision.fraction)
             for view in decision.stages:
                 self._pressure.labels(name, view.name).set(view.pressure)

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from sitsmesh.authz.admission import Admission, AdmissionPolicy, Verdict
 from sitsmesh.chains.pipeline import pipeline_from
-from sitsmesh.pressure.controller import Decision, Snapshot
-from sitsmesh.pressure.entryqueue import Waiter
+from sitsmesh.pressure.controller import Controller, Decision, Snapshot
+from sitsmesh.pressure.entryqueue import Waiter, wait_for
 from sitsmesh.pressure.gate import MIN_WAITING, PressureGate
 from sitsmesh.pressure.runtime import PressureRuntime
 from sitsmesh.pressure.signals import Signals
@@ -78,6 +78,7 @@ async def test_a_waiter_that_waits_its_time_is_refused_and_counted_as_shed() -> 
     assert gate.sheds == {("demo", "model", 0, "concurrency"): 1}
     assert gate.samples[("demo", "concurrency")] == ("b", "acme", 0)
     assert gate.queue.waiting == 0 and gate.signals.pipeline("demo").shed == 1
+    assert gate.queue.outcomes == {("demo", "waited_out"): 1}
     assert admission.release("a") and admission.held() == 0  # nothing let in late
 
 
@@ -124,15 +125,23 @@ async def test_a_check_that_goes_away_holds_no_slot() -> None:
 
 
 async def test_a_new_decision_with_room_lets_the_waiters_in() -> None:
-    runtime = PressureRuntime(CollectorRegistry())
+    registry = CollectorRegistry()
+    runtime = PressureRuntime(registry)
     runtime.set_pipelines({"demo": PIPELINE})
     gate = runtime.gate
     gate.snapshot = Snapshot({"demo": _decision()}, 0.0)
     admission = Admission(AdmissionPolicy(), hold_s=60, gate=gate)
     admission.admit("acme", "resnet50", 0, "", "a")
     waiter = _waiter(admission.admit("acme", "resnet50", 0, "", "b"))
+    gone = _waiter(admission.admit("acme", "resnet50", 0, "", "c"))
+    gone.abandon()
     runtime.apply(Snapshot({"demo": _decision(concurrency=2)}, 1.0))
     assert waiter.future.result() is True
+    runtime.apply(Snapshot({"demo": _decision(concurrency=2)}, 2.0))  # publishes the counts
+    for outcome, count in (("let_in", 1), ("gone", 1), ("waited_out", None)):
+        assert registry.get_sample_value("sitsmesh_entry_waits_total", {
+            "pipeline": "demo", "outcome": outcome}) == count
+    assert registry.get_sample_value("sitsmesh_entry_waiting", {"pipeline": "demo"}) == 0
 
 
 async def test_without_a_wait_the_cap_refuses_at_once() -> None:
@@ -152,3 +161,37 @@ def test_entry_wait_is_a_threshold_with_bounds() -> None:
             assert "entry_wait_ms" in exc.message
         else:
             raise AssertionError(f"{bad!r} accepted")
+
+
+def test_requests_wait_only_while_ends_reach_the_gate_soon() -> None:
+    assert wait_for(100, []) == 0.1
+    assert wait_for(100, [0.02] * 96 + [0.5] * 4) == 0.1  # a few late flushes
+    assert wait_for(100, [0.02] * 90 + [0.5] * 10) == 0.0  # Envoy's 1 s flush, or a lag
+    assert wait_for(0, [0.0]) == 0.0
+
+
+def test_the_controller_publishes_the_wait_and_keeps_the_cap_tight_while_it_holds() -> None:
+    """With a wait the cap is the one sized for a surge even when calm: a burst waits at
+    the entry instead of filling the stage, and a surge meets the tight cap at once."""
+    clock = [100.0]
+    signals = Signals()
+    controller = Controller(signals, lambda: clock[0])
+    stages = {"model": {"parallelism": 1}}
+    caps = {}
+    for wait_ms in (0, 150):
+        controller.configure({"demo": PIPELINE}, {"demo": thresholds_from(
+            {"entry_wait_ms": wait_ms, "stages": stages})})
+        controller.tick()
+        controller.set_capacity("demo", "model", 50.0, 0.02)
+        signals.pipeline("demo").lags.extend([0.02] * 50)
+        for _ in range(3):
+            decision = controller.tick().decisions["demo"]
+            clock[0] += 0.1
+        caps[wait_ms] = decision.concurrency
+        assert decision.wait_s == wait_ms / 1000
+    assert 0 < caps[150] < caps[0], caps
+    # Ends a flush behind: no wait, and the calm cap again.
+    signals.pipeline("demo").lags.extend([1.0] * 512)
+    clock[0] += 0.1
+    decision = controller.tick().decisions["demo"]
+    assert decision.wait_s == 0.0 and decision.concurrency == caps[0]
