@@ -25,7 +25,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 
-from sitsmesh.pressure.simulate import SERVICE_KINDS, service_time
+from sitsmesh.pressure.loadprofile import SERVICE_KINDS, service_time
 
 RATE, CAPACITY, MEAN_S, SLA_S, HIGH, SECONDS = 100.0, 50.0, 0.02, 0.25, 0.3, 14.0
 

@@ -17,6 +17,7 @@ configs set; the 20 ms flush has no stats sink. Per run:
 - admitted p99 during the overload; low priority served within 2 s after the drop.
 
     PYTHONPATH=. .venv/bin/python bench/pressure_sim.py [--seeds 5] [--fanouts 1,2,4]
+        [--entry-waits 0,100]
     PYTHONPATH=. .venv/bin/python bench/pressure_sim.py --step-alarms 0.06,0.12,5
 """
 
@@ -40,17 +41,18 @@ STEPS = [(0, 25), (5.9, 25), (6, 100), (20, 100), (20.1, 25)]
 FLUSHES = ((0.02, 0.0), (1.0, 0.25))   # (access-log flush, stats flush) seconds
 
 
-def thresholds(fanout: int) -> Any:
-    return thresholds_from({"policy": "sitsmesh", "stages": {"model": {
-        "queue_capacity": 32, "parallelism": fanout, "fanout": fanout}}})
+def thresholds(fanout: int, wait_ms: int = 0) -> Any:
+    return thresholds_from({"policy": "sitsmesh", "entry_wait_ms": wait_ms, "stages": {
+        "model": {"queue_capacity": 32, "parallelism": fanout, "fanout": fanout}}})
 
 
-def one(kind: str, fanout: int, flush: tuple[float, float], seed: int) -> dict[str, float]:
+def one(kind: str, fanout: int, flush: tuple[float, float], seed: int,
+        wait_ms: int = 0) -> dict[str, float]:
     profile = profile_from({"duration_s": 30, "steps": [{"at_s": t, "rps": r} for t, r in STEPS],
                             "priorities": {0: 0.7, 9: 0.3}, "service_ms": {"model": 20},
                             "service": kind, "sla_ms": 250, "seed": seed,
                             "log_flush_s": flush[0], "stats_flush_s": flush[1]}, PIPELINE)
-    seconds = simulate(PIPELINE, thresholds(fanout), profile)
+    seconds = simulate(PIPELINE, thresholds(fanout, wait_ms), profile)
 
     def tally(rows: Sequence[Any], priority: int) -> tuple[int, int]:
         pairs = [s.by_priority.get(priority, [0, 0]) for s in rows]
@@ -113,24 +115,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--fanouts", default="1,2,4")
     p.add_argument("--kinds", default=",".join(SERVICE_KINDS))
+    p.add_argument("--entry-waits", default="0",
+                   help="entry_wait_ms values to run each cell with (paired seeds)")
     p.add_argument("--step-alarms", default="",
                    help="instead: sweep step_alarm_s over these values (onset against 70 %%)")
     args = p.parse_args(argv)
     if args.step_alarms:
         sweep([float(a) for a in args.step_alarms.split(",")], args.seeds)
         return 0
-    print("| service | fan-out | log flush | high on time (min, median) | high late by others "
-          "(max) | high late alone (max) | false sheds at 0.5x (max) | goodput at 2x / "
-          "capacity (min, median) | overload p99 ms (max) | low priority after the drop "
-          "(min) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    waits = [int(w) for w in args.entry_waits.split(",")]
+    print("| service | fan-out | log flush | entry wait ms | high on time (min, median) "
+          "| high late by others (max) | high late alone (max) | false sheds at 0.5x (max) "
+          "| goodput at 2x / capacity (min, median) | overload p99 ms (max) "
+          "| low priority after the drop (min) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind in args.kinds.split(","):
         for fanout in (int(f) for f in args.fanouts.split(",")):
-            for flush in FLUSHES:
-                runs = [one(kind, fanout, flush, seed) for seed in range(1, args.seeds + 1)]
+            for flush, wait in ((f, w) for f in FLUSHES for w in waits):
+                runs = [one(kind, fanout, flush, seed, wait)
+                        for seed in range(1, args.seeds + 1)]
                 high = [r["high_on_time"] for r in runs]
                 good = [r["goodput"] for r in runs]
-                print(f"| {kind} | {fanout} | {flush[0]:g} s | {min(high):.2%}, "
+                print(f"| {kind} | {fanout} | {flush[0]:g} s | {wait} | {min(high):.2%}, "
                       f"{statistics.median(high):.2%} | "
                       f"{max(r['by_others'] for r in runs):.2%} | "
                       f"{max(r['alone'] for r in runs):.2%} | "

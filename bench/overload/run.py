@@ -41,7 +41,7 @@ the capacity; the others' are printed).
         [--sla-ms 250] [--seed 1] [--json FILE] [--replot FILE]
 
 `--distribution` is one of the simulator's (fixed, exp, lognormal, bimodal: the same
-draws, sitsmesh.pressure.simulate.service_time); `--fanout N` makes `feat` call `model`
+draws, sitsmesh.pressure.loadprofile.service_time); `--fanout N` makes `feat` call `model`
 N times, on N workers, so the fanout scenario's capacity stays 50 rps at 20 ms. Several
 distributions and fan-outs in one table: matrix.py.
 

@@ -232,6 +232,7 @@ class Recorder:
                         "level": word(admin_pb2.PressureLevel, p.level),
                         "bottleneck": p.bottleneck, "lam": p.arrival_rate,
                         "in_flight": p.in_flight, "shed_total": p.shed_total,
+                        "wait_ms": p.entry_wait_ms, "waiting": p.entry_waiting,
                         "mu": stage.capacity if stage else 0.0,
                         "queue": stage.queue if stage else 0.0,
                         "rt99_ms": stage.rt99_ms if stage else 0.0,

@@ -133,19 +133,21 @@ def _pressure_rows(snapshot: Any) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = [
         ("PIPELINE", "STAGE", "LEVEL", "PRESSURE", "LAMBDA/S", "MU/S (N, CS2)", "QUEUE",
          "RT99 MS",
-         "ADMIT", "CUTOFF", "CONC", "SHED", "SIGNAL AGES")]
+         "ADMIT", "CUTOFF", "CONC", "WAIT MS (N)", "SHED", "SIGNAL AGES")]
     for p in snapshot.pipelines:
         level = word(admin_pb2.PressureLevel, p.level)
         rows.append((p.pipeline, f"[{p.bottleneck or '-'}]", level, "",
                      f"{p.arrival_rate:.1f}", "", str(p.in_flight), "", f"{p.fraction:.0%}",
-                     f"{p.cutoff:.2f}", str(p.concurrency or "-"), str(p.shed_total), ""))
+                     f"{p.cutoff:.2f}", str(p.concurrency or "-"),
+                     f"{p.entry_wait_ms} ({p.entry_waiting})" if p.entry_wait_ms else "-",
+                     str(p.shed_total), ""))
         for s in p.stages:
             level = word(admin_pb2.PressureLevel, s.level)
             if s.reason:
                 level += f" ({word(admin_pb2.OverloadReason, s.reason)})"
             rows.append(("", s.name, level, f"{s.pressure:.2f}", f"{s.arrival_rate:.1f}",
                          f"{s.capacity:.1f} ({s.capacity_samples}, {s.service_cs2:.2f})",
-                         f"{s.queue:.0f}", f"{s.rt99_ms:.1f}", "", "", "",
+                         f"{s.queue:.0f}", f"{s.rt99_ms:.1f}", "", "", "", "",
                          "", _ages(s.signals)))
     return rows
 

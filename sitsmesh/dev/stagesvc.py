@@ -4,7 +4,7 @@ A stage serves at most `parallelism` requests at once; the others wait in its ow
 queue, unbounded and first come first served, as a real service's accept backlog and
 worker queue would hold them. Each request holds a worker for a service time with mean
 `service_ms`, drawn (seeded) from one of the simulator's distributions (fixed,
-exponential, log-normal, bimodal: sitsmesh.pressure.simulate.service_time), so the
+exponential, log-normal, bimodal: sitsmesh.pressure.loadprofile.service_time), so the
 stage's capacity is `parallelism / mean service time`. It answers 200 with a small body.
 
 A stage may call next hops over HTTP (the next Envoy listener), after its own work
@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sitsmesh.pressure.simulate import SERVICE_KINDS, service_time
+from sitsmesh.pressure.loadprofile import SERVICE_KINDS, service_time
 
 DISTRIBUTIONS = SERVICE_KINDS
 ORDERS = ("after", "before")

@@ -84,6 +84,8 @@ class Decision:
     # How long Check holds a request at the in-flight cap for room before refusing it
     # (pressure.entryqueue); 0 = refused at once.
     wait_s: float = 0.0
+    # No surge: a queue is chance, and a request that waited its time goes in anyway.
+    calm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,20 +249,19 @@ class Controller:
         # The cap sized to the service times' tail is for arrivals past capacity; a queue
         # that one long service left behind at moderate load drains by itself, and the
         # mean-sized cap sheds less of the low priority that came meanwhile.
-        # (The step detector runs every tick, calm or not: it sums over ticks.)
-        # While requests that meet the cap wait at the entry, a burst the stage has room
-        # for waits there: the cap need not widen for it, and a surge finds it tight.
+        # (The step detector runs every tick, calm or not: it sums over ticks.) While
+        # calm, a request that waited its time at the entry goes in rather than being shed.
         wait_s = entryqueue.wait_for(thresholds.entry_wait_ms, signals.lags)
-        concurrency = self._concurrency(
-            tick, SLA_SHARE, calm=(not wait_s and not _stepped(tick, arrived) and
-                                   not arriving and
-                                   state.since_overload >= thresholds.hysteresis_ticks),
-            surge=arriving or wait_s > 0)
-        cutoff = cutoff_for(state.fraction, state.shares, thresholds.protected_from)
-        return self._publish(tick, fraction=state.fraction, cutoff=cutoff,
+        calm = not _stepped(tick, arrived) and not arriving and \
+            state.since_overload >= thresholds.hysteresis_ticks
+        concurrency = self._concurrency(tick, SLA_SHARE, calm=calm, surge=arriving,
+                                        wait_s=wait_s)
+        return self._publish(tick, fraction=state.fraction,
+                             cutoff=cutoff_for(state.fraction, state.shares,
+                                               thresholds.protected_from),
                              concurrency=concurrency, protected_from=thresholds.protected_from,
                              admit_rate=0.0 if math.isinf(rate) else OVERSHOOT * rate,
-                             wait_s=wait_s)
+                             wait_s=wait_s, calm=calm)
 
     def _direct_views(self, pipeline: Pipeline, thresholds: Thresholds
                       ) -> list[tuple[float, float, str]]:
@@ -284,7 +285,8 @@ class Controller:
         return views
 
     @staticmethod
-    def _concurrency(tick: Tick, share: float, *, calm: bool, surge: bool) -> int:
+    def _concurrency(tick: Tick, share: float, *, calm: bool, surge: bool,
+                     wait_s: float = 0.0) -> int:
         """Little's law on the bottleneck: in flight = capacity x the time the SLA leaves
         for waiting, so an admitted request is not queued past its SLA. The count it
         meets is the whole pipeline's, so what the other stages hold is added."""
@@ -298,7 +300,8 @@ class Controller:
         own = tick.state.stages[stage.name]
         # Under pressure the queue that fits the SLA at the tail of the service times,
         # the spread taken as wide as its samples leave possible (see headroom).
-        queued = view.capacity * sla_s * share
+        # A request may wait `wait_s` at the entry first: that comes out of its queueing.
+        queued = view.capacity * max(0.0, sla_s * share - wait_s)
         if surge or 0 < view.capacity <= tick.state.lam_slow * limits.fanout:
             queued = headroom.tail_queue(queued,
                                          headroom.cautious_spread(own.spread, own.samples))
@@ -333,14 +336,14 @@ class Controller:
 
     @staticmethod
     def _publish(tick: Tick, *, fraction: float, cutoff: float, concurrency: int,
-                 protected_from: int, admit_rate: float = 0.0, wait_s: float = 0.0
-                 ) -> Decision:
+                 protected_from: int, admit_rate: float = 0.0, wait_s: float = 0.0,
+                 calm: bool = False) -> Decision:
         return Decision(tick.pipeline.name, tick.thresholds.policy, round(fraction, 4),
                         round(cutoff, 4), concurrency, protected_from, tick.retry_after,
                         tick.bottleneck, tick.level, round(tick.state.lam, 3),
                         tuple(tick.views), tick.now, tick.offset, round(tick.in_flight, 2),
                         round(admit_rate, 3), tuple(round(r, 3) for r in tick.state.shares),
-                        wait_s)
+                        wait_s, calm)
 
     # --- one stage -------------------------------------------------------
 

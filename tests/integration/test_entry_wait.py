@@ -141,6 +141,8 @@ def _settled(stack: Stack) -> None:
 def test_requests_at_the_cap_wait_for_room_and_the_stage_sees_one_at_a_time(
         stack: Stack) -> None:
     _settled(stack)
+    # WatchPressure and `pressure watch` say that requests wait, and for how long.
+    assert stack.node.pressure("plain").entry_wait_ms == 150
     before = stack.stage.stats()
     let_in = stack.waits("let_in")
     replies = _burst(stack, [(f"low{i}", LOW, 0.0) for i in range(3)])

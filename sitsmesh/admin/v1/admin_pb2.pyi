@@ -538,7 +538,7 @@ class SignalAge(_message.Message):
     def __init__(self, source: _Optional[_Union[SignalSource, str]] = ..., age_s: _Optional[float] = ..., stale: _Optional[bool] = ...) -> None: ...
 
 class PipelinePressure(_message.Message):
-    __slots__ = ("pipeline", "policy", "fraction", "cutoff", "concurrency", "protected_from", "retry_after_s", "bottleneck", "level", "arrival_rate", "in_flight", "shed_total", "stages")
+    __slots__ = ("pipeline", "policy", "fraction", "cutoff", "concurrency", "protected_from", "retry_after_s", "bottleneck", "level", "arrival_rate", "in_flight", "shed_total", "stages", "entry_wait_ms", "entry_waiting")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     FRACTION_FIELD_NUMBER: _ClassVar[int]
@@ -552,6 +552,8 @@ class PipelinePressure(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     SHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_WAITING_FIELD_NUMBER: _ClassVar[int]
     pipeline: str
     policy: PressurePolicy
     fraction: float
@@ -565,7 +567,9 @@ class PipelinePressure(_message.Message):
     in_flight: int
     shed_total: int
     stages: _containers.RepeatedCompositeFieldContainer[StagePressure]
-    def __init__(self, pipeline: _Optional[str] = ..., policy: _Optional[_Union[PressurePolicy, str]] = ..., fraction: _Optional[float] = ..., cutoff: _Optional[float] = ..., concurrency: _Optional[int] = ..., protected_from: _Optional[int] = ..., retry_after_s: _Optional[int] = ..., bottleneck: _Optional[str] = ..., level: _Optional[_Union[PressureLevel, str]] = ..., arrival_rate: _Optional[float] = ..., in_flight: _Optional[int] = ..., shed_total: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StagePressure, _Mapping]]] = ...) -> None: ...
+    entry_wait_ms: int
+    entry_waiting: int
+    def __init__(self, pipeline: _Optional[str] = ..., policy: _Optional[_Union[PressurePolicy, str]] = ..., fraction: _Optional[float] = ..., cutoff: _Optional[float] = ..., concurrency: _Optional[int] = ..., protected_from: _Optional[int] = ..., retry_after_s: _Optional[int] = ..., bottleneck: _Optional[str] = ..., level: _Optional[_Union[PressureLevel, str]] = ..., arrival_rate: _Optional[float] = ..., in_flight: _Optional[int] = ..., shed_total: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StagePressure, _Mapping]]] = ..., entry_wait_ms: _Optional[int] = ..., entry_waiting: _Optional[int] = ...) -> None: ...
 
 class WatchPressureResponse(_message.Message):
     __slots__ = ("at", "pipelines")

@@ -32,14 +32,16 @@ ACTOR_METADATA = "x-sitsmesh-actor"
 MAX_ACTOR = 200
 
 
-def pipeline_pb(decision: Decision, in_flight: int, shed: int) -> admin_pb2.PipelinePressure:
+def pipeline_pb(decision: Decision, in_flight: int, shed: int,
+                waiting: int = 0) -> admin_pb2.PipelinePressure:
     message = admin_pb2.PipelinePressure(
         pipeline=decision.pipeline, policy=label(admin_pb2.PressurePolicy, decision.policy),
         fraction=decision.fraction, cutoff=decision.cutoff, concurrency=decision.concurrency,
         protected_from=decision.protected_from, retry_after_s=decision.retry_after_s,
         bottleneck=decision.bottleneck,
         level=label(admin_pb2.PressureLevel, decision.level),
-        arrival_rate=decision.arrival_rate, in_flight=max(0, in_flight), shed_total=shed)
+        arrival_rate=decision.arrival_rate, in_flight=max(0, in_flight), shed_total=shed,
+        entry_wait_ms=round(decision.wait_s * 1000), entry_waiting=waiting)
     for s in decision.stages:
         message.stages.add(name=s.name, level=label(admin_pb2.PressureLevel, s.level),
                            pressure=s.pressure,
@@ -137,7 +139,7 @@ class PressureAdmin:
                 continue
             signals = runtime.signals.pipeline(name)
             message.pipelines.append(pipeline_pb(snapshot.decisions[name], signals.in_flight,
-                                                 signals.shed))
+                                                 signals.shed, runtime.gate.queue.queued(name)))
         return message
 
 
