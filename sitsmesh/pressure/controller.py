@@ -84,8 +84,6 @@ class Decision:
     # How long Check holds a request at the in-flight cap for room before refusing it
     # (pressure.entryqueue); 0 = refused at once.
     wait_s: float = 0.0
-    # No surge: a queue is chance, and a request that waited its time goes in anyway.
-    calm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,19 +247,18 @@ class Controller:
         # The cap sized to the service times' tail is for arrivals past capacity; a queue
         # that one long service left behind at moderate load drains by itself, and the
         # mean-sized cap sheds less of the low priority that came meanwhile.
-        # (The step detector runs every tick, calm or not: it sums over ticks.) While
-        # calm, a request that waited its time at the entry goes in rather than being shed.
+        # (The step detector runs every tick, calm or not: it sums over ticks.)
         wait_s = entryqueue.wait_for(thresholds.entry_wait_ms, signals.lags)
-        calm = not _stepped(tick, arrived) and not arriving and \
-            state.since_overload >= thresholds.hysteresis_ticks
-        concurrency = self._concurrency(tick, SLA_SHARE, calm=calm, surge=arriving,
-                                        wait_s=wait_s)
+        concurrency = self._concurrency(
+            tick, SLA_SHARE, calm=(not _stepped(tick, arrived) and not arriving
+                                   and state.since_overload >= thresholds.hysteresis_ticks),
+            surge=arriving, wait_s=wait_s)
         return self._publish(tick, fraction=state.fraction,
                              cutoff=cutoff_for(state.fraction, state.shares,
                                                thresholds.protected_from),
                              concurrency=concurrency, protected_from=thresholds.protected_from,
                              admit_rate=0.0 if math.isinf(rate) else OVERSHOOT * rate,
-                             wait_s=wait_s, calm=calm)
+                             wait_s=wait_s)
 
     def _direct_views(self, pipeline: Pipeline, thresholds: Thresholds
                       ) -> list[tuple[float, float, str]]:
@@ -336,14 +333,14 @@ class Controller:
 
     @staticmethod
     def _publish(tick: Tick, *, fraction: float, cutoff: float, concurrency: int,
-                 protected_from: int, admit_rate: float = 0.0, wait_s: float = 0.0,
-                 calm: bool = False) -> Decision:
+                 protected_from: int, admit_rate: float = 0.0, wait_s: float = 0.0
+                 ) -> Decision:
         return Decision(tick.pipeline.name, tick.thresholds.policy, round(fraction, 4),
                         round(cutoff, 4), concurrency, protected_from, tick.retry_after,
                         tick.bottleneck, tick.level, round(tick.state.lam, 3),
                         tuple(tick.views), tick.now, tick.offset, round(tick.in_flight, 2),
                         round(admit_rate, 3), tuple(round(r, 3) for r in tick.state.shares),
-                        wait_s, calm)
+                        wait_s)
 
     # --- one stage -------------------------------------------------------
 

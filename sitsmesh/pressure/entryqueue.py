@@ -83,11 +83,10 @@ class EntryQueue:
 
     __slots__ = ("_heaps", "_order", "_room", "_timed_out", "limit", "outcomes", "waiting")
 
-    def __init__(self, room: Callable[[str], bool], timed_out: Callable[[Waiter], bool],
+    def __init__(self, room: Callable[[str], bool], timed_out: Callable[[Waiter], None],
                  limit: int = MAX_WAITING) -> None:
         self._room = room            # whether the pipeline can take one more now
-        # A waiter waited its time: True to let it in anyway, else it is refused (counted).
-        self._timed_out = timed_out
+        self._timed_out = timed_out  # count the refusal of a waiter that waited its time
         self._heaps: dict[str, list[tuple[int, int, Waiter]]] = {}
         self._order = itertools.count()
         self.limit = limit
@@ -125,20 +124,16 @@ class EntryQueue:
             self.waiting -= 1
             if waiter.future.done() or waiter.abandoned:
                 continue  # its Check went away as it was let in
-            self._grant(waiter)
+            if waiter.timer is not None:
+                waiter.timer.cancel()
+            waiter.on_grant()
+            waiter.granted = True
+            waiter.future.set_result(True)
             let_in += 1
         if let_in:
             key = (pipeline, LET_IN)
             self.outcomes[key] = self.outcomes.get(key, 0) + let_in
         return let_in
-
-    @staticmethod
-    def _grant(waiter: Waiter) -> None:
-        if waiter.timer is not None:
-            waiter.timer.cancel()
-        waiter.on_grant()
-        waiter.granted = True
-        waiter.future.set_result(True)
 
     def count(self, waiter: Waiter, outcome: str) -> None:
         key = (waiter.pipeline, outcome)
@@ -167,9 +162,6 @@ class EntryQueue:
         if waiter.future.done() or waiter.granted or waiter.abandoned:
             return
         self.remove(waiter)
-        if self._timed_out(waiter):
-            self.count(waiter, LET_IN)
-            self._grant(waiter)
-            return
         self.count(waiter, WAITED_OUT)
+        self._timed_out(waiter)
         waiter.future.set_result(False)

@@ -232,20 +232,16 @@ class PressureGate:
             return True
         return signals.in_flight - decision.in_flight_offset < decision.concurrency
 
-    def _waited(self, waiter: Waiter) -> bool:
-        """A held request waited its time: with no surge it goes in anyway (the queue is
-        chance, and the stage has room for it soon); otherwise it is refused, as it would
-        have been at once."""
+    def _waited(self, waiter: Waiter) -> None:
+        """A held request waited its time: refused, as it would have been at once."""
         decision = self.snapshot.decisions.get(waiter.pipeline)
-        if decision is None or waiter.pipeline not in self._pipelines:
+        if decision is not None and waiter.pipeline in self._pipelines:
+            waiter.refusal = self._refuse(waiter.pipeline, decision, waiter.priority,
+                                          waiter.request_id, waiter.tenant,
+                                          reason=CONCURRENCY)
+        else:
             waiter.refusal = Shed(waiter.pipeline, CONCURRENCY, 1,
                                   f"pipeline {waiter.pipeline} had no room in time")
-            return False
-        if decision.calm:
-            return True
-        waiter.refusal = self._refuse(waiter.pipeline, decision, waiter.priority,
-                                      waiter.request_id, waiter.tenant, reason=CONCURRENCY)
-        return False
 
     def started(self, pipeline: str, admitted: float) -> None:
         """An admitted request is held in flight from `admitted` (monotonic seconds)."""

@@ -182,18 +182,15 @@ class _Simulation:
         self.wake()
 
     def wake(self) -> None:
-        """The gate's queue: waiters past their time go in while calm and are shed
-        otherwise (in the second they came), then the best go in while the cap has room."""
+        """The gate's queue: waiters past their time are shed (in the second they came),
+        then the best go in while the cap has room."""
         decision, entry, waiting = self.decision, self.entry, self.waiting
         if not waiting or decision is None:
             return
         for item in [w for w in waiting if w[2] < self.now]:
             waiting.remove(item)
-            if decision.calm:
-                self.admit(self.seconds[int(item[5])], item[3], item[4], item[5])
-            else:
-                self.seconds[int(item[5])].shed += 1
-                entry.shed += 1
+            self.seconds[int(item[5])].shed += 1
+            entry.shed += 1
         heapq.heapify(waiting)
         while waiting and (not decision.concurrency or entry.in_flight
                            - decision.in_flight_offset < decision.concurrency):

@@ -6,7 +6,7 @@ A document looks like:
     tick_ms: 50
     hysteresis_ticks: 3
     step_alarm_s: 0.12
-    entry_wait_ms: 50
+    entry_wait_ms: 0
     sla_multiplier: 1.0
     queue_fill_high: 0.7
     queue_fill_low: 0.3
@@ -33,7 +33,7 @@ PRIORITIES = 10  # 0 (lowest) .. 9, as ext_authz assigns them
 # A surge that starts between two ticks builds a queue until the next one: at 2x a
 # 50 rps stage, 5 requests per 100 ms. Half that keeps a step within the SLA.
 TICK_MS = 50
-ENTRY_WAIT_MS = 50
+ENTRY_WAIT_MS = 0
 MAX_ENTRY_WAIT_MS = 10_000
 
 
