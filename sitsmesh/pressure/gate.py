@@ -245,7 +245,9 @@ class PressureGate:
 
     def started(self, pipeline: str, admitted: float) -> None:
         """An admitted request is held in flight from `admitted` (monotonic seconds)."""
-        self._pipelines[pipeline].hold(admitted)
+        signals = self._pipelines.get(pipeline)
+        if signals is not None:  # (a waiter let in as its pipeline went away: not counted)
+            signals.hold(admitted)
 
     def ended(self, pipeline: str, admitted: float, ended_wall: float | None,
               now: float) -> None:

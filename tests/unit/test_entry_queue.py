@@ -144,6 +144,15 @@ async def test_a_new_decision_with_room_lets_the_waiters_in() -> None:
     assert registry.get_sample_value("sitsmesh_entry_waiting", {"pipeline": "demo"}) == 0
 
 
+async def test_a_pipeline_that_goes_away_lets_its_waiters_in() -> None:
+    admission, gate = _admission()
+    admission.admit("acme", "resnet50", 0, "", "a")
+    waiter = _waiter(admission.admit("acme", "resnet50", 0, "", "b"))
+    gate.set_pipelines({})  # a new catalog without it: nothing caps its requests now
+    assert waiter.future.result() is True and gate.queue.waiting == 0
+    assert admission.release("b") and admission.release("a")
+
+
 async def test_without_a_wait_the_cap_refuses_at_once() -> None:
     admission, gate = _admission(wait_s=0.0)
     admission.admit("acme", "resnet50", 0, "", "a")
