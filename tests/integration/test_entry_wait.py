@@ -3,7 +3,7 @@ low-priority request that meets the in-flight cap until an access-log entry says
 request ended, then lets it in, highest priority first; past its wait it gets the 429
 it would have got at once. The stage never sees more than the cap.
 
-The stage is sitsmesh.dev.stagesvc: one worker, 40 ms a request. The cap is pinned at 1
+The stage is sitsmesh.dev.stagesvc: one worker, 25 ms a request. The cap is pinned at 1
 (max_concurrency) so the test does not depend on what the controller learns.
 """
 
@@ -67,7 +67,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("entrywait")
-    stage = StageService(name="svc", parallelism=1, service_ms=40).start()
+    stage = StageService(name="svc", parallelism=1, service_ms=25).start()
     node = envoy = None
     try:
         node = harness.start_sitsmesh(tmp)
@@ -175,7 +175,6 @@ def test_high_priority_never_waits_and_goes_ahead_of_the_waiting_low_priority(
     # high went straight to the stage, behind only `first`; low1 and low2 waited for
     # room, and the second of them for high's end too.
     assert replies["high"].done < max(replies["low1"].done, replies["low2"].done), replies
-    assert replies["high"].done < 0.2, replies
 
 
 def test_past_its_wait_a_request_gets_the_429_it_would_have_got(stack: Stack) -> None:
@@ -200,7 +199,7 @@ def test_a_wait_past_envoys_timeout_leaves_no_slot_taken(stack: Stack) -> None:
     try:
         _settled(stack)
         gone = stack.waits("gone")
-        replies = _burst(stack, [(f"low{i}", LOW, 0.0) for i in range(8)])
+        replies = _burst(stack, [(f"low{i}", LOW, 0.0) for i in range(16)])
         assert any(r.status == 403 for r in replies.values()), replies
         harness.wait_until(lambda: stack.waits("gone") > gone, 10, "a waiter counted gone")
         _settled(stack)
