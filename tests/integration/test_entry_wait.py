@@ -1,7 +1,7 @@
 """Requests held at the pipeline's entry (entry_wait_ms) through real Envoy: Check keeps a
 low-priority request that meets the in-flight cap until an access-log entry says a
 request ended, then lets it in, highest priority first; past its wait it gets the 429
-it would have got at once. The stage never sees more than the cap.
+it would have got at once.
 
 The stage is sitsmesh.dev.stagesvc: one worker, 25 ms a request. The cap is pinned at 1
 (max_concurrency) so the test does not depend on what the controller learns.
@@ -149,8 +149,10 @@ def test_requests_at_the_cap_wait_for_room_and_the_stage_sees_one_at_a_time(
     assert {r.status for r in replies.values()} == {200}, replies
     after = stack.stage.stats()
     assert after.served - before.served == 3
-    # Held at the entry, not queued at the stage: one request inside it at a time.
-    assert after.in_flight_max <= max(before.in_flight_max, 1), after
+    # Held at the entry, not all sent to the stage at once: the gate meets the cap with
+    # its count less the requests most likely ended, whose entries are on the way (one,
+    # under load), so the stage may see two at a time, never the burst's three.
+    assert after.in_flight_max <= 2, after
     harness.wait_until(lambda: stack.waits("let_in") - let_in >= 2, 5, "2 waits let in")
 
 
